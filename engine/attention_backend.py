@@ -1,0 +1,78 @@
+"""The attention backend interface: write this step's K/V into the paged cache, then attend over
+each sequence's paged context. ``torch`` is the reference (CPU, and the oracle); ``triton`` is the
+GPU fast path."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from kvfleet.engine.attention_metadata import AttentionMetadata
+from kvfleet.kernels import reference
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor:
+        return reference.paged_attention(
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens_cpu,
+            meta.query_start_loc_cpu,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+        )
+
+
+_BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}"
+        ) from None

@@ -1,0 +1,114 @@
+"""Engine arguments (named like vLLM's) and the model facts derived from a checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class EngineArgs(BaseModel):
+    """Everything the engine is started with. Field names follow `vllm serve` flags."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: Literal[16] = 16
+    max_model_len: int | None = Field(default=None, gt=0)
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = Field(default=None, gt=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
+    load_format: Literal["auto", "dummy"] = "auto"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineArgs:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA device is visible")
+        return self
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+class ModelConfig(BaseModel):
+    """The checkpoint's HF config plus the settings the engine derives from it."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    path: Path
+    hf_config: object
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
+        from transformers import AutoConfig
+
+        path = Path(args.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{args.model!r} has no config.json: kvfleet loads models from a local directory "
+                "(HF layout: config.json + *.safetensors); it never downloads from a hub"
+            )
+        hf_config = AutoConfig.from_pretrained(path)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"{path / 'config.json'} names no architecture")
+
+        native_len = int(hf_config.max_position_embeddings)
+        if args.max_model_len is not None and args.max_model_len > native_len:
+            raise ValueError(
+                f"max_model_len={args.max_model_len} exceeds the model's "
+                f"max_position_embeddings={native_len}"
+            )
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            architecture=archs[0],
+            dtype=_resolve_dtype(args.dtype, hf_config, device),
+            max_model_len=args.max_model_len or native_len,
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+        )
+
+
+def _resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared, torch.float32)
+    dtype = declared if isinstance(declared, torch.dtype) else torch.float32
+    if device.type == "cpu" and dtype == torch.float16:
+        # CPU fp16 matmuls are slow and imprecise; bf16 or fp32 are the CPU choices.
+        return torch.float32
+    return dtype

@@ -1,0 +1,234 @@
+"""The engine loop: admit requests, schedule, run the model, apply stop conditions, detokenize,
+and hand back per-step deltas. Single-threaded; front ends (offline LLM, AsyncEngine) drive it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfleet.engine.config import EngineArgs, ModelConfig
+from kvfleet.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.model_runner import ModelRunner
+from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.request import Request, RequestStatus
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> frozenset[int]:
+    """Every id the checkpoint declares as end of sequence (generation_config may list several,
+    as Llama 3 does)."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(model_config.path)
+        declared = [gen.eos_token_id]
+    except OSError:
+        declared = [getattr(model_config.hf_config, "eos_token_id", None)]
+    for value in declared:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, Sequence):
+            ids.update(int(v) for v in value)
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+@dataclass
+class _Parent:
+    """A user request; with n > 1 it runs as n child requests that share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    cumulative_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.status.finished for c in self.children)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
+        self.args = args
+        self.device = args.resolved_device()
+        self.model_config = ModelConfig.from_args(args, self.device)
+        self.tokenizer = tokenizer or load_tokenizer(args.tokenizer or args.model)
+        self.runner = ModelRunner(args, self.model_config, self.device)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.model_config.max_model_len,
+        )
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        self.vocab_size = self.model_config.hf_config.vocab_size
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[_Parent, int]] = {}
+        self.last_step_time = time.monotonic()
+        logger.info(
+            "engine ready: %s (%s) on %s, %s, max_model_len=%d, prefix caching %s",
+            self.model_config.path,
+            self.model_config.architecture,
+            self.device,
+            self.model_config.dtype,
+            self.model_config.max_model_len,
+            "on" if args.enable_prefix_caching else "off",
+        )
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError, having queued nothing, if it can never run."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = params.model_copy(update={"n": 1, "seed": seed})
+            children.append(
+                Request(
+                    f"{request_id}#{i}",
+                    prompt_token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    self.model_config.max_model_len,
+                    arrival_time,
+                )
+            )
+        self.scheduler.check_request(len(prompt_token_ids), children[0].max_tokens)
+        parent = _Parent(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            children,
+            [
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
+                )
+                for _ in children
+            ],
+            [0.0] * len(children),
+        )
+        self._parents[request_id] = parent
+        for i, child in enumerate(children):
+            self._child_of[child.request_id] = (parent, i)
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it was not running."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for child in parent.children:
+            self.scheduler.abort_request(child.request_id)
+            self._child_of.pop(child.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        sample_reqs, sampled = self.runner.execute(out)
+        self.scheduler.update(
+            out, {r.request_id: t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
+        )
+        self.last_step_time = time.monotonic()
+
+        deltas: dict[str, RequestOutput] = {}
+        for req, token, logprobs in zip(
+            sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                continue
+            parent, index = self._child_of[req.request_id]
+            detok = parent.detokenizers[index]
+            stop = detok.add_token(token)
+            if stop is not None:
+                if not req.status.finished:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+            finished = req.status.finished
+            completion = CompletionOutput(
+                index=index,
+                text=detok.take_delta(finished),
+                token_ids=[token],
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+            )
+            if logprobs is not None:
+                chosen, top = logprobs
+                parent.cumulative_logprobs[index] += chosen
+                completion.logprobs = [{token: chosen, **dict(top)}]
+                completion.cumulative_logprob = parent.cumulative_logprobs[index]
+            delta = deltas.get(parent.request_id)
+            if delta is None:
+                delta = deltas[parent.request_id] = RequestOutput(
+                    request_id=parent.request_id,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=[],
+                    num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
+                    prompt=parent.prompt,
+                )
+            delta.outputs.append(completion)
+
+        for delta in deltas.values():
+            parent = self._parents[delta.request_id]
+            if parent.finished:
+                delta.finished = True
+                del self._parents[delta.request_id]
+                for child in parent.children:
+                    del self._child_of[child.request_id]
+        return list(deltas.values())
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler.stats
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": self.kv_cache_manager.usage,
+            "num_free_blocks": self.kv_cache_manager.num_free_blocks,
+            "num_usable_blocks": self.kv_cache_manager.pool.num_usable_blocks,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+        }

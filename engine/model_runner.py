@@ -1,0 +1,244 @@
+"""Runs the model on one flat batch per step: builds input ids, positions, slot mapping and block
+tables from the scheduler's decision, runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from kvfleet.engine.attention_backend import get_attention_backend
+from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
+from kvfleet.engine.config import EngineArgs, ModelConfig
+from kvfleet.engine.kv_cache_manager import cdiv
+from kvfleet.engine.models import get_model_class
+from kvfleet.engine.models.loader import init_dummy_weights, load_weights
+from kvfleet.engine.request import Request
+from kvfleet.engine.sampler import Sampler, SamplerOutput
+from kvfleet.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Host memory given to the KV cache on the CPU when nothing else is said (vLLM's CPU default).
+_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.device = device
+        self.dtype = model_config.dtype
+        self.block_size = args.block_size
+        self.max_blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
+
+        torch.manual_seed(args.seed)
+        self.model = self._load_model()
+        self.backend = get_attention_backend("torch")
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.sampler = Sampler(model_config.hf_config.vocab_size, device, args.seed)
+
+        # Persistent block tables, one row per running request: each step writes only the block
+        # ids the scheduler appended, so host work does not grow with context length.
+        self.block_table = np.zeros((args.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.row_len = np.zeros(args.max_num_seqs, dtype=np.int64)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(args.max_num_seqs - 1, -1, -1))
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _load_model(self) -> torch.nn.Module:
+        mc = self.model_config
+        cls = get_model_class(mc.architecture)
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(mc.hf_config, mc.architecture)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+        if self.args.load_format == "dummy":
+            init_dummy_weights(model, self.args.seed)
+        else:
+            load_weights(model, mc.path)
+        return model.eval()
+
+    @property
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        return per_layer * mc.num_layers
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        if args.num_gpu_blocks_override is not None:
+            num = args.num_gpu_blocks_override
+        else:
+            budget = args.kv_cache_memory_bytes
+            if budget is None:
+                budget = (
+                    self._cuda_kv_budget() if self.device.type == "cuda" else _CPU_KV_CACHE_BYTES
+                )
+            num = budget // self.block_bytes
+            if self.device.type == "cpu" and args.kv_cache_memory_bytes is None:
+                # No point holding more than every sequence at full length (plus the null block).
+                num = min(num, args.max_num_seqs * self.max_blocks_per_seq + 1)
+        if num < 2:
+            raise ValueError(
+                f"the KV cache budget holds {num} blocks of {self.block_bytes} bytes; at least 2 "
+                "are needed (raise gpu_memory_utilization or kv_cache_memory_bytes)"
+            )
+        tokens = (num - 1) * self.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+            "max_model_len=%d: %.2fx",
+            num - 1,
+            self.block_size,
+            tokens,
+            num * self.block_bytes / 2**30,
+            self.model_config.max_model_len,
+            tokens / self.model_config.max_model_len,
+        )
+        return num
+
+    def _cuda_kv_budget(self) -> int:
+        """Memory left for the KV cache after the weights and the peak activations of a forward
+        pass at max_num_batched_tokens, within gpu_memory_utilization of the whole card."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.args.gpu_memory_utilization) - peak - max(outside_torch, 0)
+        logger.info(
+            "memory profile: %.2f GiB peak in torch, %.2f GiB outside torch, %.2f GiB total; "
+            "%.2f GiB left for the KV cache",
+            peak / 2**30,
+            outside_torch / 2**30,
+            total / 2**30,
+            budget / 2**30,
+        )
+        return max(budget, 0)
+
+    def _profile_run(self) -> None:
+        """A forward pass as large as the scheduler can ever ask for, against a one-block cache
+        that every slot points at, then sampling for max_num_seqs rows."""
+        args = self.args
+        num_tokens = min(
+            args.max_num_batched_tokens, args.max_num_seqs * self.model_config.max_model_len
+        )
+        num_seqs = min(args.max_num_seqs, num_tokens)
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        caches = self._allocate_kv_cache(1)
+        qsl = np.concatenate([[0], np.cumsum(lens)])
+        positions = np.concatenate([np.arange(n) for n in lens])
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros(
+                (num_seqs, cdiv(max(lens), self.block_size)), dtype=torch.int32, device=self.device
+            ),
+            seq_lens=torch.tensor(lens, device=self.device),
+            query_start_loc=torch.tensor(qsl, device=self.device),
+            seq_lens_cpu=lens,
+            query_start_loc_cpu=qsl.tolist(),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        with torch.inference_mode(), attention_context(meta):
+            hidden = self.model(ids, pos)
+            logits = self.model.compute_logits(hidden[qsl[1:] - 1]).float()
+            logits.softmax(-1).sort(dim=-1)
+        del caches, hidden, logits
+        self._bind_kv_cache([])
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        mc = self.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+        self._bind_kv_cache(caches)
+        return caches
+
+    def _bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
+        layers = self.model.attention_layers()
+        for i, layer in enumerate(layers):
+            layer.kv_cache = caches[i] if caches else None
+            layer.backend = self.backend
+
+    # -- per step --------------------------------------------------------------------------
+    def _release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.row_len[row] = 0
+            self.free_rows.append(row)
+
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
+        """Run one step. Returns the requests that sampled a token and what they sampled."""
+        for rid in out.preempted:
+            self._release(rid)
+        for rid in out.finished:
+            self._release(rid)
+            self.sampler.forget(rid)
+        if not out.scheduled:
+            return [], SamplerOutput([], [])
+
+        bs = self.block_size
+        num_seqs = len(out.scheduled)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        num_new = np.empty(num_seqs, dtype=np.int64)
+        computed = np.empty(num_seqs, dtype=np.int64)
+        input_ids: list[int] = []
+        sampling: list[int] = []
+        for i, (req, n) in enumerate(out.scheduled):
+            rid = req.request_id
+            row = self.rows.get(rid)
+            if row is None or rid in out.started:
+                self._release(rid)
+                row = self.rows[rid] = self.free_rows.pop()
+            new_blocks = out.new_block_ids[rid]
+            if new_blocks:
+                start = self.row_len[row]
+                self.block_table[row, start : start + len(new_blocks)] = new_blocks
+                self.row_len[row] = start + len(new_blocks)
+            c = req.num_computed_tokens
+            rows[i], num_new[i], computed[i] = row, n, c
+            input_ids.extend(req.all_token_ids[c : c + n])
+            if c + n == req.num_tokens:
+                sampling.append(i)
+
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        positions = np.arange(num_tokens) + np.repeat(computed - qsl[:-1], num_new)
+        seq_lens = computed + num_new
+        slots = self.block_table[np.repeat(rows, num_new), positions // bs] * bs + positions % bs
+        max_seq_len = int(seq_lens.max())
+        block_tables = self.block_table[rows, : cdiv(max_seq_len, bs)]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
+            seq_lens_cpu=seq_lens.tolist(),
+            query_start_loc_cpu=qsl.tolist(),
+            max_query_len=int(num_new.max()),
+            max_seq_len=max_seq_len,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
+        sample_reqs = [out.scheduled[i][0] for i in sampling]
+        with torch.inference_mode(), attention_context(meta):
+            hidden = self.model(ids, pos)
+            if not sampling:
+                return [], SamplerOutput([], [])
+            logits_idx = torch.from_numpy(qsl[1:][sampling] - 1).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden[logits_idx])
+            return sample_reqs, self.sampler(logits, sample_reqs)

@@ -1,0 +1,25 @@
+"""Model registry: HF architecture name -> implementation."""
+
+from __future__ import annotations
+
+from kvfleet.engine.models.llama import LlamaForCausalLM
+from torch import nn
+
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES = tuple(sorted(_REGISTRY))
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None

@@ -1,0 +1,92 @@
+"""Weights into a model: HF safetensors (one file or sharded with an index), or random
+("dummy") weights of the architecture for benchmarks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / name for name in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint shards missing: {', '.join(map(str, missing))}")
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
+    Unknown tensors and parameters left unloaded are errors, not silent random weights."""
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in iter_checkpoint(path):
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for piece, (fused, shard_id) in packed.items():
+            if f".{piece}." in name:
+                target, shard = name.replace(f".{piece}.", f".{fused}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target if shard is None else f"{target}#{shard}")
+    expected = set()
+    for name in params:
+        module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+        shards = [s for (fused, s) in packed.values() if fused == module]
+        expected.update(f"{name}#{s}" for s in shards) if shards else expected.add(name)
+    if tied:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(missing[:8])}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes: fast and deterministic, for benchmarks only. Norm
+    weights are 1 so activations keep a sane scale through deep models."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+            continue
+        # Generated where the parameter lives: a 13B model filled on the host takes minutes.
+        gen = gens.get(param.device)
+        if gen is None:
+            gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.data.uniform_(-1e-2, 1e-2, generator=gen)

@@ -1,0 +1,48 @@
+"""What the engine hands back: per-step deltas that front ends stream, and accumulate into the
+final RequestOutput the offline API returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # Per generated token: {token id: logprob} holding the chosen token and the top-N.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+            self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold a step's delta (which lists only the choices that changed) into this output."""
+        for d in delta.outputs:
+            self.outputs[d.index].add(d)
+        self.finished = delta.finished
+        self.num_cached_tokens = delta.num_cached_tokens

@@ -1,0 +1,215 @@
+"""Continuous batching: which requests run this step, and how many tokens each, under a token
+budget; chunked prefill; preemption by recompute when KV blocks run out.
+
+Pure decision logic over Requests and the KVCacheManager: no model, no tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of its tokens computed this step), running requests first.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # Block ids appended to each scheduled request's block table in this step.
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests whose block table starts afresh (first run, or resumed after preemption).
+    started: set[str] = field(default_factory=set)
+    # Requests preempted in this step, and requests finished since the previous one: both have
+    # had their KV blocks released.
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished: list[str] = []
+
+    # -- admission -------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise ValueError for a request that could never complete on this engine."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context length "
+                f"(max_model_len) is {self.max_model_len}, which must leave room for at least "
+                "one generated token"
+            )
+        longest = min(num_prompt_tokens + (max_tokens or self.max_model_len), self.max_model_len)
+        needed = self.kv.num_blocks_for(longest)
+        if needed > self.kv.pool.num_usable_blocks:
+            raise ValueError(
+                f"the request needs up to {longest} tokens ({needed} KV blocks) but the KV cache "
+                f"holds only {self.kv.pool.num_usable_blocks} blocks; lower max_tokens or give the "
+                "engine more KV-cache memory"
+            )
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.check_request(req.num_prompt_tokens, req.max_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished=self._finished)
+        self._finished = []
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            block_ids = self.kv.allocate_slots(req, num_new)
+            while block_ids is None:
+                victim = self.running.pop()  # the newest running request gives way
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+                block_ids = self.kv.allocate_slots(req, num_new)
+            if block_ids is None:
+                break
+            out.scheduled.append((req, num_new))
+            out.new_block_ids[req.request_id] = block_ids
+            budget -= num_new
+            i += 1
+
+        # After a preemption the pool is known to be short: admitting more would only thrash.
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            block_ids = self.kv.allocate_slots(req, num_new, hits)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
+                self.stats.prefix_cache_queries += req.num_tokens
+                self.stats.prefix_cache_hits += num_cached
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            out.new_block_ids[req.request_id] = block_ids
+            out.started.add(req.request_id)
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        # Older requests were popped later and so land in front: FCFS order survives.
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+        logger.debug("preempted %s", req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests past this step; append sampled tokens and apply the
+        token-level stop conditions. Returns the requests that got a new token."""
+        advanced = []
+        for req, num_new in out.scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += num_new
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            advanced.append(req)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.finish_request(req, status)
+        return advanced
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request for any reason (stop, length, abort) and release its blocks at once."""
+        if req.status.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self._finished.append(req.request_id)
+        del self.requests[req.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return req

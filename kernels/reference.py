@@ -1,0 +1,69 @@
+"""Pure-PyTorch paged attention and KV-cache writes: the CPU path and the oracle that the
+Triton kernels are tested against. Clarity over speed; one sequence at a time.
+
+KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens], slot = block_id * block_size + offset
+) -> None:
+    block_size = kv_cache.shape[2]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    assert flat.shape[1] == kv_cache.shape[1] * block_size
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: each sequence's newest tokens
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    seq_lens: Sequence[int],  # per sequence: context length including this step's tokens
+    query_start_loc: Sequence[int],  # [num_seqs + 1] offsets of each sequence's queries
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    The new tokens are the last ``q_len`` positions of a context of ``seq_len`` tokens, so one
+    routine serves decode (q_len 1), prefill (q_len == seq_len) and chunked prefill / prefix-cache
+    hits (anything between). Computed in fp32, returned in the query's dtype.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        q = query[start:end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores.masked_fill_(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v)
+        out[start:end] = o.reshape(q_len, num_heads, head_dim).to(query.dtype)
+    return out

@@ -1,0 +1,1 @@
+"""kvfleet operator: reconciles InferenceService objects (kopf). Imported as ``kvfleet.operator``."""
