@@ -104,7 +104,7 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of usable blocks held by requests (cached but unreferenced blocks count as free)."""
+        """Fraction of usable blocks held by requests; cached, unreferenced blocks count as free."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:

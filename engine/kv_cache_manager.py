@@ -99,7 +99,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self._num_cached_blocks.pop(req.request_id, None)
-        # Tail first: a request's last blocks are the least likely to be shared, so evict them first.
+        # Tail first: a request's last blocks are the least likely to be shared; evict them first.
         self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, req: Request) -> list[int]:

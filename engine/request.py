@@ -90,5 +90,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
-            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, {self.status.name})"
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.name})"
         )

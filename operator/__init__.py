@@ -1,1 +1,4 @@
-"""kvfleet operator: reconciles InferenceService objects (kopf). Imported as ``kvfleet.operator``."""
+"""kvfleet operator: reconciles InferenceService objects with kopf.
+
+Imported as ``kvfleet.operator``; never importable as the standard library's ``operator``.
+"""

@@ -1,4 +1,4 @@
-"""The attention layer: store this step's K/V in the paged cache, then attend through the backend."""
+"""The attention layer: store this step's K/V in the paged cache, then attend via the backend."""
 
 from __future__ import annotations
 

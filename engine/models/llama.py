@@ -3,7 +3,7 @@ One implementation; the architectures differ only in the switches read from thei
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from kvfleet.engine.distributed import tp_size
@@ -140,7 +140,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint tensor name piece -> (our fused parameter, shard within it).
-    packed_modules = {
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
