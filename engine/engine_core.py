@@ -155,7 +155,12 @@ class EngineCore:
         for child in parent.children:
             self.scheduler.abort_request(child.request_id)
             self._child_of.pop(child.request_id, None)
+        self._release_finished()
         return True
+
+    def _release_finished(self) -> None:
+        for rid in self.scheduler.take_finished():
+            self.runner.finish_request(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -211,6 +216,7 @@ class EngineCore:
                 )
             delta.outputs.append(completion)
 
+        self._release_finished()
         for delta in deltas.values():
             parent = self._parents[delta.request_id]
             if parent.finished:

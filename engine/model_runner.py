@@ -178,13 +178,15 @@ class ModelRunner:
             self.row_len[row] = 0
             self.free_rows.append(row)
 
+    def finish_request(self, request_id: str) -> None:
+        """Forget everything held for a request that has left the engine."""
+        self._release(request_id)
+        self.sampler.forget(request_id)
+
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
         """Run one step. Returns the requests that sampled a token and what they sampled."""
         for rid in out.preempted:
             self._release(rid)
-        for rid in out.finished:
-            self._release(rid)
-            self.sampler.forget(rid)
         if not out.scheduled:
             return [], SamplerOutput([], [])
 

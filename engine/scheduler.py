@@ -24,10 +24,8 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests whose block table starts afresh (first run, or resumed after preemption).
     started: set[str] = field(default_factory=set)
-    # Requests preempted in this step, and requests finished since the previous one: both have
-    # had their KV blocks released.
+    # Requests preempted in this step; their KV blocks are already released.
     preempted: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,8 +101,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished=self._finished)
-        self._finished = []
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
 
@@ -207,6 +204,12 @@ class Scheduler:
         self.kv.free(req)
         self._finished.append(req.request_id)
         del self.requests[req.request_id]
+
+    def take_finished(self) -> list[str]:
+        """Ids of the requests finished (for any reason) since the last call, so the model
+        runner can drop their per-request state at once."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def abort_request(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

@@ -1,0 +1,40 @@
+# Everything installs into a project-local virtualenv; nothing outside it is touched.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch. On a CUDA machine: make TORCH=torch ...
+TORCH ?= torch==2.13.0
+PROMPT ?= Explain paged attention in one sentence.
+
+.PHONY: install install-dev run test lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# The main job on the built-in default model (a tiny random-weight Llama: meaningless text).
+run: install
+	$(VENV)/bin/kvfleet-engine generate --prompt "$(PROMPT)"
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# pytest exits 5 when it collects nothing: that is a failure here, not a pass.
+test: lint
+	$(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

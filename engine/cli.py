@@ -1,0 +1,120 @@
+"""``kvfleet-engine``: generate text from the command line (``serve`` runs the HTTP server)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+from typing import Any, Literal, get_args, get_origin
+
+from kvfleet.engine.config import EngineArgs
+from pydantic import ValidationError
+
+logger = logging.getLogger("kvfleet.engine")
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
+    """argparse type and choices for a pydantic field annotation."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (types.UnionType,) or (
+        args and get_origin(annotation) is not Literal
+    ):
+        annotation = args[0]
+    if get_origin(annotation) is Literal:
+        choices = list(get_args(annotation))
+        return type(choices[0]), choices
+    return annotation, None
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, named as `vllm serve` names them."""
+    group = parser.add_argument_group("engine")
+    for name, field in EngineArgs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = field.description or f"default: {field.default}"
+        if name == "model":
+            group.add_argument(
+                flag,
+                default=None,
+                help="HF model directory (config.json + *.safetensors); default: a built-in tiny "
+                "random-weight Llama (meaningless text)",
+            )
+        elif field.annotation is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+            )
+        else:
+            typ, choices = _flag_type(field.annotation)
+            group.add_argument(
+                flag, type=typ, choices=choices, default=field.default, help=help_text
+            )
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    values = {name: getattr(ns, name) for name in EngineArgs.model_fields}
+    if values["model"] is None:
+        from kvfleet.engine.default_model import default_model_path
+
+        values["model"] = str(default_model_path())
+    return EngineArgs(**values)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from kvfleet.engine.llm import LLM
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sampling_seed,
+        n=ns.n,
+    )
+    args = engine_args_from(ns)
+    llm = LLM(**args.model_dump())
+    for prompt, out in zip(ns.prompt, llm.generate(ns.prompt, params), strict=True):
+        for choice in out.outputs:
+            sys.stdout.write(
+                f"prompt: {prompt!r}\n"
+                f"output[{choice.index}]: {choice.text!r}\n"
+                f"  tokens={len(choice.token_ids)} finish_reason={choice.finish_reason} "
+                f"cached_prompt_tokens={out.num_cached_tokens}\n"
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts offline and print the results")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeatable")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return ns.func(ns)
+    except (ValidationError, ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

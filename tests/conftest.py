@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random HF checkpoints built on disk (never downloaded), and HF
+transformers' own greedy generations on them as the reference."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from kvfleet.engine.tiny_model import ARCHITECTURES, build_tiny_model
+
+# Lengths from 1 to 200 tokens, on and off 16-token block boundaries.
+PROMPT_LENS = (1, 7, 16, 33, 64, 100, 161, 200)
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_tiny_model(root / arch, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    # Ids 3.. skip the special tokens; 500 < the tiny vocab of 512.
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, **gen_kwargs) -> list:
+    """Greedy continuation of each prompt by HF transformers, one prompt at a time (no padding),
+    stopping at EOS as the engine does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=eos,
+                **gen_kwargs,
+            )[0, len(p) :].tolist()
+            if eos in ids:
+                ids = ids[: ids.index(eos) + 1]
+            outs.append(ids)
+    return outs
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dirs, prompts) -> dict[str, list[list[int]]]:
+    return {arch: hf_greedy(path, prompts, MAX_TOKENS) for arch, path in model_dirs.items()}
+
+
+def assert_no_leak(llm) -> None:
+    """Every request has left the engine and every KV block is back in the free queue."""
+    stats = llm.engine.stats()
+    assert llm.engine.num_requests == 0
+    assert stats["num_requests_running"] == 0
+    assert stats["num_requests_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_usable_blocks"], stats
+    assert stats["kv_cache_usage_perc"] == 0.0
+    pool = llm.engine.kv_cache_manager.pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert not llm.engine.kv_cache_manager.req_blocks
+    assert not llm.engine.runner.rows
