@@ -63,7 +63,7 @@ def test_greedy_equals_hf_with_chunked_prefill(arch, model_dirs, prompts, hf_ref
 def test_prefix_cache_hit_equals_uncached_run(model_dirs, prompts):
     path = str(model_dirs["llama"])
     prefix = prompts[-1][:64]
-    first, second = prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]
+    first, second = [*prefix, 11, 12, 13], [*prefix, 21, 22, 23, 24, 25]
 
     uncached = LLM(path, dtype="float32", enable_prefix_caching=False)
     expected = _generate(uncached, [second])
