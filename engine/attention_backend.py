@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from kvfleet.engine.attention_metadata import AttentionMetadata
 from kvfleet.kernels import reference
 

@@ -8,8 +8,9 @@ import sys
 import types
 from typing import Any, Literal, get_args, get_origin
 
-from kvfleet.engine.config import EngineArgs
 from pydantic import ValidationError
+
+from kvfleet.engine.config import EngineArgs
 
 logger = logging.getLogger("kvfleet.engine")
 

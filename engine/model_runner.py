@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import torch
+
 from kvfleet.engine.attention_backend import get_attention_backend
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
 from kvfleet.engine.config import EngineArgs, ModelConfig

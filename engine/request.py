@@ -6,6 +6,7 @@ import enum
 import time
 
 import torch
+
 from kvfleet.engine.sampling_params import SamplingParams
 
 

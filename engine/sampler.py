@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvfleet.engine.request import Request
 
 

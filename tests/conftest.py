@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvfleet.engine.tiny_model import ARCHITECTURES, build_tiny_model
 
 # Lengths from 1 to 200 tokens, on and off 16-token block boundaries.

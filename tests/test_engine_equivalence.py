@@ -4,9 +4,9 @@ when preemption, chunked prefill or the prefix cache are in play."""
 from __future__ import annotations
 
 import pytest
+
 from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.tiny_model import ARCHITECTURES, build_tiny_model
-
 from tests.conftest import MAX_TOKENS, assert_no_leak, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from kvfleet.engine.tiny_model import (
     ARCHITECTURES,
     MARKER_NAME,
     build_tiny_model,
     build_tokenizer,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 UNICODE_TEXT = "héllo wörld 你好 🙂"
 SHARD_SIZE = "100KB"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from kvfleet.engine.attention_backend import AttentionBackend
 from kvfleet.engine.attention_metadata import get_attention_metadata
-from torch import nn
 
 
 class Attention(nn.Module):

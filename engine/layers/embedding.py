@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 from torch import nn
+
+from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -4,8 +4,9 @@ shard of a checkpoint tensor (including q/k/v and gate/up fused into one matrix)
 from __future__ import annotations
 
 import torch
-from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 from torch import nn
+
+from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvfleet.engine.models.llama import LlamaForCausalLM
 from torch import nn
+
+from kvfleet.engine.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

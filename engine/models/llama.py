@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
+
 from kvfleet.engine.distributed import tp_size
 from kvfleet.engine.layers.activation import GatedActivation
 from kvfleet.engine.layers.attention import Attention
@@ -17,7 +19,6 @@ from kvfleet.engine.layers.linear import (
     RowParallelLinear,
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
-from torch import nn
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
