@@ -8,7 +8,7 @@ import sys
 import types
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvfleet.engine.config import EngineArgs
 
@@ -28,13 +28,17 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     return annotation, None
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, named as `vllm serve` names them."""
-    group = parser.add_argument_group("engine")
-    for name, field in EngineArgs.model_fields.items():
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str) -> None:
+    """One flag per field of a settings model, named as `vllm serve` names them."""
+    group = parser.add_argument_group(title)
+    for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = field.description or f"default: {field.default}"
-        if name == "model":
+        if get_origin(field.annotation) in (types.UnionType,) and list in [
+            get_origin(a) for a in get_args(field.annotation)
+        ]:
+            group.add_argument(flag, nargs="+", default=field.default, help=help_text)
+        elif name == "model":
             group.add_argument(
                 flag,
                 default=None,
@@ -50,6 +54,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, type=typ, choices=choices, default=field.default, help=help_text
             )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser, EngineArgs, "engine")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -86,6 +94,20 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvfleet.engine.server.app import ServerSettings, serve
+
+    settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
+    args = engine_args_from(ns)
+    if settings.served_model_name is None and ns.model is None:
+        from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
+
+        settings.served_model_name = [DEFAULT_MODEL_NAME]
+    return asyncio.run(serve(args, settings))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -101,12 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    add_engine_args(srv)
+    from kvfleet.engine.server.app import ServerSettings
+
+    add_model_flags(srv, ServerSettings, "server")
+    srv.set_defaults(func=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if getattr(ns, "model_tag", None) and ns.model is None:
+        ns.model = ns.model_tag
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

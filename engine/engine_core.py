@@ -4,7 +4,6 @@ and hand back per-step deltas. Single-threaded; front ends (offline LLM, AsyncEn
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,7 @@ from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.model_runner import ModelRunner
-from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.request import Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import Scheduler
@@ -84,7 +83,8 @@ class EngineCore:
         self.vocab_size = self.model_config.hf_config.vocab_size
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, int]] = {}
-        self.last_step_time = time.monotonic()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
         logger.info(
             "engine ready: %s (%s) on %s, %s, max_model_len=%d, prefix caching %s",
             self.model_config.path,
@@ -107,11 +107,7 @@ class EngineCore:
         """Queue a request. Raises ValueError, having queued nothing, if it can never run."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
+        self.validate_request(prompt_token_ids, params)
         children = []
         for i in range(params.n):
             child_params = params
@@ -128,7 +124,6 @@ class EngineCore:
                     arrival_time,
                 )
             )
-        self.scheduler.check_request(len(prompt_token_ids), children[0].max_tokens)
         parent = _Parent(
             request_id,
             prompt,
@@ -146,6 +141,18 @@ class EngineCore:
         for i, child in enumerate(children):
             self._child_of[child.request_id] = (parent, i)
             self.scheduler.add_request(child)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that could never run. Reads only fixed settings, so
+        front ends may call it from any thread."""
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        room = self.model_config.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.check_request(len(prompt_token_ids), max_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it was not running."""
@@ -176,7 +183,7 @@ class EngineCore:
         self.scheduler.update(
             out, {r.request_id: t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
         )
-        self.last_step_time = time.monotonic()
+        self.generation_tokens_total += len(sample_reqs)
 
         deltas: dict[str, RequestOutput] = {}
         for req, token, logprobs in zip(
@@ -184,6 +191,8 @@ class EngineCore:
         ):
             if req.status is RequestStatus.FINISHED_ABORTED:
                 continue
+            if req.num_output_tokens == 1:
+                self.prompt_tokens_total += req.num_prompt_tokens
             parent, index = self._child_of[req.request_id]
             detok = parent.detokenizers[index]
             stop = detok.add_token(token)
@@ -207,12 +216,16 @@ class EngineCore:
                 completion.cumulative_logprob = parent.cumulative_logprobs[index]
             delta = deltas.get(parent.request_id)
             if delta is None:
+                first = parent.children[0]
                 delta = deltas[parent.request_id] = RequestOutput(
                     request_id=parent.request_id,
                     prompt_token_ids=parent.prompt_token_ids,
                     outputs=[],
-                    num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
+                    num_cached_tokens=max(first.num_cached_tokens, 0),
                     prompt=parent.prompt,
+                    metrics=RequestMetrics(
+                        first.arrival_time, first.first_scheduled_time, first.first_token_time
+                    ),
                 )
             delta.outputs.append(completion)
 
@@ -237,4 +250,6 @@ class EngineCore:
             "num_preemptions": s.num_preemptions,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
         }

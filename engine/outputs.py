@@ -32,6 +32,15 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic) of a request's life, for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -39,6 +48,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt: str | None = None
+    metrics: RequestMetrics | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a step's delta (which lists only the choices that changed) into this output."""
@@ -46,3 +56,4 @@ class RequestOutput:
             self.outputs[d.index].add(d)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        self.metrics = delta.metrics

@@ -1,0 +1,173 @@
+"""The async front of the engine: EngineCore runs its loop in a thread of its own, off the event
+loop; each request is an async stream of per-step outputs; a stream closed early (a client that
+went away) aborts its request and frees its KV blocks at the next step boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can make progress."""
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        stall_timeout: float = 60.0,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+        on_abort: Callable[[str], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.stall_timeout = stall_timeout
+        self._on_step = on_step
+        self._on_abort = on_abort
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+        # Test-only fault hook: while set, the loop wedges before its next step.
+        self.fault_stall = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def is_healthy(self) -> bool:
+        """Alive, and either idle or finishing steps: a wedged loop with work waiting is not."""
+        if not self.is_alive():
+            return False
+        if not self._streams:
+            return True
+        return time.monotonic() - self.last_progress < self.stall_timeout
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.core.has_unfinished_requests():
+                    self.last_progress = time.monotonic()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                while self.fault_stall.is_set() and not self._stopping:
+                    time.sleep(0.01)
+                outputs = self.core.step()
+                self.last_progress = time.monotonic()
+                if self._on_step is not None:
+                    self._on_step(outputs)
+                if outputs:
+                    self._post(self._deliver, outputs)
+        except BaseException as e:
+            logger.exception("engine loop died")
+            self.error = e
+            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, prompt, arrival = cmd
+                try:
+                    self.core.add_request(rid, ids, params, prompt=prompt, arrival_time=arrival)
+                except ValueError as e:
+                    self._post(self._deliver_error, rid, e)
+            elif self.core.abort_request(cmd[1]) and self._on_abort is not None:
+                self._on_abort(cmd[1])
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- event-loop side -------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+    def _send(self, *cmd: Any) -> None:
+        self._commands.put(cmd)
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's per-step deltas until it finishes. Raises ValueError before
+        anything is queued if the request could never run, EngineDeadError if the loop dies."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.core.validate_request(prompt_token_ids, params)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._send("add", request_id, prompt_token_ids, params, prompt, time.monotonic())
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing is left in the engine to abort
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)

@@ -1,0 +1,149 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards, KEDA triggers and the Gateway
+API Inference Extension read kvfleet engines unchanged. Every series carries `model_name`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and counters read from the engine at scrape time, so they can never drift from it."""
+
+    def __init__(self, core: EngineCore, model_name: str) -> None:
+        self.core = core
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.core.stats()
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                    s["num_requests_running"])  # fmt: skip
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    s["num_requests_waiting"])  # fmt: skip
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                    s["kv_cache_usage_perc"])  # fmt: skip
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV-cache configuration.",
+            labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        args = self.core.args
+        info.add_metric(
+            [
+                self.model_name,
+                str(args.block_size),
+                str(int(s["num_usable_blocks"])),
+                str(args.enable_prefix_caching),
+            ],
+            1.0,
+        )
+        yield info
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s["prefix_cache_queries"])  # fmt: skip
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s["prefix_cache_hits"])  # fmt: skip
+        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s["prompt_tokens"])
+        yield counter("vllm:generation_tokens", "Tokens generated.", s["generation_tokens"])
+        yield counter("vllm:num_preemptions", "Requests preempted.", s["num_preemptions"])
+
+
+class EngineMetrics:
+    """Per-request latency histograms and outcomes, fed by the engine loop after each step."""
+
+    def __init__(self, core: EngineCore, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineStateCollector(core, model_name))
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between successive tokens of a request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to first scheduling.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._last_token_time: dict[str, float] = {}
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        m = self.model_name
+        for out in outputs:
+            rid = out.request_id
+            last = self._last_token_time.get(rid)
+            timing = out.metrics
+            if last is None and timing is not None:
+                self.ttft.labels(m).observe(now - timing.arrival_time)
+                if timing.first_scheduled_time is not None:
+                    self.queue_time.labels(m).observe(
+                        timing.first_scheduled_time - timing.arrival_time
+                    )
+            elif last is not None:
+                self.itl.labels(m).observe(now - last)
+            if out.finished:
+                self._last_token_time.pop(rid, None)
+                if timing is not None:
+                    self.e2e.labels(m).observe(now - timing.arrival_time)
+                # One count per request; the last choice to end decides the reason.
+                reason = out.outputs[-1].finish_reason if out.outputs else None
+                self.request_success.labels(m, reason or "stop").inc()
+            else:
+                self._last_token_time[rid] = now
+
+    def on_abort(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+        self.request_success.labels(self.model_name, "abort").inc()

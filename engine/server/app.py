@@ -1,0 +1,224 @@
+"""The aiohttp application: routes, auth, error shaping, health, metrics, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.metrics import EngineMetrics
+from kvfleet.engine.server.chat import create_chat_completion, render_chat
+from kvfleet.engine.server.completions import create_completion
+from kvfleet.engine.server.errors import APIError, error_response
+from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
+from kvfleet.engine.server.serving import ServingContext
+from kvfleet.engine.server.validation import check_model, parse_body
+
+logger = logging.getLogger(__name__)
+
+# Served even while draining or unauthenticated: probes and scrapers must keep working.
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    served_model_name: list[str] | None = None
+    api_key: str | None = None
+    max_waiting_requests: int | None = Field(default=None, ge=1)
+    shutdown_timeout: float = Field(default=30.0, ge=0)
+    max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
+    health_stall_timeout: float = Field(default=60.0, gt=0)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(
+            413, f"the request body is too large: {e.text}", code="body_too_large"
+        )
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        err_type = "not_found_error" if e.status == 404 else "invalid_request_error"
+        message = f"{e.reason}: {request.method} {request.path}"
+        return error_response(e.status, message, err_type, headers=_allow_header(e))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error serving %s %s", request.method, request.path)
+        return error_response(500, "internal server error", "server_error")
+
+
+def _allow_header(e: web.HTTPException) -> dict[str, str] | None:
+    allow = e.headers.get("Allow")
+    return {"Allow": allow} if allow else None
+
+
+def _gatekeeper(settings: ServerSettings):
+    expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+
+    @web.middleware
+    async def gate(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in _OPEN_PATHS:
+            return await handler(request)
+        if expected is not None:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(401, "invalid or missing API key", "authentication_error",
+                                      code="invalid_api_key")  # fmt: skip
+        if request.app["serving"].draining:
+            return error_response(503, "the server is shutting down", "service_unavailable",
+                                  headers={"Retry-After": "5"})  # fmt: skip
+        return await handler(request)
+
+    return gate
+
+
+async def _health(request: web.Request) -> web.Response:
+    engine: AsyncEngine = request.app["serving"].engine
+    if engine.is_healthy():
+        return web.json_response({"status": "ok"})
+    reason = (
+        "engine loop is dead" if not engine.is_alive() else "engine loop is not making progress"
+    )
+    return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+
+
+async def _ready(request: web.Request) -> web.Response:
+    ctx: ServingContext = request.app["serving"]
+    if ctx.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not ctx.engine.is_alive():
+        return web.json_response({"status": "engine not running"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics: EngineMetrics = request.app["metrics"]
+    body = await asyncio.to_thread(generate_latest, metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _models(request: web.Request) -> web.Response:
+    ctx: ServingContext = request.app["serving"]
+    root = str(ctx.engine.core.model_config.path)
+    created = request.app["started"]
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvfleet",
+            "root": root,
+            "max_model_len": ctx.max_model_len,
+        }
+        for name in ctx.served_model_names
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    ctx: ServingContext = request.app["serving"]
+    req = await parse_body(request, TokenizeRequest)
+    check_model(req.model, ctx.served_model_names)
+    if req.messages is not None:
+        ids = render_chat(ctx.tokenizer, req.messages, req.add_generation_prompt)
+    else:
+        ids = ctx.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    return web.json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    ctx: ServingContext = request.app["serving"]
+    req = await parse_body(request, DetokenizeRequest)
+    check_model(req.model, ctx.served_model_names)
+    vocab = ctx.engine.core.vocab_size
+    bad = [t for t in req.tokens if t >= vocab]
+    if bad:
+        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                       param="tokens")  # fmt: skip
+    return web.json_response({"prompt": ctx.tokenizer.decode(req.tokens)})
+
+
+def build_app(
+    engine: AsyncEngine, metrics: EngineMetrics, settings: ServerSettings
+) -> web.Application:
+    names = settings.served_model_name or [str(engine.core.model_config.path)]
+    app = web.Application(
+        middlewares=[_errors, _gatekeeper(settings)],
+        client_max_size=settings.max_request_body_bytes,
+    )
+    app["serving"] = ServingContext(engine, names, settings.max_waiting_requests)
+    app["metrics"] = metrics
+    app["started"] = now()
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    return app
+
+
+def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngine, EngineMetrics]:
+    core = EngineCore(args)
+    names = settings.served_model_name or [str(core.model_config.path)]
+    metrics = EngineMetrics(core, names[0])
+    engine = AsyncEngine(
+        core,
+        stall_timeout=settings.health_stall_timeout,
+        on_step=metrics.on_step,
+        on_abort=metrics.on_abort,
+    )
+    return engine, metrics
+
+
+async def serve(args: EngineArgs, settings: ServerSettings) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, then drain: new requests get 503 while the
+    ones in flight finish (up to shutdown_timeout), and the process exits 0."""
+    engine, metrics = await asyncio.to_thread(create_engine, args, settings)
+    app = build_app(engine, metrics, settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    engine.start()
+    logger.info("serving %s on %s", app["serving"].served_model_names, site.name)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    ctx: ServingContext = app["serving"]
+    ctx.draining = True
+    deadline = time.monotonic() + settings.shutdown_timeout
+    logger.info("shutting down: draining %d in-flight requests", engine.num_unfinished)
+    while engine.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_unfinished:
+        logger.warning("shutdown timeout: aborting %d requests", engine.num_unfinished)
+    await runner.shutdown()
+    await runner.cleanup()
+    await engine.stop()
+    logger.info("stopped")
+    return 0

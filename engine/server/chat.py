@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions, and rendering messages with the model's chat template."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any
+
+import jinja2
+from aiohttp import web
+
+from kvfleet.engine.async_engine import EngineDeadError
+from kvfleet.engine.outputs import CompletionOutput
+from kvfleet.engine.server.errors import APIError, bad_request
+from kvfleet.engine.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    Usage,
+    now,
+    random_id,
+)
+from kvfleet.engine.server.serving import ServingContext
+from kvfleet.engine.server.streaming import SSEResponse
+from kvfleet.engine.server.streaming import nothing_to_send as _nothing_to_send
+from kvfleet.engine.server.validation import parse_body
+
+# For checkpoints without a template of their own: ChatML, which most chat models were tuned on.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    conversation = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            entry["name"] = m.name
+        conversation.append(entry)
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise bad_request(
+            f"the chat template rejected the messages: {e}", param="messages"
+        ) from None
+    # The template writes the special tokens (BOS included) itself.
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int) -> list[dict]:
+    content = []
+    for token, entry in zip(choice.token_ids, choice.logprobs or [], strict=False):
+        text = ctx.token_text(token)
+        top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+        content.append(
+            {
+                "token": text,
+                "logprob": entry[token],
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := ctx.token_text(tid)), "logprob": lp, "bytes": list(t.encode())}
+                    for tid, lp in top
+                ],
+            }
+        )
+    return content
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    ctx: ServingContext = request.app["serving"]
+    req = await parse_body(request, ChatCompletionRequest)
+    ctx.admit(req.model)
+    ids = render_chat(
+        ctx.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+    )
+    params = ctx.prepare([ids], req.requested_max_tokens, req.sampling_params)
+    request_id = random_id("chatcmpl")
+    created = now()
+    model = req.model or ctx.model_name
+    top_n = req.top_logprobs or 0
+    outputs = ctx.run(request_id, [ids], params)
+
+    def logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return {"content": _logprobs_content(ctx, choice, top_n)}
+
+    def usage(completion_tokens: int, cached: int) -> dict[str, Any]:
+        return Usage(
+            prompt_tokens=len(ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(ids) + completion_tokens,
+            prompt_tokens_details={"cached_tokens": cached},
+        ).model_dump(exclude_none=True)
+
+    if not req.stream:
+        result = (await ctx.collect(outputs, [ids], params))[0]
+        return web.json_response(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs(c),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for c in result.outputs
+                ],
+                "usage": usage(
+                    sum(len(c.token_ids) for c in result.outputs), result.num_cached_tokens
+                ),
+            }
+        )
+
+    sse = SSEResponse(request)
+    await sse.start()
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous_usage = bool(opts and opts.continuous_usage_stats)
+    completion_tokens = 0
+    cached = 0
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        payload = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if continuous_usage:
+            payload["usage"] = usage(completion_tokens, cached)
+        return payload
+
+    await sse.send(
+        chunk(
+            [
+                {
+                    "index": j,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for j in range(req.n)
+            ]
+        )
+    )
+    try:
+        async with aclosing(outputs) as it:
+            async for _, delta in it:
+                cached = delta.num_cached_tokens
+                choices = []
+                for c in delta.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if _nothing_to_send(c):
+                        continue
+                    choices.append(
+                        {
+                            "index": c.index,
+                            "delta": {"content": c.text} if c.text else {},
+                            "logprobs": logprobs(c),
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    )
+                if choices:
+                    await sse.send(chunk(choices))
+    except EngineDeadError as e:
+        await sse.send(APIError(503, str(e), "service_unavailable").sse_payload())
+        return await sse.finish()
+    if include_usage:
+        payload = chunk([])
+        payload["usage"] = usage(completion_tokens, cached)
+        await sse.send(payload)
+    return await sse.finish()

@@ -1,0 +1,206 @@
+"""OpenAI request and response schemas, validated with pydantic. Unknown fields are rejected as
+OpenAI rejects them; vLLM's sampling extensions (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, ...) are accepted, so clients written for vLLM work unchanged."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvfleet.engine.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ValueError("at most 16 stop sequences are allowed")
+        return self
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        values: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        return SamplingParams(**values)
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of other than n is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return self._sampling(max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (tool_calls, refusal, ...) on echoed assistant messages are tolerated.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,84 @@
+"""Server-sent events, and merging the output streams of several prompts into one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+
+_END = object()
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave outputs as they come, tagged with their stream's index. Closing the merged
+    iterator (or an error in any stream) closes every stream, which aborts its request."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, _END))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSEResponse:
+    """An OpenAI-style event stream: `data: {json}` events, then `data: [DONE]`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies must not buffer a token stream
+            }
+        )
+
+    async def start(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        await self.response.write(b"data: " + data.encode() + b"\n\n")
+
+    async def finish(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+
+def nothing_to_send(choice: CompletionOutput) -> bool:
+    """A token that completed no character (text held back) and carries no logprobs or finish:
+    a chunk for it would be empty noise."""
+    return not choice.text and choice.finish_reason is None and choice.logprobs is None
