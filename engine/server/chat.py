@@ -19,8 +19,7 @@ from kvfleet.engine.server.protocol import (
     random_id,
 )
 from kvfleet.engine.server.serving import ServingContext
-from kvfleet.engine.server.streaming import SSEResponse
-from kvfleet.engine.server.streaming import nothing_to_send as _nothing_to_send
+from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send
 from kvfleet.engine.server.validation import parse_body
 
 # For checkpoints without a template of their own: ChatML, which most chat models were tuned on.
@@ -170,7 +169,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 choices = []
                 for c in delta.outputs:
                     completion_tokens += len(c.token_ids)
-                    if _nothing_to_send(c):
+                    if nothing_to_send(c):
                         continue
                     choices.append(
                         {

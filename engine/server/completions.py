@@ -12,8 +12,7 @@ from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.protocol import CompletionRequest, Usage, now, random_id
 from kvfleet.engine.server.serving import ServingContext
-from kvfleet.engine.server.streaming import SSEResponse
-from kvfleet.engine.server.streaming import nothing_to_send as _nothing_to_send
+from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send
 from kvfleet.engine.server.validation import parse_body
 
 
@@ -140,7 +139,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                     index = i * n + choice.index
                     completion_tokens += len(choice.token_ids)
                     builder = offsets.setdefault(index, _LogprobsBuilder(ctx))
-                    if _nothing_to_send(choice):
+                    if nothing_to_send(choice):
                         continue
                     choices.append(
                         {
