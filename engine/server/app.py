@@ -20,10 +20,13 @@ from kvfleet.engine.server.chat import create_chat_completion, render_chat
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
-from kvfleet.engine.server.serving import ServingContext
+from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.validation import check_model, parse_body
 
 logger = logging.getLogger(__name__)
+
+METRICS = web.AppKey("metrics", EngineMetrics)
+STARTED = web.AppKey("started", int)
 
 # Served even while draining or unauthenticated: probes and scrapers must keep working.
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -82,7 +85,7 @@ def _gatekeeper(settings: ServerSettings):
             if not hmac.compare_digest(given, expected):
                 return error_response(401, "invalid or missing API key", "authentication_error",
                                       code="invalid_api_key")  # fmt: skip
-        if request.app["serving"].draining:
+        if request.app[SERVING].draining:
             return error_response(503, "the server is shutting down", "service_unavailable",
                                   headers={"Retry-After": "5"})  # fmt: skip
         return await handler(request)
@@ -91,7 +94,7 @@ def _gatekeeper(settings: ServerSettings):
 
 
 async def _health(request: web.Request) -> web.Response:
-    engine: AsyncEngine = request.app["serving"].engine
+    engine: AsyncEngine = request.app[SERVING].engine
     if engine.is_healthy():
         return web.json_response({"status": "ok"})
     reason = (
@@ -101,7 +104,7 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    ctx: ServingContext = request.app["serving"]
+    ctx: ServingContext = request.app[SERVING]
     if ctx.draining:
         return web.json_response({"status": "draining"}, status=503)
     if not ctx.engine.is_alive():
@@ -110,15 +113,15 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    metrics: EngineMetrics = request.app["metrics"]
+    metrics: EngineMetrics = request.app[METRICS]
     body = await asyncio.to_thread(generate_latest, metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _models(request: web.Request) -> web.Response:
-    ctx: ServingContext = request.app["serving"]
+    ctx: ServingContext = request.app[SERVING]
     root = str(ctx.engine.core.model_config.path)
-    created = request.app["started"]
+    created = request.app[STARTED]
     data = [
         {
             "id": name,
@@ -134,7 +137,7 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _tokenize(request: web.Request) -> web.Response:
-    ctx: ServingContext = request.app["serving"]
+    ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, TokenizeRequest)
     check_model(req.model, ctx.served_model_names)
     if req.messages is not None:
@@ -145,7 +148,7 @@ async def _tokenize(request: web.Request) -> web.Response:
 
 
 async def _detokenize(request: web.Request) -> web.Response:
-    ctx: ServingContext = request.app["serving"]
+    ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, DetokenizeRequest)
     check_model(req.model, ctx.served_model_names)
     vocab = ctx.engine.core.vocab_size
@@ -164,9 +167,9 @@ def build_app(
         middlewares=[_errors, _gatekeeper(settings)],
         client_max_size=settings.max_request_body_bytes,
     )
-    app["serving"] = ServingContext(engine, names, settings.max_waiting_requests)
-    app["metrics"] = metrics
-    app["started"] = now()
+    app[SERVING] = ServingContext(engine, names, settings.max_waiting_requests)
+    app[METRICS] = metrics
+    app[STARTED] = now()
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
@@ -191,34 +194,59 @@ def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngi
     return engine, metrics
 
 
-async def serve(args: EngineArgs, settings: ServerSettings) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, then drain: new requests get 503 while the
-    ones in flight finish (up to shutdown_timeout), and the process exits 0."""
-    engine, metrics = await asyncio.to_thread(create_engine, args, settings)
-    app = build_app(engine, metrics, settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    engine.start()
-    logger.info("serving %s on %s", app["serving"].served_model_names, site.name)
+class EngineServer:
+    """The engine behind its HTTP API: started, then drained and stopped."""
 
+    def __init__(self, args: EngineArgs, settings: ServerSettings) -> None:
+        self.args = args
+        self.settings = settings
+        self.app: web.Application | None = None
+        self.engine: AsyncEngine | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        self.engine, metrics = await asyncio.to_thread(create_engine, self.args, self.settings)
+        self.app = build_app(self.engine, metrics, self.settings)
+        # handler_cancellation: a client that hangs up cancels its handler, which aborts its
+        # request and frees its KV blocks, even before the first byte was due.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
+        self.engine.start()
+        logger.info(
+            "serving %s on %s", self.app[SERVING].served_model_names, self._runner.addresses
+        )
+
+    @property
+    def port(self) -> int:
+        assert self._runner is not None
+        return self._runner.addresses[0][1]
+
+    async def shutdown(self) -> None:
+        """New requests get 503 while the ones in flight finish, up to shutdown_timeout; what
+        is still running then is aborted."""
+        assert self.app is not None and self.engine is not None and self._runner is not None
+        self.app[SERVING].draining = True
+        deadline = time.monotonic() + self.settings.shutdown_timeout
+        logger.info("shutting down: draining %d in-flight requests", self.engine.num_unfinished)
+        while self.engine.num_unfinished and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.num_unfinished:
+            logger.warning("shutdown timeout: aborting %d requests", self.engine.num_unfinished)
+        await self._runner.shutdown()
+        await self._runner.cleanup()
+        await self.engine.stop()
+        logger.info("stopped")
+
+
+async def serve(args: EngineArgs, settings: ServerSettings) -> int:
+    """Serve until SIGTERM or SIGINT, then drain and exit 0."""
+    server = EngineServer(args, settings)
+    await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-
-    ctx: ServingContext = app["serving"]
-    ctx.draining = True
-    deadline = time.monotonic() + settings.shutdown_timeout
-    logger.info("shutting down: draining %d in-flight requests", engine.num_unfinished)
-    while engine.num_unfinished and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if engine.num_unfinished:
-        logger.warning("shutdown timeout: aborting %d requests", engine.num_unfinished)
-    await runner.shutdown()
-    await runner.cleanup()
-    await engine.stop()
-    logger.info("stopped")
+    await server.shutdown()
     return 0

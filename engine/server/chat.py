@@ -18,7 +18,7 @@ from kvfleet.engine.server.protocol import (
     now,
     random_id,
 )
-from kvfleet.engine.server.serving import ServingContext
+from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send
 from kvfleet.engine.server.validation import parse_body
 
@@ -79,7 +79,7 @@ def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    ctx: ServingContext = request.app["serving"]
+    ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
     ctx.admit(req.model)
     ids = render_chat(

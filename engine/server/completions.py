@@ -11,7 +11,7 @@ from kvfleet.engine.async_engine import EngineDeadError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.protocol import CompletionRequest, Usage, now, random_id
-from kvfleet.engine.server.serving import ServingContext
+from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send
 from kvfleet.engine.server.validation import parse_body
 
@@ -54,7 +54,7 @@ def _usage(results: list[RequestOutput], completion_tokens: int) -> Usage:
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    ctx: ServingContext = request.app["serving"]
+    ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, CompletionRequest)
     ctx.admit(req.model)
     raw_prompts = req.prompts()

@@ -10,12 +10,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from aiohttp import web
+from pydantic import ValidationError
+
 from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import APIError, bad_request
 from kvfleet.engine.server.streaming import merge_streams
-from kvfleet.engine.server.validation import check_model, resolve_max_tokens
+from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,10 @@ class ServingContext:
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
             max_tokens = resolve_max_tokens(len(ids), requested_max_tokens, self.max_model_len)
-            sp = make_params(max_tokens)
+            try:
+                sp = make_params(max_tokens)
+            except ValidationError as e:
+                raise validation_error(e) from None
             try:
                 self.engine.core.validate_request(ids, sp)
             except ValueError as e:
@@ -117,3 +123,6 @@ class ServingContext:
 @lru_cache(maxsize=65536)
 def _decode_one(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
+
+
+SERVING = web.AppKey("serving", ServingContext)
