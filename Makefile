@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch. On a CUDA machine: make TORCH=torch ...
 TORCH ?= torch==2.13.0
-PROMPT ?= Explain paged attention in one sentence.
+PORT ?= 8000
 
 .PHONY: install install-dev run test lint clean
 
@@ -23,9 +23,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# The main job on the built-in default model (a tiny random-weight Llama: meaningless text).
+# The main job: the OpenAI-compatible server on the built-in default model (a tiny
+# random-weight Llama: meaningless text). MODEL=/path/to/hf-model serves a real one.
 run: install
-	$(VENV)/bin/kvfleet-engine generate --prompt "$(PROMPT)"
+	$(VENV)/bin/kvfleet-engine serve $(MODEL) --port $(PORT)
 
 lint: install-dev
 	$(VENV)/bin/ruff check .
