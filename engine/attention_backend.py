@@ -67,13 +67,12 @@ class TorchAttentionBackend:
         )
 
 
-_BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}
+def get_attention_backend(name: str, max_model_len: int) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        # Imported only here: triton is a GPU dependency the CPU install does not carry.
+        from kvfleet.kernels.triton_backend import TritonAttentionBackend
 
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}"
-        ) from None
+        return TritonAttentionBackend(max_model_len=max_model_len)
+    raise ValueError(f"unknown attention backend {name!r}; known: torch, triton")

@@ -39,12 +39,21 @@ class EngineArgs(BaseModel):
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"
+    )
+    enforce_eager: bool = Field(default=False, description="never use CUDA graphs")
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA device is visible")
         return self
+
+    def resolved_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

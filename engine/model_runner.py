@@ -11,6 +11,7 @@ import torch
 from kvfleet.engine.attention_backend import get_attention_backend
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
 from kvfleet.engine.config import EngineArgs, ModelConfig
+from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
@@ -35,10 +36,20 @@ class ModelRunner:
 
         torch.manual_seed(args.seed)
         self.model = self._load_model()
-        self.backend = get_attention_backend("torch")
+        self.backend = get_attention_backend(args.resolved_backend(), model_config.max_model_len)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(model_config.hf_config.vocab_size, device, args.seed)
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and self.backend.name == "triton" and not args.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                args.max_num_seqs,
+                self.max_blocks_per_seq,
+                model_config.max_model_len,
+                device,
+            )
+            self.graphs.capture()
 
         # Persistent block tables, one row per running request: each step writes only the block
         # ids the scheduler appended, so host work does not grow with context length.
@@ -220,13 +231,26 @@ class ModelRunner:
         num_tokens = int(qsl[-1])
         positions = np.arange(num_tokens) + np.repeat(computed - qsl[:-1], num_new)
         seq_lens = computed + num_new
-        slots = self.block_table[np.repeat(rows, num_new), positions // bs] * bs + positions % bs
+        slots = (
+            self.block_table[np.repeat(rows, num_new), positions // bs].astype(np.int64) * bs
+            + positions % bs
+        )
         max_seq_len = int(seq_lens.max())
         block_tables = self.block_table[rows, : cdiv(max_seq_len, bs)]
 
         dev = self.device
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        sample_reqs = [out.scheduled[i][0] for i in sampling]
+        graphs = self.graphs
+        if graphs is not None and num_tokens == num_seqs and graphs.can_run(num_seqs):
+            # A pure decode step (every sequence adds one token, and so samples).
+            with torch.inference_mode():
+                hidden = graphs.run(ids, positions, slots, block_tables, seq_lens)
+                logits = self.model.compute_logits(hidden)
+                return sample_reqs, self.sampler(logits, sample_reqs)
+
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
             seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
@@ -235,9 +259,7 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=max_seq_len,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
-        sample_reqs = [out.scheduled[i][0] for i in sampling]
         with torch.inference_mode(), attention_context(meta):
             hidden = self.model(ids, pos)
             if not sampling:

@@ -92,9 +92,10 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        greedy = torch.tensor([r.sampling_params.greedy for r in reqs], device=logits.device)
+        flags = [r.sampling_params.greedy for r in reqs]
         chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(flags):
+            greedy = torch.tensor(flags, device=logits.device)
             probs = self._filtered_probs(logits, reqs)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets
             # seeded requests draw their noise from their own generator, independent of batch.

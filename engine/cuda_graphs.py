@@ -1,0 +1,105 @@
+"""CUDA graphs for decode steps: the whole forward pass of a batch of one-token sequences is
+captured once per batch size and replayed, so a decode step costs one launch instead of hundreds.
+Batches are padded to the next captured size; padded rows write no KV (slot -1) and attend to
+nothing (sequence length 0)."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import numpy as np
+import torch
+
+from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8 and then every multiple of 8, up to max_num_seqs (always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = self.sizes[-1]
+        self.max_model_len = max_model_len
+        n = self.max_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        # Host-side lengths are not available inside a graph; the graph-safe backend reads only
+        # the device tensors.
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens_cpu=[],
+            query_start_loc_cpu=[],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: later, smaller graphs reuse the memory pool of the largest.
+        for bs in reversed(self.sizes):
+            meta = self._meta(bs)
+            with attention_context(meta):
+                self.model(self.input_ids[:bs], self.positions[:bs])  # warm up kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_size
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> torch.Tensor:
+        n = len(positions)
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        width = block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.seq_lens[:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        self.block_tables[:n, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        if bs > n:
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].zero_()
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
