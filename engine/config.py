@@ -38,6 +38,10 @@ class EngineArgs(BaseModel):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
     load_format: Literal["auto", "dummy"] = "auto"
+    skip_tokenizer_init: bool = Field(
+        default=False,
+        description="no tokenizer: prompts must be token ids and outputs carry no text",
+    )
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"

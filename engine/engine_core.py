@@ -55,7 +55,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: list[IncrementalDetokenizer] | None
     cumulative_logprobs: list[float] = field(default_factory=list)
 
     @property
@@ -68,7 +68,9 @@ class EngineCore:
         self.args = args
         self.device = args.resolved_device()
         self.model_config = ModelConfig.from_args(args, self.device)
-        self.tokenizer = tokenizer or load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = tokenizer
+        if tokenizer is None and not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.runner = ModelRunner(args, self.model_config, self.device)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
@@ -129,7 +131,9 @@ class EngineCore:
             prompt,
             list(prompt_token_ids),
             children,
-            [
+            None
+            if self.tokenizer is None
+            else [
                 IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
                 )
@@ -145,6 +149,8 @@ class EngineCore:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run. Reads only fixed settings, so
         front ends may call it from any thread."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine runs without one)")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -194,8 +200,8 @@ class EngineCore:
             if req.num_output_tokens == 1:
                 self.prompt_tokens_total += req.num_prompt_tokens
             parent, index = self._child_of[req.request_id]
-            detok = parent.detokenizers[index]
-            stop = detok.add_token(token)
+            detok = parent.detokenizers[index] if parent.detokenizers else None
+            stop = detok.add_token(token) if detok is not None else None
             if stop is not None:
                 if not req.status.finished:
                     self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
@@ -204,7 +210,7 @@ class EngineCore:
             finished = req.status.finished
             completion = CompletionOutput(
                 index=index,
-                text=detok.take_delta(finished),
+                text=detok.take_delta(finished) if detok is not None else "",
                 token_ids=[token],
                 finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,

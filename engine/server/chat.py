@@ -37,6 +37,8 @@ def render_chat(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    if tokenizer is None:
+        raise bad_request("this server runs without a tokenizer: chat is unavailable")
     conversation = []
     for m in messages:
         entry: dict[str, Any] = {"role": m.role, "content": m.text()}

@@ -60,6 +60,8 @@ class ServingContext:
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad_request("this server runs without a tokenizer: send token ids")
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         return list(prompt)
 

@@ -1,0 +1,129 @@
+"""Pieces every benchmark shares: random token-id workloads, timing, and result records."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("bench")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def head(self, n: int) -> Workload:
+        return Workload(self.prompts[:n], self.output_lens[:n])
+
+
+def random_workload(
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+    prefix_len: int = 0,
+) -> Workload:
+    """Uniform lengths in the given inclusive ranges; ids avoid the first 10 (specials)."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(10, vocab_size, prefix_len).tolist()
+    in_lens = rng.integers(input_len[0], input_len[1] + 1, num_prompts)
+    out_lens = rng.integers(output_len[0], output_len[1] + 1, num_prompts)
+    prompts = [prefix + rng.integers(10, vocab_size, int(n)).tolist() for n in in_lens]
+    return Workload(prompts, [int(n) for n in out_lens])
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sync()
+        self.seconds = time.perf_counter() - self.start
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def req_s(self) -> float:
+        return self.requests / self.seconds
+
+    def row(self) -> str:
+        return (
+            f"| {self.name} | {self.requests} | {self.seconds:.2f} | {self.req_s:.2f} | "
+            f"{self.output_tok_s:,.0f} | "
+            f"{(self.prompt_tokens + self.output_tokens) / self.seconds:,.0f} |"
+        )
+
+
+TABLE_HEADER = (
+    "| run | requests | seconds | req/s | output tok/s | total tok/s |\n|---|---|---|---|---|---|"
+)
+
+
+def write_results(path: str | None, meta: dict[str, Any], results: list[Result]) -> None:
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_name(),
+        "commit": git_commit(),
+        **meta,
+        "results": [
+            {**asdict(r), "output_tok_s": r.output_tok_s, "req_s": r.req_s} for r in results
+        ],
+    }
+    text = json.dumps(record, indent=2)
+    if path:
+        Path(path).write_text(text + "\n")
+    logger.info("%s", text)

@@ -1,0 +1,202 @@
+"""Offline throughput: kvfleet's LLM on a random token-id workload, with HF transformers
+baselines (static padded batches, and transformers' own continuous batching where it exists)
+measured in the same process on the same weights' architecture.
+
+    python bench/throughput.py --model bench/models/Qwen3-0.6B --load-format dummy \\
+        --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --baselines hf-static
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    TABLE_HEADER,
+    Result,
+    Timer,
+    Workload,
+    random_workload,
+    write_results,
+)
+
+from kvfleet.engine import LLM, SamplingParams
+
+logger = logging.getLogger("bench.throughput")
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
+    ]
+    llm.generate([{"prompt_token_ids": p} for p in work.prompts[:4]], params[:4])  # warm-up
+    with Timer() as t:
+        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != work.output_tokens:
+        raise RuntimeError(f"asked for {work.output_tokens} output tokens, got {produced}")
+    stats = llm.engine.stats()
+    del llm
+    free_memory()
+    return Result(
+        "kvfleet",
+        t.seconds,
+        len(work.prompts),
+        work.prompt_tokens,
+        produced,
+        {
+            "num_preemptions": stats["num_preemptions"],
+            "prefix_cache_hits": stats["prefix_cache_hits"],
+        },
+    )
+
+
+def _hf_model(args: argparse.Namespace):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_hf_static(args: argparse.Namespace, work: Workload) -> Result:
+    """Batches of --hf-batch-size, left-padded; every row decodes until the batch's longest
+    requested output (what a plain `generate` server does), so only requested tokens count."""
+    model = _hf_model(args)
+    dev = model.device
+    bs = args.hf_batch_size
+    generated = 0
+    with Timer() as t:
+        for i in range(0, len(work.prompts), bs):
+            prompts = work.prompts[i : i + bs]
+            width = max(map(len, prompts))
+            ids = torch.zeros((len(prompts), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, p in enumerate(prompts):
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            new = max(work.output_lens[i : i + bs])
+            model.generate(
+                ids.to(dev),
+                attention_mask=mask.to(dev),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            generated += new * len(prompts)
+    del model
+    free_memory()
+    return Result(
+        f"hf-static-bs{bs}",
+        t.seconds,
+        len(work.prompts),
+        work.prompt_tokens,
+        work.output_tokens,
+        {"tokens_generated_including_padding_waste": generated},
+    )
+
+
+@torch.inference_mode()
+def run_hf_continuous(args: argparse.Namespace, work: Workload) -> Result:
+    """transformers' own continuous batching (`generate_batch`), one max_new_tokens for all."""
+    from transformers import GenerationConfig
+
+    model = _hf_model(args)
+    if not hasattr(model, "generate_batch"):
+        raise RuntimeError("this transformers has no generate_batch")
+    new = max(work.output_lens)
+    config = GenerationConfig(
+        max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0, use_cuda_graph=False
+    )
+    with Timer() as t:
+        outs = model.generate_batch(inputs=work.prompts, generation_config=config)
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    del model
+    free_memory()
+    return Result(
+        "hf-generate_batch",
+        t.seconds,
+        len(work.prompts),
+        work.prompt_tokens,
+        produced,
+        {"max_new_tokens_for_all": new},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="directory with config.json (+ weights)")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--prefix-len", type=int, default=0, help="shared prefix before each prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--baselines", nargs="*", default=[], choices=["hf-static", "hf-continuous"])
+    p.add_argument("--baseline-num-prompts", type=int, default=64,
+                   help="baselines run the first N prompts of the same workload")  # fmt: skip
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    work = random_workload(
+        args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed,
+        args.prefix_len,
+    )  # fmt: skip
+    results = [run_kvfleet(args, work)]
+    runners = {"hf-static": run_hf_static, "hf-continuous": run_hf_continuous}
+    for name in args.baselines:
+        try:
+            results.append(runners[name](args, work.head(args.baseline_num_prompts)))
+        except Exception as e:  # a baseline that cannot run is reported, not fatal
+            logger.warning("baseline %s did not run: %r", name, e)
+            free_memory()
+    sys.stdout.write(TABLE_HEADER + "\n" + "\n".join(r.row() for r in results) + "\n")
+    for r in results[1:]:
+        sys.stdout.write(f"kvfleet / {r.name}: {results[0].output_tok_s / r.output_tok_s:.1f}x\n")
+    write_results(args.result_json, {"args": vars(args)}, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
