@@ -73,7 +73,8 @@ class Scheduler:
                 "one generated token"
             )
         longest = min(num_prompt_tokens + (max_tokens or self.max_model_len), self.max_model_len)
-        needed = self.kv.num_blocks_for(longest)
+        # The last sampled token is never fed back, so it needs no KV slot.
+        needed = self.kv.num_blocks_for(longest - 1)
         if needed > self.kv.pool.num_usable_blocks:
             raise ValueError(
                 f"the request needs up to {longest} tokens ({needed} KV blocks) but the KV cache "
