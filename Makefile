@@ -1,4 +1,6 @@
 # Everything installs into a project-local virtualenv; nothing outside it is touched.
+# Every `python -m` runs with -P: from the repository root the folder operator/ would otherwise
+# shadow the standard library's `operator` module.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch. On a CUDA machine: make TORCH=torch ...
@@ -8,16 +10,16 @@ PORT ?= 8000
 .PHONY: install install-dev run test lint clean
 
 $(PY):
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	python3 -P -m venv $(VENV)
+	$(PY) -P -m pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e .
+	$(PY) -P -m pip install -q "$(TORCH)"
+	$(PY) -P -m pip install -q -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -P -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -34,7 +36,7 @@ lint: install-dev
 
 # pytest exits 5 when it collects nothing: that is a failure here, not a pass.
 test: lint
-	$(PY) -m pytest -q; rc=$$?; \
+	$(PY) -P -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
