@@ -402,6 +402,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(model_dirs):
     proc = subprocess.Popen(
         [
             sys.executable,
+            "-P",
             "-m",
             "kvfleet.engine.cli",
             "serve",
