@@ -1,0 +1,150 @@
+"""The scale decision function: tables of the rules and hypothesis properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfleet.operator.autoscaler import PodMetrics, Recommendation, ScalingPolicy, decide
+
+POLICY = ScalingPolicy(
+    min_replicas=1,
+    max_replicas=10,
+    target_queue_depth=8,
+    target_kv_cache_usage=0.8,
+    scale_down_stabilization_s=300,
+    scale_to_zero_delay_s=600,
+)
+
+
+def pods(*loads: float, kv: float = 0.1) -> list[PodMetrics]:
+    return [
+        PodMetrics(f"p{i}", running=x, waiting=0.0, kv_cache_usage=kv) for i, x in enumerate(loads)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("current", "metrics", "expected", "reason_part"),
+    [
+        (2, pods(8, 8), 2, "requests per replica"),  # on target
+        (2, pods(8.5, 8.5), 2, "requests per replica"),  # inside the 10% band
+        (2, pods(16, 16), 4, "requests per replica"),  # twice the target
+        (2, pods(4, 4, kv=0.95), 3, "KV-cache"),  # KV pressure wins over a light queue
+        (1, pods(200), 2, "step limited"),  # +max(4, 1) would be 5; 25 wanted, capped
+        (4, pods(100, 100, 100, 100), 8, "step limited"),  # +max(4, 4)
+        (9, pods(*[80] * 9), 10, "requests per replica"),  # clamped to max
+    ],
+)
+def test_scale_up_table(current, metrics, expected, reason_part):
+    if reason_part == "step limited" and current == 1:
+        expected = 5
+    d = decide(current, metrics, POLICY, (), None, now=1000.0)
+    assert d.replicas == expected
+    assert reason_part in d.reason
+
+
+def test_scale_down_waits_for_the_window_then_follows_the_highest_recommendation():
+    history: tuple[Recommendation, ...] = ()
+    current, t = 4, 0.0
+    # Busy at 4 replicas for a while, then the load drops to what 2 replicas carry.
+    for _ in range(5):
+        d = decide(current, pods(8, 8, 8, 8), POLICY, history, None, t)
+        history, t = d.history, t + 10
+        assert d.replicas == 4
+    last_busy = t - 10
+    while t < last_busy + 300:
+        d = decide(current, pods(4, 4, 4, 4), POLICY, history, t, t)
+        history = d.history
+        assert d.replicas == 4, f"scaled down at t={t} inside the window"
+        assert "window" in d.reason
+        t += 10
+    d = decide(current, pods(4, 4, 4, 4), POLICY, history, t, t)
+    assert d.replicas == 2
+
+
+def test_scale_to_zero_only_after_the_idle_delay_and_back_on_held_requests():
+    policy = ScalingPolicy(min_replicas=0, max_replicas=3, scale_down_stabilization_s=0,
+                           scale_to_zero_delay_s=600)  # fmt: skip
+    d = decide(1, pods(0, kv=0.0), policy, (), last_active=0.0, now=599.0)
+    assert d.replicas == 1 and "idle" in d.reason
+    d = decide(1, pods(0, kv=0.0), policy, d.history, last_active=0.0, now=601.0)
+    assert d.replicas == 0
+    d = decide(0, [], policy, d.history, last_active=0.0, now=700.0)
+    assert d.replicas == 0
+    d = decide(0, [], policy, d.history, last_active=0.0, now=710.0, held_requests=3)
+    assert d.replicas == 1 and "held" in d.reason and d.last_active == 710.0
+
+
+def test_a_silent_pod_never_causes_a_scale_down():
+    silent = [*pods(0, 0), PodMetrics("p2")]
+    policy = ScalingPolicy(min_replicas=1, max_replicas=5, scale_down_stabilization_s=0)
+    d = decide(3, silent, policy, (), None, now=10.0)
+    assert d.replicas == 3 and d.unanswered == ("p2",)
+    assert decide(3, [PodMetrics("a"), PodMetrics("b")], policy, (), None, 10.0).replicas == 3
+
+
+def test_restart_keeps_the_window_through_the_persisted_history():
+    d1 = decide(4, pods(8, 8, 8, 8), POLICY, (), None, now=0.0)
+    persisted = tuple(Recommendation(r.time, r.replicas) for r in d1.history)
+    d2 = decide(4, pods(0, 0, 0, 0), POLICY, persisted, 0.0, now=60.0)
+    assert d2.replicas == 4
+
+
+# -- properties ----------------------------------------------------------------------------
+
+policies = st.builds(
+    lambda lo, span, q, kv, down, up: ScalingPolicy(
+        min_replicas=lo,
+        max_replicas=max(lo + span, 1),
+        target_queue_depth=q,
+        target_kv_cache_usage=kv,
+        scale_down_stabilization_s=down,
+        scale_up_stabilization_s=up,
+    ),
+    st.integers(0, 5),
+    st.integers(0, 10),
+    st.floats(0.5, 64),
+    st.floats(0.1, 1.0),
+    st.sampled_from([0.0, 60.0, 300.0]),
+    st.sampled_from([0.0, 30.0]),
+)
+loads = st.lists(st.floats(0, 500, allow_nan=False), min_size=0, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies, st.integers(0, 16), loads, st.floats(0, 1), st.floats(0, 20))
+def test_result_is_always_within_bounds(policy, current, load, kv, held):
+    d = decide(current, pods(*load, kv=kv), policy, (), None, 1000.0, held)
+    assert policy.min_replicas <= d.replicas <= policy.max_replicas
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies, st.integers(1, 16), loads, st.floats(0, 50), st.floats(0, 1))
+def test_monotonic_in_load(policy, current, load, extra, kv):
+    base = pods(*load, kv=kv) if load else pods(0.0, kv=kv)
+    more = [PodMetrics(p.pod, (p.running or 0) + extra, p.waiting, kv) for p in base]
+    d_low = decide(current, base, policy, (), 0.0, 1000.0)
+    d_high = decide(current, more, policy, (), 0.0, 1000.0)
+    assert d_high.replicas >= d_low.replicas
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.lists(st.floats(-0.09, 0.09), min_size=20, max_size=60))
+def test_noise_inside_the_tolerance_never_flaps(current, noise):
+    history: tuple[Recommendation, ...] = ()
+    for i, eps in enumerate(noise):
+        per_pod = POLICY.target_queue_depth * (1 + eps)
+        d = decide(current, pods(*[per_pod] * current), POLICY, history, float(i), float(i * 10))
+        history = d.history
+        assert d.replicas == current
+
+
+@settings(max_examples=200, deadline=None)
+@given(policies, st.integers(1, 12), st.integers(0, 12), loads)
+def test_never_below_a_recommendation_inside_the_down_window(policy, current, earlier, load):
+    earlier = min(max(earlier, policy.min_replicas), policy.max_replicas)
+    history = (Recommendation(990.0, earlier),)
+    d = decide(current, pods(*load) if load else pods(0.0), policy, history, 999.0, 1000.0)
+    if policy.scale_down_stabilization_s > 10 and d.replicas < current:
+        assert d.replicas >= min(earlier, current)
