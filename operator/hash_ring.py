@@ -1,0 +1,60 @@
+"""Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): a key goes to
+the first endpoint clockwise from its hash whose in-flight count stays within
+ceil(load_factor * (total + 1) / n). Keys stay where their KV cache is, until that endpoint is
+overloaded; membership changes move only the keys of the endpoints that came or went."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    def __init__(self, vnodes: int = 160, load_factor: float = 1.25) -> None:
+        if vnodes < 1:
+            raise ValueError("vnodes must be >= 1")
+        if load_factor < 1.0:
+            raise ValueError("load_factor must be >= 1 (1 forces perfect balance)")
+        self.vnodes = vnodes
+        self.load_factor = load_factor
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        self.endpoints: tuple[str, ...] = ()
+
+    def set_endpoints(self, endpoints: Iterable[str]) -> None:
+        eps = tuple(sorted(set(endpoints)))
+        if eps == self.endpoints:
+            return
+        ring = sorted((_hash(f"{ep}#{i}"), ep) for ep in eps for i in range(self.vnodes))
+        self._points = [p for p, _ in ring]
+        self._owners = [ep for _, ep in ring]
+        self.endpoints = eps
+
+    def capacity(self, load: Mapping[str, int]) -> int:
+        total = sum(load.get(ep, 0) for ep in self.endpoints)
+        return math.ceil(self.load_factor * (total + 1) / len(self.endpoints))
+
+    def choose(self, key: str, load: Mapping[str, int]) -> str | None:
+        """The endpoint for key given the current in-flight counts; None with no endpoints.
+        The bound guarantees some endpoint qualifies, so the walk always ends."""
+        if not self.endpoints:
+            return None
+        cap = self.capacity(load)
+        start = bisect.bisect(self._points, _hash(key))
+        n = len(self._points)
+        for step in range(n):
+            owner = self._owners[(start + step) % n]
+            if load.get(owner, 0) + 1 <= cap:
+                return owner
+        raise AssertionError("bounded-load invariant broken")  # unreachable: see capacity()
+
+    def least_loaded(self, load: Mapping[str, int]) -> str | None:
+        if not self.endpoints:
+            return None
+        return min(self.endpoints, key=lambda ep: (load.get(ep, 0), ep))
