@@ -1,0 +1,458 @@
+"""Checks every Triton kernel against its PyTorch twin at real sizes on a CUDA GPU, then times
+decode attention against the card's copy bandwidth (and prefill attention in TFLOP/s)::
+
+    python bench/kernel_test_gpu.py                 # checks, then the bandwidth table
+    python bench/kernel_test_gpu.py --skip-bench    # checks only
+    python bench/kernel_test_gpu.py --iters 200 --splits 1,4,8,16
+
+Checks draw fresh random data, poison outputs with NaN before each kernel runs, and fail on any
+NaN or on an error over the stated tolerance (|out - ref| <= atol + rtol * |ref| elementwise);
+the exit code is 1 if any check failed. Decode bandwidth counts the K/V bytes the step must read
+(each sequence's context once per KV head) over the median kernel time, next to a measured
+device-to-device copy (bytes read plus bytes written). Needs kvfleet installed (``pip install
+-e .``) with triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.engine.layers.layernorm import RMSNorm
+from kvfleet.kernels import reference
+from kvfleet.kernels.cache_write import write_kv_cache
+from kvfleet.kernels.paged_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from kvfleet.kernels.rms_norm import rms_norm
+
+logger = logging.getLogger("kvfleet.bench.kernel_test_gpu")
+
+BLOCK_SIZE = 16
+# (atol, rtol) against the fp32 reference, elementwise. bf16 attention multiplies probabilities
+# rounded to bf16 (8 significant bits) into V, and rounding the output alone is off by up to
+# 1.6e-2 where |out| is in [2, 4) (short contexts, whose output is nearly one V row); fp32 uses
+# exact ("ieee") tensor-core products.
+ATTN_TOL = {
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (3e-3, 3e-3),
+    torch.float32: (1e-4, 1e-4),
+}
+# RMSNorm rounds like the torch module; only the fp32 sum of squares (order) and rsqrt (hardware
+# approximation) differ, which now and then moves a rounded value by one unit in the last place
+# (two after the weight multiply). 16-bit outputs pass at <= 2 ulp with <= 1% of elements differing;
+# fp32 outputs by (atol, rtol).
+NORM_MAX_ULPS, NORM_MAX_DIFFERING = 2.0, 0.01
+NORM_FP32_TOL = (1e-5, 1e-5)
+
+
+@dataclass
+class Paged:
+    cache: torch.Tensor
+    tables: torch.Tensor
+
+
+def paged_context(
+    seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, dev: torch.device
+) -> Paged:
+    """Random K/V in randomly permuted blocks (a fragmented cache); slots past each sequence's
+    length and the spare block 0 that pads block tables hold NaN, so unmasked reads show."""
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks) + 1
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev).to(dtype)
+    cache[:, 0] = float("nan")
+    tables = torch.zeros((len(seq_lens), max(max(blocks), 1)), dtype=torch.int32, device=dev)
+    ids = torch.randperm(num_blocks - 1, device=dev).to(torch.int32) + 1
+    start = 0
+    for i, (n, nb) in enumerate(zip(seq_lens, blocks, strict=True)):
+        tables[i, :nb] = ids[start : start + nb]
+        start += nb
+        if n % BLOCK_SIZE:
+            cache[:, int(tables[i, nb - 1]), n % BLOCK_SIZE :] = float("nan")
+    return Paged(cache, tables)
+
+
+def report(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> bool:
+    out, ref = out.float(), ref.float()
+    err = (out - ref).abs()
+    finite = bool(torch.isfinite(out).all())
+    ok = finite and bool((err <= atol + rtol * ref.abs()).all())
+    max_err = err.max().item() if err.numel() else 0.0
+    logger.info(
+        "%s %-58s max abs err %.3e (atol %.1e, rtol %.1e)%s",
+        "PASS" if ok else "FAIL",
+        name,
+        max_err,
+        atol,
+        rtol,
+        "" if finite else " NON-FINITE OUTPUT",
+    )
+    return ok
+
+
+def check_cache_write(dev: torch.device, dtype: torch.dtype) -> bool:
+    num_tokens, num_kv_heads, head_dim, num_blocks = 4096, 8, 128, 600
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, device=dev, dtype=dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided, as after a qkv split
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=dev)[:num_tokens]
+    slots[::7] = -1  # padding tokens of a CUDA-graph batch
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype)
+    expected = cache.clone()
+    keep = slots >= 0
+    reference.write_kv_cache(key[keep], value[keep], expected, slots[keep])
+    write_kv_cache(key, value, cache, slots)
+    torch.cuda.synchronize()
+    return report(f"write_kv_cache T={num_tokens} {dtype}", cache, expected, 0.0, 0.0)
+
+
+def check_decode(
+    dev: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    max_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int | None,
+    cap: float | None,
+    splits: list[int],
+) -> bool:
+    lens = torch.randint(1, max_len + 1, (batch,)).tolist()
+    lens[0], lens[1], lens[-1] = max_len, 1, 0  # longest, shortest, a CUDA-graph padding row
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
+    scale = head_dim**-0.5
+    real = batch - 1
+    ref = reference.paged_attention(
+        query[:real],
+        ctx.cache,
+        ctx.tables[:real],
+        lens[:real],
+        list(range(real + 1)),
+        scale,
+        window,
+        cap,
+    )
+    seq_lens = torch.tensor(lens, device=dev)
+    atol, rtol = ATTN_TOL[dtype]
+    ok = True
+    for num_splits in splits:
+        out = torch.full_like(query, float("nan"))
+        paged_decode_attention(
+            query, ctx.cache, ctx.tables, seq_lens, scale, window, cap, out, num_splits=num_splits
+        )
+        torch.cuda.synchronize()
+        name = (
+            f"decode B={batch} ctx<={max_len} H={num_heads}/{num_kv_heads} D={head_dim} "
+            f"win={window} cap={cap} S={num_splits} {str(dtype)[6:]}"
+        )
+        ok &= report(name, out[:real], ref, atol, rtol)
+        ok &= report(name + " pad row", out[real:], torch.zeros_like(out[real:]), 0.0, 0.0)
+    return ok
+
+
+def check_decode_graph(dev: torch.device) -> bool:
+    """Capture decode once, then replay it on new lengths, block tables and queries written in
+    place (padding rows included), as a CUDA-graph decode step does."""
+    batch, num_heads, num_kv_heads, head_dim, dtype = 32, 32, 8, 128, torch.bfloat16
+    lens = torch.randint(1, 4097, (batch,)).tolist()
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
+    seq_lens = torch.tensor(lens, device=dev)
+    tables = ctx.tables.clone()
+    out = torch.empty_like(query)
+    splits = choose_num_splits(4096, batch, num_kv_heads)
+    scale = head_dim**-0.5
+
+    def step() -> None:
+        paged_decode_attention(
+            query, ctx.cache, tables, seq_lens, scale, out=out, num_splits=splits
+        )
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ok = True
+    for replay in range(3):
+        perm = torch.randperm(batch)
+        new_lens = [int(torch.randint(0, lens[j] + 1, ())) for j in perm.tolist()]
+        new_lens[-2:] = [0, 0]
+        tables.copy_(ctx.tables[perm.to(dev)])
+        seq_lens.copy_(torch.tensor(new_lens))
+        query.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        real = [i for i, n in enumerate(new_lens) if n > 0]
+        pad = [i for i, n in enumerate(new_lens) if n == 0]
+        ref = reference.paged_attention(
+            query[real], ctx.cache, tables[real], [new_lens[i] for i in real],
+            list(range(len(real) + 1)), scale,
+        )  # fmt: skip
+        name = f"decode CUDA-graph replay {replay} B={batch} S={splits}"
+        ok &= report(name, out[real], ref, *ATTN_TOL[dtype])
+        ok &= report(name + " pad rows", out[pad], torch.zeros_like(out[pad]), 0.0, 0.0)
+    return ok
+
+
+def check_prefill(
+    dev: torch.device,
+    dtype: torch.dtype,
+    seqs: list[tuple[int, int]],  # (seq_len, q_len)
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int | None,
+    cap: float | None,
+) -> bool:
+    lens = [s for s, _ in seqs]
+    qsl = [0]
+    for _, q in seqs:
+        qsl.append(qsl[-1] + q)
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    query = torch.randn(qsl[-1], num_heads, head_dim, device=dev, dtype=dtype)
+    scale = head_dim**-0.5
+    ref = reference.paged_attention(query, ctx.cache, ctx.tables, lens, qsl, scale, window, cap)
+    out = torch.full_like(query, float("nan"))
+    paged_prefill_attention(
+        query,
+        ctx.cache,
+        ctx.tables,
+        torch.tensor(lens, device=dev),
+        torch.tensor(qsl, device=dev),
+        max(q for _, q in seqs),
+        scale,
+        window,
+        cap,
+        out,
+    )
+    torch.cuda.synchronize()
+    name = (
+        f"prefill {len(seqs)} seqs T={qsl[-1]} H={num_heads}/{num_kv_heads} D={head_dim} "
+        f"win={window} cap={cap} {str(dtype)[6:]}"
+    )
+    return report(name, out, ref, *ATTN_TOL[dtype])
+
+
+def report_ulps(name: str, out: torch.Tensor, ref: torch.Tensor) -> bool:
+    if ref.dtype == torch.float32:
+        return report(name, out, ref, *NORM_FP32_TOL)
+    info = torch.finfo(ref.dtype)
+    mag = ref.float().abs().clamp_min(info.tiny)
+    ulp = info.eps * torch.exp2(torch.floor(torch.log2(mag)))
+    ulps = ((out.float() - ref.float()).abs() / ulp).max().item()
+    differing = (out != ref).float().mean().item()
+    ok = bool(torch.isfinite(out).all()) and ulps <= NORM_MAX_ULPS
+    ok &= differing <= NORM_MAX_DIFFERING
+    logger.info(
+        "%s %-58s max err %.1f ulp (<= %.0f), %.4f%% of elements differ (<= %.0f%%)",
+        "PASS" if ok else "FAIL",
+        name,
+        ulps,
+        NORM_MAX_ULPS,
+        100 * differing,
+        100 * NORM_MAX_DIFFERING,
+    )
+    return ok
+
+
+def check_rms_norm(dev: torch.device, dtype: torch.dtype, hidden: int) -> bool:
+    module = RMSNorm(hidden, eps=1e-6).to(device=dev, dtype=dtype)
+    module.weight.data.normal_()
+    x = torch.randn(4096, hidden, device=dev, dtype=dtype)
+    residual = torch.randn_like(x)
+    tag = f"{tuple(x.shape)} {str(dtype)[6:]}"
+    ok = report_ulps(f"rms_norm {tag}", rms_norm(x, module.weight, module.eps), module(x))
+    out, new_res = rms_norm(x, module.weight, module.eps, residual)
+    want_out, want_res = module(x, residual)
+    ok &= report_ulps(f"rms_norm+residual {tag}", out, want_out)
+    ok &= report(f"rms_norm+residual new residual {tag}", new_res, want_res, 0.0, 0.0)
+    return ok
+
+
+def run_checks(dev: torch.device) -> bool:
+    bf16 = torch.bfloat16
+    mixed = [(2048, 2048), (3000, 512), (1000, 1), (4100, 1), (17, 17), (100, 37), (16, 16)]
+    mixed += [(int(n), 1) for n in torch.randint(1, 4096, (24,))]
+    splits = sorted({1, 3, choose_num_splits(32768, 64, 8), 64})
+    checks: list[Callable[[], bool]] = [
+        lambda: check_cache_write(dev, bf16),
+        lambda: check_cache_write(dev, torch.float32),
+        lambda: check_decode(dev, bf16, 64, 2048, 32, 8, 128, None, None, splits),
+        lambda: check_decode(dev, bf16, 8, 16384, 32, 8, 128, None, None, [16]),
+        lambda: check_decode_graph(dev),
+        lambda: check_decode(dev, bf16, 16, 3000, 32, 8, 128, 1024, 30.0, [1, 8]),
+        lambda: check_decode(dev, bf16, 16, 1000, 28, 4, 64, None, None, [1, 4]),
+        lambda: check_decode(dev, bf16, 16, 1000, 16, 8, 256, 512, 50.0, [1, 4]),
+        lambda: check_decode(dev, bf16, 16, 1000, 16, 16, 128, None, None, [2]),
+        lambda: check_decode(dev, torch.float16, 16, 1000, 32, 8, 128, None, None, [1, 4]),
+        lambda: check_decode(dev, torch.float32, 16, 1000, 32, 8, 128, None, None, [1, 4]),
+        lambda: check_prefill(dev, bf16, mixed, 32, 8, 128, None, None),
+        lambda: check_prefill(dev, bf16, mixed, 32, 8, 128, 1024, 30.0),
+        lambda: check_prefill(dev, bf16, [(1500, 1500), (700, 300)], 28, 4, 64, None, None),
+        lambda: check_prefill(dev, bf16, [(1500, 1500), (700, 300)], 16, 16, 128, None, None),
+        lambda: check_prefill(dev, bf16, [(1500, 1500), (700, 300)], 16, 8, 256, 512, 50.0),
+        lambda: check_prefill(dev, bf16, [(2, 2), (40, 3), (9, 1)], 32, 8, 128, None, None),
+        lambda: check_prefill(dev, torch.float16, mixed[:8], 32, 8, 128, None, None),
+        lambda: check_prefill(dev, torch.float32, mixed[:8], 32, 8, 128, None, None),
+        lambda: check_prefill(dev, torch.float32, [(900, 900), (700, 1)], 16, 8, 256, 512, None),
+        lambda: check_prefill(dev, torch.float32, [(900, 900), (700, 3)], 28, 4, 64, None, None),
+        lambda: check_decode(dev, torch.float32, 8, 1000, 16, 8, 256, None, None, [1, 4]),
+        lambda: check_rms_norm(dev, bf16, 4096),
+        lambda: check_rms_norm(dev, torch.float16, 5120),
+        lambda: check_rms_norm(dev, torch.float32, 3584),
+    ]
+    return all([check() for check in checks])
+
+
+# -- timing --------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int, graph: bool = True) -> float:
+    """Median device time of one call. With graph, the call is captured in a CUDA graph and its
+    replays are timed: a Triton launch costs tens of microseconds on the host, which would
+    otherwise land inside the events around a kernel of a few hundred."""
+    for _ in range(warmup):
+        fn()  # compiles outside the capture
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        fn = captured.replay
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(dev: torch.device, iters: int, warmup: int) -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read plus written; GB/s."""
+    src = torch.randn(2**29, device=dev)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), iters, warmup, graph=False)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def bench_decode(
+    dev: torch.device, batch: int, ctx_len: int, splits: int, iters: int, warmup: int
+) -> tuple[float, float]:
+    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev)
+    query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
+    seq_lens = torch.full((batch,), ctx_len, device=dev)
+    out = torch.empty_like(query)
+    ms = median_ms(
+        lambda: paged_decode_attention(
+            query, ctx.cache, ctx.tables, seq_lens, head_dim**-0.5, out=out, num_splits=splits
+        ),
+        iters,
+        warmup,
+    )
+    kv_bytes = 2 * batch * ctx_len * num_kv_heads * head_dim * dtype.itemsize
+    return ms, kv_bytes / ms / 1e6
+
+
+def bench_prefill(
+    dev: torch.device, seqs: list[tuple[int, int]], iters: int, warmup: int
+) -> tuple[float, float]:
+    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    lens = [s for s, _ in seqs]
+    qsl = torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], device=dev)
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    query = torch.randn(int(qsl[-1]), num_heads, head_dim, device=dev, dtype=dtype)
+    out = torch.empty_like(query)
+    seq_lens = torch.tensor(lens, device=dev)
+    max_q = max(q for _, q in seqs)
+    ms = median_ms(
+        lambda: paged_prefill_attention(
+            query, ctx.cache, ctx.tables, seq_lens, qsl, max_q, head_dim**-0.5, out=out
+        ),
+        iters,
+        warmup,
+    )
+    # Query-key pairs each sequence's causal mask keeps; 2 FLOPs per multiply-add, 2 products.
+    pairs = sum(q * (s - q) + q * (q + 1) // 2 for s, q in seqs)
+    return ms, 4 * pairs * num_heads * head_dim / ms / 1e9
+
+
+def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int]) -> None:
+    copy_gbs = copy_bandwidth(dev, iters, warmup)
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    out = sys.stdout
+    out.write(
+        f"\n{torch.cuda.get_device_name(dev)}: device-to-device copy {copy_gbs:.0f} GB/s "
+        f"(read + write); 32 q / 8 kv heads, head_dim 128, bf16; median of {iters} CUDA-graph "
+        "replays\n\ndecode (KV bytes read / time)\n"
+    )
+    out.write(f"{'batch x ctx':>13} {'splits':>12} {'us':>9} {'KV GB/s':>9} {'% copy':>7}\n")
+    for batch, ctx_len in ((64, 2048), (8, 16384)):
+        chosen = choose_num_splits(32768, batch, 8, num_sms)
+        for splits in sorted({chosen, *extra_splits}):
+            ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup)
+            tag = f"{splits}{' (chosen)' if splits == chosen else ''}"
+            pct = 100 * gbs / copy_gbs
+            out.write(
+                f"{f'{batch} x {ctx_len}':>13} {tag:>12} {ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
+            )
+    out.write(f"\nprefill (causal FLOPs / time)\n{'batch':>42} {'us':>9} {'TFLOP/s':>9}\n")
+    for name, seqs in (
+        ("4 x 4096 prompts", [(4096, 4096)] * 4),
+        ("chunk 2048 after 2048 + 64 decodes @ 2048", [(4096, 2048)] + [(2048, 1)] * 64),
+        ("8192 prompt + 63 chunks of 16 @ 1000", [(8192, 8192)] + [(1000, 16)] * 63),
+    ):
+        ms, tflops = bench_prefill(dev, seqs, iters, warmup)
+        out.write(f"{name:>42} {ms * 1e3:9.1f} {tflops:9.0f}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Check the Triton kernels against the PyTorch reference on a GPU; time them."
+    )
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iters", type=int, default=100, help="timed runs per case (median)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--splits",
+        default="1,4,16",
+        help="comma-separated decode split counts timed beside choose_num_splits' choice",
+    )
+    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        logger.error(
+            "no CUDA device: run the interpreter tests instead (tests/test_triton_kernels.py)"
+        )
+        return 2
+    dev = torch.device(args.device)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(args.seed)
+    ok = True
+    if not args.skip_checks:
+        ok = run_checks(dev)
+        logger.info("checks: %s", "all PASS" if ok else "FAILURES above")
+    if not args.skip_bench:
+        run_bench(dev, args.iters, args.warmup, [int(s) for s in args.splits.split(",") if s])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

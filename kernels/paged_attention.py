@@ -1,0 +1,561 @@
+"""Paged attention in Triton (twin of ``reference.paged_attention``).
+
+Two kernels:
+
+* ``paged_decode_attention``: one query token per sequence, split-KV ("flash decoding"). Grid
+  ``(num_seqs, num_kv_heads, num_splits)``; one program handles every query head of one KV head
+  (the GQA group, padded to >= 16 rows so the score and value products run on tensor cores) over
+  one contiguous slice of that sequence's visible KV range. Each sequence's range is cut into
+  ``num_splits`` slices on the device, from its own length, so the grid depends only on the batch
+  size and the caller's ``num_splits`` (CUDA-graph safe) and short and long sequences in one batch
+  both spread over all splits. With several splits, per-split partials (running max, sum and
+  unnormalised output, fp32) go to scratch and a second kernel merges them.
+* ``paged_prefill_attention``: flash attention over variable-length query chunks, each chunk the
+  newest ``q_len`` tokens of its sequence, attending causally to its whole paged context. The
+  rows of one program are ``BLOCK_Q`` query tokens times the (padded) GQA group, so each K/V tile
+  is loaded once per KV head rather than once per query head. Grid ``(num_tokens // BLOCK_Q +
+  num_seqs, num_kv_heads)``: programs are laid out flat over the batch's tokens and each finds
+  its sequence from ``query_start_loc``, so a ragged batch launches no empty tiles. KV tiles
+  hidden by causality or the window are skipped, and tiles every row sees run without masks.
+  Chunks of a few tokens (the decode rows of a mixed batch) go to a second launch with a 16-row
+  tile, one program per sequence and KV head, instead of occupying a 128-row one.
+
+Scores are computed in fp32 and kept in the log2 domain (``exp2`` is the native instruction).
+Running maxima start at a large finite negative number instead of -inf, so rows or splits that
+see no key (empty splits, padding rows with seq_len 0) give exp2(-inf - finite) == 0 and a zero
+sum instead of NaN; the final division guards a zero sum and writes zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_NEG_INIT = tl.constexpr(-1.0e30)
+# Stands in for "no sliding window": k_pos > q_pos - 2**30 holds for every real position, so one
+# code path serves both cases.
+_NO_WINDOW = 1 << 30
+# A decode split's fixed costs (a program slot, a partial written and read back) only pay off once
+# it reads at least this many tokens.
+_MIN_TOKENS_PER_SPLIT = 256
+# Prefill's big tile by element size and head_dim: (BLOCK_M rows, BLOCK_N keys, num_warps,
+# num_stages). 16-bit: the fastest of a small sweep on an H200 (bf16, 32/8 heads, 4 x 4096
+# prompts and a chunk beside 64 decodes); up to ~220 KB of shared memory, Hopper-sized. fp32
+# (ieee products, a correctness path) gets tiles that fit the same memory.
+_PREFILL_TILE = {
+    2: {64: (128, 64, 4, 2), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)},
+    4: {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)},
+}
+
+
+@triton.jit
+def _scaled_scores(s, scale, soft_cap, HAS_SOFT_CAP: tl.constexpr):
+    """Raw q.k products -> scaled (and soft-capped) scores in the log2 domain."""
+    s = s * scale
+    if HAS_SOFT_CAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): overflow of exp gives exactly +1, underflow -1, and
+        # no NaN either way, so no clamping is needed.
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
+    return s * _LOG2E
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_base,
+    v_base,
+    bt_row,
+    start,
+    lo,
+    hi,
+    q_pos,
+    window,
+    scale,
+    soft_cap,
+    stride_cblk,
+    stride_ctok,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N). With MASK, keys outside
+    [lo, hi) are dropped, and with CAUSAL also keys that row's q_pos and window hide. Without
+    MASK the caller guarantees that every key is in the context and visible to every row, and the
+    tile runs with no mask arithmetic at all."""
+    toks = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    if MASK:
+        kv_ok = (toks >= lo) & (toks < hi)
+        pages = tl.load(bt_row + toks // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        kv_off = (pages * stride_cblk + (toks % PAGE_SIZE) * stride_ctok)[:, None] + dims[None, :]
+        # Masked lanes read as 0: never-written cache slots may hold NaN, and 0 * NaN is NaN.
+        k = tl.load(k_base + kv_off, mask=kv_ok[:, None], other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_base + kv_off, mask=kv_ok[:, None], other=0.0).to(DOT_DTYPE)
+    else:
+        pages = tl.load(bt_row + toks // PAGE_SIZE).to(tl.int64)
+        kv_off = (pages * stride_cblk + (toks % PAGE_SIZE) * stride_ctok)[:, None] + dims[None, :]
+        k = tl.load(k_base + kv_off).to(DOT_DTYPE)
+        v = tl.load(v_base + kv_off).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = _scaled_scores(s, scale, soft_cap, HAS_SOFT_CAP)
+    if MASK:
+        if CAUSAL:
+            visible = (
+                kv_ok[None, :]
+                & (toks[None, :] <= q_pos[:, None])
+                & (toks[None, :] > q_pos[:, None] - window)
+            )
+        else:
+            visible = kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale,
+    soft_cap,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_ckv,
+    stride_cblk,
+    stride_ctok,
+    stride_chead,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+
+    # The query is position seq_len - 1; keys visible iff k_pos > seq_len - 1 - window.
+    lo = tl.maximum(seq_len - window, 0)
+    first_tok = (lo // PAGE_SIZE) * PAGE_SIZE
+    # Split the visible range in whole tiles, so consecutive splits never share a tile.
+    num_tiles = tl.cdiv(seq_len - first_tok, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tok_start = first_tok + split * tiles_per_split * BLOCK_N
+    tok_end = tl.minimum(tok_start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    g_ok = g < GROUP
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=g_ok[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    k_base = kv_ptr + kv_head * stride_chead
+    v_base = k_base + stride_ckv
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for start in tl.range(tok_start, tok_end, BLOCK_N):
+        # Not CAUSAL: the one query sees all of [lo, tok_end); `lo` fills the unused q_pos.
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, bt_row, start, lo, tok_end, lo, window, scale,
+            soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+        )  # fmt: skip
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None],
+        )
+    else:
+        # Partials are [num_seqs, num_heads, NUM_SPLITS] (+ [HEAD_DIM]), contiguous.
+        part = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=g_ok)
+        tl.store(part_l_ptr + part, l_i, mask=g_ok)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, HEAD_DIM)
+    s_ok = splits < NUM_SPLITS
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    m = tl.load(part_m_ptr + base, mask=s_ok, other=_NEG_INIT)
+    l_s = tl.load(part_l_ptr + base, mask=s_ok, other=0.0)
+    o = tl.load(
+        part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=s_ok[:, None], other=0.0
+    )
+    # Empty splits carry (m=_NEG_INIT, l=0, o=0): weight <= 1 times zeros, so they drop out.
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.sum(o * w[:, None], 0)
+    acc = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims,
+        acc.to(out_ptr.dtype.element_ty),
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    scale,
+    soft_cap,
+    window,
+    num_seqs,
+    min_q_len,
+    max_q_len,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ckv,
+    stride_cblk,
+    stride_ctok,
+    stride_chead,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_SEQS: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if BLOCK_SEQS > 0:
+        # Programs are laid out flat over the batch: sequence i owns program ids from
+        # qsl[i] // BLOCK_Q + i up to the next sequence's, at least cdiv(q_len, BLOCK_Q) of them.
+        # The grid thus follows the total token count (host-known) rather than
+        # num_seqs * max_query_len, which is mostly empty programs for ragged batches.
+        idx = tl.arange(0, BLOCK_SEQS)
+        firsts = tl.load(query_start_loc_ptr + idx, mask=idx < num_seqs, other=1 << 30)
+        owners = firsts.to(tl.int32) // BLOCK_Q + idx
+        seq = tl.sum((owners <= pid).to(tl.int32), 0) - 1
+        q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+        first_q = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    else:
+        # One program per sequence: this launch owns chunks of at most BLOCK_Q tokens.
+        seq = pid
+        q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+        first_q = 0
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx = seq_len - q_len  # position of the chunk's first query token
+    # This launch owns chunks of min_q_len..max_q_len tokens (see paged_prefill_attention), and
+    # tiles past the chunk's end have nothing to do.
+    active = (q_len >= min_q_len) & (q_len <= max_q_len) & (first_q < q_len)
+
+    # Row r of the tile is query token first_q + r // GROUP_PAD of head r % GROUP_PAD of the group.
+    rows = tl.arange(0, BLOCK_M)
+    t = first_q + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    row_ok = (t < tl.where(active, q_len, 0)) & (g < GROUP)
+    q_pos = ctx + t
+    heads = kv_head * GROUP + g
+    dims = tl.arange(0, HEAD_DIM)
+    tok_rows = (q_start + t).to(tl.int64)[:, None]
+    q_off = tok_rows * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+    # KV tiles, in steps of BLOCK_N from the page holding the first key any row sees:
+    #   [start, all_seen)   some rows' windows start inside: masked
+    #   [all_seen, diag)    visible to every row: no masking
+    #   [diag, hi)          crosses the causal diagonal (or follows the window edge): masked
+    # Keys before `lo` (out of every row's window) or from `hi` on (after every row) are skipped.
+    q_first = ctx + first_q
+    q_last = ctx + tl.minimum(q_len, first_q + BLOCK_Q) - 1
+    lo = tl.maximum(q_first - window + 1, 0)
+    hi = tl.where(active, q_last + 1, 0)
+    start = (lo // PAGE_SIZE) * PAGE_SIZE
+    all_seen = start + tl.cdiv(tl.maximum(q_last - window + 1, 0) - start, BLOCK_N) * BLOCK_N
+    diag = tl.minimum(start + (q_first + 1 - start) // BLOCK_N * BLOCK_N, hi)
+
+    k_base = kv_ptr + kv_head * stride_chead
+    v_base = k_base + stride_ckv
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for kv_start in tl.range(start, tl.minimum(all_seen, hi), BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
+            soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+        )  # fmt: skip
+    for kv_start in tl.range(all_seen, diag, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
+            soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+            MASK=False, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+        )  # fmt: skip
+    for kv_start in tl.range(tl.maximum(all_seen, diag), hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
+            soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+        )  # fmt: skip
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_off = tok_rows * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def choose_num_splits(
+    max_model_len: int, batch_size: int, num_kv_heads: int, num_sms: int = 132
+) -> int:
+    """Decode splits per (sequence, KV head): enough programs for about two per SM, rounded up to
+    a power of two (context lengths split evenly in whole tiles), but no split shorter than
+    _MIN_TOKENS_PER_SPLIT tokens at max_model_len. Measured (bf16, 32/8 heads, head_dim
+    128; H100 and H200 alike): batch 64 x 2048 is fastest at 1-4 splits, batch 8 x 16384 at 8-16,
+    batch 1 x 32768 at 32; extra splits cost a few percent (partials written and merged). A pure
+    function of static sizes, so CUDA graphs can capture the result."""
+    want = triton.next_power_of_2(triton.cdiv(2 * num_sms, max(batch_size * num_kv_heads, 1)))
+    cap = triton.cdiv(max_model_len, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap))
+
+
+def _kv_tile_tokens(head_dim: int, itemsize: int) -> int:
+    # Keys per K/V tile of the memory-bound loops: one tile at most 16 KB (64 keys of bf16 x 128),
+    # which with three pipeline stages of K and V still fits beside other programs on an SM.
+    return min(64, max(16, 16384 // (head_dim * itemsize)))
+
+
+def _dot_dtype(query: torch.Tensor) -> tl.dtype:
+    # The CPU interpreter multiplies bf16 matrices wrongly, and CPU tensors only ever run there.
+    if query.device.type == "cpu" or query.dtype == torch.float32:
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[query.dtype]
+
+
+def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    assert head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256, (
+        f"head_dim must be a power of two in [16, 256] (tl.arange and tl.dot), got {head_dim}"
+    )
+    assert kv_cache.shape[4] == head_dim, (kv_cache.shape, query.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), query.dtype
+    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be contiguous"
+    return num_heads, num_kv_heads, head_dim
+
+
+def _out(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1, (out.shape, query.shape)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: position seq_len - 1 of each sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] on the device; 0 marks a padding row (output zeros)
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int,
+) -> torch.Tensor:
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_seqs = query.shape[0]
+    num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
+    out = _out(query, out)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    # A 16-row tile is the smallest tl.dot takes; the padding rows are free in a kernel that is
+    # bound by reading K/V.
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = _kv_tile_tokens(head_dim, max(query.element_size(), kv_cache.element_size()))
+    if num_splits > 1:
+        part_o = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_l = torch.empty_like(part_m)
+    else:
+        part_o = part_m = part_l = out  # unused: the split kernel writes `out` directly
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_m,
+        part_l,
+        scale,
+        logits_soft_cap or 0.0,
+        sliding_window or _NO_WINDOW,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=kv_cache.shape[2],
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
+        DOT_DTYPE=_dot_dtype(query),
+        num_warps=4,
+        num_stages=3,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_o,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: each sequence's newest tokens
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
+    out = _out(query, out)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # Rows of a tile are (token, head) pairs. A decode row in a mixed batch would waste most of a
+    # big tile, so chunks that fit a 16-row tile get their own launch, one program per sequence
+    # and KV head; the big-tile launch skips them. Each launch exits at once for the sequences
+    # it does not own.
+    itemsize = max(query.element_size(), kv_cache.element_size())
+    small_m = max(16, group_pad)
+    small_q = small_m // group_pad
+    small_tile = (small_m, _kv_tile_tokens(head_dim, itemsize), 4, 2)
+    launches = [((num_seqs, num_kv_heads), 0, small_tile, 0, small_q)]
+    if max_query_len > small_q:
+        tiles = _PREFILL_TILE[min(itemsize, 4)]
+        block_m, block_n, num_warps, num_stages = tiles[min(max(head_dim, 64), 256)]
+        block_m = max(block_m, group_pad)
+        grid = (query.shape[0] // (block_m // group_pad) + num_seqs, num_kv_heads)
+        tile = (block_m, block_n, num_warps, num_stages)
+        launches.append((grid, triton.next_power_of_2(num_seqs), tile, small_q + 1, max_query_len))
+    for grid, block_seqs, (block_m, block_n, num_warps, num_stages), min_q, max_q in launches:
+        _prefill_kernel[grid](
+            query,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            out,
+            scale,
+            logits_soft_cap or 0.0,
+            sliding_window or _NO_WINDOW,
+            num_seqs,
+            min_q,
+            max_q,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            block_tables.stride(0),
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            HEAD_DIM=head_dim,
+            PAGE_SIZE=kv_cache.shape[2],
+            HAS_SOFT_CAP=logits_soft_cap is not None,
+            DOT_DTYPE=_dot_dtype(query),
+            BLOCK_SEQS=block_seqs,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return out

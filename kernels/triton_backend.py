@@ -1,0 +1,78 @@
+"""The ``triton`` attention backend: the GPU fast path behind ``engine.attention_backend``'s
+Protocol. Decode-only steps use the split-KV decode kernel; any step with a longer query chunk
+(prefill, chunked prefill, prefix-cache hits, mixed batches) uses the prefill kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.engine.attention_metadata import AttentionMetadata
+from kvfleet.kernels.cache_write import write_kv_cache
+from kvfleet.kernels.paged_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+# H100 SXM; used when no CUDA device is visible (the interpreter, tests).
+_DEFAULT_NUM_SMS = 132
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, max_model_len: int, num_sms: int | None = None) -> None:
+        self.max_model_len = max_model_len
+        if num_sms is None:
+            num_sms = (
+                torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                if torch.cuda.is_available()
+                else _DEFAULT_NUM_SMS
+            )
+        self.num_sms = num_sms
+
+    def num_splits(self, batch_size: int, num_kv_heads: int) -> int:
+        """Decode splits for one batch shape: fixed by static sizes only, so a CUDA graph
+        captured for a batch size keeps its grid on replay."""
+        return choose_num_splits(self.max_model_len, batch_size, num_kv_heads, self.num_sms)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor:
+        if meta.max_query_len == 1:
+            return paged_decode_attention(
+                query,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                sliding_window,
+                logits_soft_cap,
+                num_splits=self.num_splits(query.shape[0], kv_cache.shape[3]),
+            )
+        return paged_prefill_attention(
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+        )
