@@ -1,0 +1,158 @@
+"""``kvfleet-operator``: run the operator, or print the RBAC it needs.
+
+    kvfleet-operator run [-n NAMESPACE]... [--peering NAME] [--health-address HOST:PORT]
+    kvfleet-operator print-rbac
+
+With no namespace it serves all of them. Several replicas are safe: every write is idempotent
+(children are created once, 409 from a racing replica is absorbed, applies converge, status is a
+function of the cluster), so two active replicas only duplicate reads and Events. ``--peering``
+(kopf's ClusterKopfPeering/KopfPeering objects, created by the chart) keeps one replica active and
+the others on standby, each with a random priority.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import socket
+import sys
+from typing import Any
+
+import kopf
+import yaml
+
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.rbac import cluster_role
+from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
+from kvfleet.operator.resources import MANAGED_BY, OperatorConfig
+
+logger = logging.getLogger("kvfleet.operator")
+
+
+def build_settings(peering: str | None = None) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # No list/watch of CRDs (least privilege): the InferenceService CRD must exist when the
+    # operator starts, which the chart guarantees by installing CRDs first.
+    settings.scanning.disabled = True
+    settings.posting.reporting_component = MANAGED_BY
+    settings.posting.reporting_instance = socket.gethostname()
+    settings.posting.event_name_prefix = "kvfleet-"
+    if peering:
+        settings.peering.name = peering
+        settings.peering.mandatory = True
+        settings.peering.stealth = True
+        # Distinct priorities: the highest is active, the others pause until it stops.
+        settings.peering.priority = random.SystemRandom().randint(1, 2**31 - 1)
+    else:
+        settings.peering.standalone = True
+    return settings
+
+
+def build_registry(
+    settings: kopf.OperatorSettings,
+    config: OperatorConfig,
+    *,
+    debounce: float = 0.1,
+    backoff: float = 1.0,
+) -> kopf.OperatorRegistry:
+    """A registry with the operator's handlers (and no login handler: the caller adds one)."""
+    registry = kopf.OperatorRegistry()
+    reconciler = Reconciler(Kube(settings), config)
+    register(
+        registry, settings, WorkQueue(reconciler.reconcile, debounce=debounce, backoff=backoff)
+    )
+    return registry
+
+
+def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # In a pod: its ServiceAccount; elsewhere: the kubeconfig (KUBECONFIG or ~/.kube/config).
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    defaults = OperatorConfig.default()
+    config = OperatorConfig(
+        engine_image=ns.engine_image or defaults.engine_image,
+        router_image=ns.router_image or defaults.router_image,
+    )
+    settings = build_settings(ns.peering)
+    registry = build_registry(settings, config)
+    kopf.on.login(registry=registry)(_login)
+    given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
+    namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
+    logger.info(
+        "kvfleet operator: namespaces=%s engine image %s, router image %s",
+        ",".join(namespaces) or "all",
+        config.engine_image,
+        config.router_image,
+    )
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            settings=settings,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=f"http://{ns.health_address}/healthz",
+        )
+    )
+    return 0
+
+
+def _print_rbac(_: argparse.Namespace) -> int:
+    sys.stdout.write(yaml.safe_dump(cluster_role(), sort_keys=False))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet-operator", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="reconcile InferenceService objects")
+    run.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="a namespace to serve; repeatable or comma-separated (env KVFLEET_NAMESPACES); "
+        "default: all namespaces",
+    )
+    run.add_argument(
+        "--engine-image",
+        default=os.environ.get("KVFLEET_ENGINE_IMAGE"),
+        help="default engine image (env KVFLEET_ENGINE_IMAGE); default: ghcr.io/kvfleet/engine "
+        "at this version",
+    )
+    run.add_argument(
+        "--router-image",
+        default=os.environ.get("KVFLEET_ROUTER_IMAGE"),
+        help="default router image (env KVFLEET_ROUTER_IMAGE); default: ghcr.io/kvfleet/operator "
+        "at this version",
+    )
+    run.add_argument(
+        "--health-address",
+        default=os.environ.get("KVFLEET_HEALTH_ADDRESS", "0.0.0.0:8081"),
+        help="where /healthz answers for liveness probes (default: 0.0.0.0:8081)",
+    )
+    run.add_argument(
+        "--peering",
+        default=os.environ.get("KVFLEET_PEERING") or None,
+        help="kopf peering object name: one active replica, the others on standby "
+        "(env KVFLEET_PEERING); default: standalone",
+    )
+    run.set_defaults(func=_run)
+    rbac = sub.add_parser("print-rbac", help="print the operator's ClusterRole as YAML")
+    rbac.set_defaults(func=_print_rbac)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Kopf logs every handler call; ours only queue a reconcile, which logs what it changes.
+    logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.root.level))
+    return ns.func(ns)

@@ -1,0 +1,86 @@
+"""Every permission the operator and the routers it deploys need, written down once.
+
+``kvfleet-operator print-rbac`` renders OPERATOR_RULES as the ClusterRole the Helm chart installs;
+tests/test_operator_kmock.py checks every API call the operator makes against them.
+
+The router's permissions are a namespaced Role per InferenceService, created by the operator with
+the router's ServiceAccount and a RoleBinding (all owned by the InferenceService). A single
+chart-provided ClusterRole bound per namespace would work too, but it would need the chart to
+exist before any InferenceService and the operator would need ``bind`` on it; the per-service
+Role grants a router read access to EndpointSlices of its own namespace only, lives and dies
+with the service, and the operator can create it because it holds those same permissions
+(Kubernetes refuses to let anyone grant permissions they do not have).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class PolicyRule(TypedDict):
+    apiGroups: list[str]
+    resources: list[str]
+    verbs: list[str]
+
+
+READ = ["get", "list", "watch"]
+MANAGE = [*READ, "create", "patch"]
+
+# What a router does: watch the EndpointSlices of its engine Service to learn the ready engines.
+ROUTER_RULES: tuple[PolicyRule, ...] = (
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
+)
+
+OPERATOR_RULES: tuple[PolicyRule, ...] = (
+    {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices"], "verbs": READ},
+    {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices/status"], "verbs": ["patch"]},
+    # Owner references with blockOwnerDeletion need update on the owner's finalizers
+    # (the OwnerReferencesPermissionEnforcement admission plugin).
+    {
+        "apiGroups": ["kvfleet.dev"],
+        "resources": ["inferenceservices/finalizers"],
+        "verbs": ["update"],
+    },
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": MANAGE},
+    {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": MANAGE},
+    # delete: the model-download ConfigMap goes when a spec stops using an hf:// source.
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": [*MANAGE, "delete"]},
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": MANAGE,
+    },
+    # Status comes from the pods too: crash loops and image pull errors show only there.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # Held so that the operator may grant it to routers (see the module docstring).
+    *ROUTER_RULES,
+    # Kopf's peering between operator replicas (--peering): one is active, the others wait.
+    {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings", "kopfpeerings"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
+)
+
+
+def allows(rules: tuple[PolicyRule, ...], group: str, resource: str, verb: str) -> bool:
+    """Whether the rules permit a verb on a resource ("pods", or "pods/status")."""
+    return any(
+        group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+        for rule in rules
+    )
+
+
+def as_manifest(rules: tuple[PolicyRule, ...]) -> list[dict[str, list[str]]]:
+    """Rules as fresh lists (no list shared between rules, so YAML has no anchors)."""
+    return [{key: list(value) for key, value in rule.items()} for rule in rules]
+
+
+def cluster_role(name: str = "kvfleet-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": as_manifest(OPERATOR_RULES),
+    }

@@ -1,0 +1,318 @@
+"""Reconciliation: kopf handlers, a per-object work queue, and the API calls of one reconcile.
+
+Level-triggered: any event of an InferenceService or of one of its children (Deployments,
+Services, ConfigMaps, RBAC objects, pods) queues that InferenceService, and a reconcile compares
+everything desired with everything live. Only kopf's silent ``on.event`` handlers are used: kopf
+then stores nothing on the objects (no finalizers, no progress annotations), so an object in the
+desired state sees no writes at all, and deletion is left to Kubernetes' garbage collector
+through the owner references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import kopf
+
+from kvfleet.operator import kube as k
+from kvfleet.operator.drift import in_sync
+from kvfleet.operator.resources import (
+    GROUP,
+    LABEL_ISVC,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PLURAL,
+    PLURALS,
+    VERSION,
+    ChildRef,
+    OperatorConfig,
+    Owner,
+    build_children,
+    engine_name,
+    engine_selector,
+    optional_children,
+    router_name,
+    service_url,
+)
+from kvfleet.operator.spec import (
+    InferenceServiceSpec,
+    SpecError,
+    desired_replicas,
+    parse_spec,
+    served_model_name,
+)
+from kvfleet.operator.status import (
+    Observed,
+    Problem,
+    compute_status,
+    status_patch,
+    transition_events,
+)
+
+logger = logging.getLogger("kvfleet.operator")
+
+Key = tuple[str, str]  # (namespace, name)
+
+# (group, version, plural) of every kind of child, watched to restore edits and follow status.
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("", "v1", "pods"),
+)
+
+
+class RetryLater(Exception):
+    """The reconcile did what it could and recorded why it is not done; try again later."""
+
+
+class WorkQueue:
+    """At most one reconcile per key at a time; events arriving meanwhile coalesce into one rerun.
+
+    A failed reconcile is retried with exponential backoff, sooner if a new event arrives.
+    """
+
+    def __init__(
+        self,
+        work: Callable[[Key], Awaitable[None]],
+        *,
+        debounce: float = 0.1,
+        backoff: float = 1.0,
+        max_backoff: float = 300.0,
+    ) -> None:
+        self._work = work
+        self._debounce = debounce
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._dirty: dict[Key, asyncio.Event] = {}
+        self._tasks: dict[Key, asyncio.Task[None]] = {}
+
+    def enqueue(self, key: Key) -> None:
+        if key in self._tasks:
+            self._dirty[key].set()
+            return
+        self._dirty[key] = asyncio.Event()
+        self._dirty[key].set()
+        self._tasks[key] = asyncio.create_task(self._run(key), name=f"reconcile {key[0]}/{key[1]}")
+
+    async def _run(self, key: Key) -> None:
+        dirty = self._dirty[key]
+        failures = 0
+        try:
+            while dirty.is_set():
+                # A create or a rollout fires a burst of child events: let it settle first.
+                await asyncio.sleep(self._debounce)
+                dirty.clear()
+                try:
+                    await self._work(key)
+                    failures = 0
+                except Exception as e:
+                    failures += 1
+                    delay = min(self._backoff * 2 ** (failures - 1), self._max_backoff)
+                    if isinstance(e, RetryLater):
+                        logger.warning("%s/%s: %s; retrying in %.1fs", *key, e, delay)
+                    else:
+                        logger.exception("%s/%s: reconcile failed; retrying in %.1fs", *key, delay)
+                    try:
+                        await asyncio.wait_for(dirty.wait(), timeout=delay)
+                    except TimeoutError:
+                        dirty.set()
+        finally:
+            del self._tasks[key]
+            del self._dirty[key]
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _child_url(obj: dict[str, Any]) -> str:
+    meta = obj["metadata"]
+    return k.resource_url(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"])
+
+
+def _controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(
+        ref.get("uid") == uid and ref.get("controller")
+        for ref in obj.get("metadata", {}).get("ownerReferences") or []
+    )
+
+
+class ChildConflict(Exception):
+    pass
+
+
+class Reconciler:
+    def __init__(
+        self,
+        api: k.Kube,
+        config: OperatorConfig,
+        clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
+    ) -> None:
+        self._api = api
+        self._config = config
+        self._clock = clock
+
+    async def reconcile(self, key: Key) -> None:
+        namespace, name = key
+        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
+        isvc = await self._api.get(url)
+        if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+            return  # the garbage collector removes the children
+        owner = Owner(name=name, namespace=namespace, uid=isvc["metadata"]["uid"])
+        previous = isvc.get("status") or {}
+
+        spec_error: str | None = None
+        problems: list[Problem] = []
+        try:
+            spec = parse_spec(name, isvc.get("spec"))
+        except SpecError as e:
+            spec, spec_error = None, str(e)
+            logger.warning("%s/%s: invalid spec: %s", namespace, name, e)
+        if spec is not None:
+            live, problems = await self._converge(owner, spec)
+        else:
+            # Nothing is applied; the children of the last valid spec keep serving.
+            live = await self._existing(owner)
+        pods = [
+            pod
+            for pod in await self._api.list(
+                k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
+            )
+            # Filtered here too: the selector is a hint some API emulators ignore.
+            if (pod["metadata"].get("labels") or {}).get(LABEL_ISVC) == name
+        ]
+        observed = Observed(
+            generation=isvc["metadata"].get("generation", 0),
+            selector=engine_selector(name),
+            previous=previous,
+            spec_error=spec_error,
+            child_problems=problems,
+            desired_replicas=desired_replicas(spec) if spec is not None else None,
+            model_name=served_model_name(spec) if spec is not None else None,
+            url=service_url(owner) if live.get(f"Service/{name}") else None,
+            engine=live.get(f"Deployment/{engine_name(name)}"),
+            router=live.get(f"Deployment/{router_name(name)}"),
+            pods=pods,
+        )
+        status = compute_status(observed, self._clock())
+        patch = status_patch(previous, status)
+        if patch:
+            try:
+                await self._api.merge_patch(f"{url}/status", {"status": patch})
+            except k.APINotFoundError:
+                return  # deleted meanwhile
+        for event in transition_events(previous.get("conditions") or [], status["conditions"]):
+            kopf.event(isvc, type=event.type, reason=event.reason, message=event.message)
+        if problems:
+            raise RetryLater("; ".join(p.message for p in problems))
+
+    async def _converge(
+        self, owner: Owner, spec: InferenceServiceSpec
+    ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
+        """Apply every desired child and remove the ones no longer desired.
+
+        Returns the live children by "Kind/name" and what went wrong; one failing child does not
+        stop the others.
+        """
+        live: dict[str, dict[str, Any]] = {}
+        problems: list[Problem] = []
+        desired = build_children(owner, spec, self._config)
+        for obj in desired:
+            label = f"{obj['kind']}/{obj['metadata']['name']}"
+            try:
+                live[label] = await self._ensure(obj, owner)
+            except ChildConflict as e:
+                problems.append(Problem("NameConflict", str(e)))
+            except k.APIError as e:
+                problems.append(Problem("ApplyFailed", f"{label}: {e}"))
+        wanted = {f"{obj['kind']}/{obj['metadata']['name']}" for obj in desired}
+        for ref in optional_children(owner):
+            if f"{ref.kind}/{ref.name}" not in wanted:
+                try:
+                    await self._remove(ref, owner)
+                except k.APIError as e:
+                    problems.append(Problem("ApplyFailed", f"{ref.kind}/{ref.name}: {e}"))
+        return live, problems
+
+    async def _existing(self, owner: Owner) -> dict[str, dict[str, Any]]:
+        """The children the status is computed from, as they are."""
+        found = {}
+        for kind, api_version, name in (
+            ("Deployment", "apps/v1", engine_name(owner.name)),
+            ("Deployment", "apps/v1", router_name(owner.name)),
+            ("Service", "v1", owner.name),
+        ):
+            url = k.resource_url(api_version, PLURALS[kind], owner.namespace, name)
+            if (obj := await self._api.get(url)) is not None:
+                found[f"{kind}/{name}"] = obj
+        return found
+
+    async def _ensure(self, obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
+        """Create the child, or bring the live one back to the desired state; return it.
+
+        Both are one server-side apply, which creates a missing object: the operator's field
+        manager then owns every field from the start, so a field later dropped from the desired
+        object is removed by the next apply. Two operator replicas applying at once agree.
+        """
+        url = _child_url(obj)
+        label = f"{obj['kind']} {owner.namespace}/{obj['metadata']['name']}"
+        current = await self._api.get(url)
+        if current is not None:
+            if not _controlled_by(current, owner.uid):
+                raise ChildConflict(f"{label} exists and is not owned by this InferenceService")
+            if current["metadata"].get("deletionTimestamp") or in_sync(obj, current):
+                return current
+        logger.info("%s %s", "updating" if current else "creating", label)
+        return await self._api.apply(url, obj)
+
+    async def _remove(self, ref: ChildRef, owner: Owner) -> None:
+        url = k.resource_url(ref.api_version, ref.plural, owner.namespace, ref.name)
+        current = await self._api.get(url)
+        if current is not None and _controlled_by(current, owner.uid):
+            logger.info(
+                "deleting %s %s/%s: the spec no longer needs it",
+                ref.kind,
+                owner.namespace,
+                ref.name,
+            )
+            await self._api.delete(url)
+
+
+def register(
+    registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, queue: WorkQueue
+) -> None:
+    """Wire the kopf handlers that feed the queue; settings gain server-side label selectors."""
+
+    # async: kopf runs sync handlers in threads, and the queue belongs to the event loop.
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def inference_service_event(name: str, namespace: str, **_: Any) -> None:
+        queue.enqueue((namespace, name))
+
+    async def child_event(labels: kopf.Labels, namespace: str, **_: Any) -> None:
+        if owner := labels.get(LABEL_ISVC):
+            queue.enqueue((namespace, owner))
+
+    managed = {LABEL_MANAGED_BY: MANAGED_BY}
+    for group, version, plural in CHILD_RESOURCES:
+        # Server-side, so the operator is not sent every pod of the cluster; the handler's own
+        # filter repeats it for API servers (and emulators) that ignore the selector.
+        settings.watching.label_selectors[group, version, plural] = (
+            f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+        )
+        kopf.on.event(
+            group, version, plural, labels=managed, id=f"child-{plural}", registry=registry
+        )(child_event)
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_queue(**_: Any) -> None:
+        await queue.stop()

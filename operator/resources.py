@@ -1,0 +1,649 @@
+"""The objects an InferenceService owns, built from its spec by pure functions (no I/O).
+
+Per InferenceService ``<name>`` in namespace ``<ns>``:
+
+* Deployment ``<name>-engine`` and headless Service ``<name>-engine``: the engine pods, which the
+  router finds through the Service's EndpointSlices.
+* Deployment ``<name>-router`` and Service ``<name>``: the router, the user-facing URL
+  ``http://<name>.<ns>.svc/v1``.
+* ServiceAccount, Role and RoleBinding ``<name>-router``: the router may read EndpointSlices in
+  its own namespace, nothing else (see rbac.py).
+* ConfigMap ``<name>-model-download`` for hf:// models: the download script of the init container.
+
+Every object carries the common labels, a controller owner reference to the InferenceService
+(garbage collection deletes the children with it) and the hash annotation of drift.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.resources
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.operator.drift import with_hash
+from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
+from kvfleet.operator.spec import (
+    InferenceServiceSpec,
+    RoutingSpec,
+    desired_replicas,
+    parse_source,
+    served_model_name,
+)
+
+GROUP = "kvfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+# The plural resource name of each kind of child.
+PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "ConfigMap": "configmaps",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+}
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# Maps any child (pods included, which are owned by ReplicaSets) back to its InferenceService.
+LABEL_ISVC = "kvfleet.dev/inferenceservice"
+MANAGED_BY = "kvfleet-operator"
+CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
+
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+SERVICE_PORT = 80
+# Seconds between the pod leaving the endpoints and SIGTERM: routers and kube-proxy stop
+# sending new requests before the engine starts refusing them.
+PRESTOP_SLEEP_SECONDS = 5
+
+MODELS_DIR = "/models"
+PVC_MOUNT = "/mnt/model"
+SCRIPT_DIR = "/etc/kvfleet/model-download"
+SCRIPT_FILE = "download.py"
+RUN_AS = 1000
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Operator-wide defaults that an InferenceService may override."""
+
+    engine_image: str
+    router_image: str
+
+    @classmethod
+    def default(cls) -> OperatorConfig:
+        version = importlib.metadata.version("kvfleet")
+        return cls(
+            engine_image=f"ghcr.io/kvfleet/engine:{version}",
+            router_image=f"ghcr.io/kvfleet/operator:{version}",
+        )
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    api_version: str
+    kind: str
+    plural: str
+    name: str
+
+
+def engine_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def download_config_name(name: str) -> str:
+    return f"{name}-model-download"
+
+
+def service_url(owner: Owner) -> str:
+    """The OpenAI base URL of the service, inside the cluster."""
+    return f"http://{owner.name}.{owner.namespace}.svc/v1"
+
+
+def common_labels(name: str, component: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "kvfleet",
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_ISVC: name,
+    }
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    # Immutable on a Deployment once created: only labels that never change for its lifetime.
+    return {LABEL_ISVC: name, LABEL_COMPONENT: component}
+
+
+def engine_selector(name: str) -> str:
+    """The engine pods' label selector as a string: status.selector, for HPA through /scale."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name, "engine").items()))
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(owner: Owner, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": common_labels(owner.name, component),
+        "ownerReferences": [owner_reference(owner)],
+    }
+
+
+def _restricted_container_security() -> dict[str, Any]:
+    # The "restricted" Pod Security Standard, plus a read-only root filesystem.
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _restricted_pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        # Lets the non-root user write the model-cache volume; OnRootMismatch skips the slow
+        # recursive chown of a large, already-owned model directory on every start.
+        "fsGroup": RUN_AS,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _prestop() -> dict[str, Any]:
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}}
+
+
+def _http_probe(path: str, *, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def _hf_model_dir(repo: str, revision: str) -> str:
+    return f"{MODELS_DIR}/{repo.replace('/', '--')}/{revision.replace('/', '--')}"
+
+
+def model_download_script() -> str:
+    return importlib.resources.files("kvfleet.operator").joinpath("model_download.py").read_text()
+
+
+def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
+    """``kvfleet-engine`` arguments for a spec; model_path None serves the built-in demo model."""
+    e = spec.engine
+    args = ["serve"]
+    if model_path is not None:
+        args += ["--model", model_path]
+    args += [
+        "--served-model-name", served_model_name(spec),
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--device", "cuda" if spec.resources.gpus > 0 else "cpu",
+        "--dtype", e.dtype,
+        "--block-size", str(e.block_size),
+        "--max-num-seqs", str(e.max_num_seqs),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--shutdown-timeout", str(e.shutdown_timeout_seconds),
+    ]  # fmt: skip
+    if spec.resources.gpus > 0:
+        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.max_waiting_requests is not None:
+        args += ["--max-waiting-requests", str(e.max_waiting_requests)]
+    if spec.api_key_secret_ref is not None:
+        # Expanded by the kubelet from the env var below, so the key never sits in the pod spec.
+        args += ["--api-key", "$(KVFLEET_API_KEY)"]
+    if e.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+    return args + list(e.extra_args)
+
+
+def router_args(*, engine_service: str, namespace: str, routing: RoutingSpec) -> list[str]:
+    """The ``kvfleet-router`` command line: the contract between the operator and the router.
+
+    The router listens on ``--host``/``--port`` (``/health`` and a proxy for ``/v1/*``), learns
+    the engine endpoints by watching the EndpointSlices of ``--engine-service`` in
+    ``--namespace`` and sends to their ``--engine-port``. The key of a request is the
+    ``--session-header`` value, else the OpenAI ``user`` field (``--use-user-field``), else,
+    with ``--prefix-affinity``, a hash of the first ``--prefix-length`` prompt tokens; keys map
+    to engines by consistent hashing with bounded loads (``--load-factor``), falling back to the
+    least-loaded engine. While no engine is ready a request waits up to ``--hold-timeout``
+    seconds. The router is given no ``--model-path``: the engine's model lives on volumes it
+    cannot share (ReadWriteOnce claims, an engine-image path), so it estimates tokens.
+    """
+    return [
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_PORT),
+        "--engine-service", engine_service,
+        "--namespace", namespace,
+        "--engine-port", str(ENGINE_PORT),
+        "--session-header", routing.session_header,
+        "--use-user-field" if routing.use_user_field else "--no-use-user-field",
+        "--prefix-affinity" if routing.prefix_affinity else "--no-prefix-affinity",
+        "--prefix-length", str(routing.prefix_length),
+        "--load-factor", str(routing.load_factor),
+        "--hold-timeout", str(routing.hold_timeout_seconds),
+    ]  # fmt: skip
+
+
+@dataclass
+class _ModelWiring:
+    """How the model reaches the engine container: its path, volumes and an init container."""
+
+    path: str | None = None
+    volumes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    mounts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    init_containers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _ModelWiring:
+    src = parse_source(spec.model.source)
+    match src.kind:
+        case "demo":
+            return _ModelWiring()
+        case "path":
+            return _ModelWiring(path=src.path)
+        case "pvc":
+            return _ModelWiring(
+                path=f"{PVC_MOUNT}/{src.path}".rstrip("/"),
+                volumes=[
+                    {
+                        "name": "model",
+                        "persistentVolumeClaim": {"claimName": src.claim, "readOnly": True},
+                    }
+                ],
+                mounts=[{"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}],
+            )
+    model_dir = _hf_model_dir(src.repo, src.revision)
+    models_volume: dict[str, Any] = (
+        {"name": "models", "persistentVolumeClaim": {"claimName": spec.model_cache.claim_name}}
+        if spec.model_cache is not None
+        else {"name": "models", "emptyDir": {}}
+    )
+    env: list[dict[str, Any]] = [
+        {"name": "MODEL_REPO", "value": src.repo},
+        {"name": "MODEL_REVISION", "value": src.revision},
+        {"name": "MODEL_DIR", "value": model_dir},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if (ref := spec.model.hf_token_secret_ref) is not None:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )
+    download = {
+        "name": "model-download",
+        "image": image,
+        **_pull_policy(spec),
+        "command": ["python3", f"{SCRIPT_DIR}/{SCRIPT_FILE}"],
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "securityContext": _restricted_container_security(),
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODELS_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "model-download", "mountPath": SCRIPT_DIR, "readOnly": True},
+        ],
+    }
+    return _ModelWiring(
+        path=model_dir,
+        volumes=[
+            models_volume,
+            {
+                "name": "model-download",
+                "configMap": {"name": download_config_name(owner.name), "defaultMode": 0o444},
+            },
+        ],
+        mounts=[{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
+        init_containers=[download],
+    )
+
+
+def _pull_policy(spec: InferenceServiceSpec) -> dict[str, str]:
+    policy = spec.engine.image_pull_policy
+    return {"imagePullPolicy": policy} if policy else {}
+
+
+def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    # A read-only root filesystem: everything that caches writes under /tmp (an emptyDir),
+    # including the demo model the engine builds on first start.
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "KVFLEET_CACHE_DIR", "value": "/tmp/kvfleet"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    if (ref := spec.api_key_secret_ref) is not None:
+        env.append(
+            {
+                "name": "KVFLEET_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    user = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+    overridden = {e["name"] for e in user}
+    return [e for e in env if e["name"] not in overridden] + user
+
+
+def _engine_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.resources
+    requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
+    # Memory limit = request: a node never overcommits the memory a model needs. No CPU limit:
+    # throttling the scheduler loop costs latency for nothing.
+    limits: dict[str, Any] = {"memory": r.memory}
+    if r.gpus > 0:
+        requests[r.gpu_resource_name] = str(r.gpus)
+        limits[r.gpu_resource_name] = str(r.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
+    s = spec.scheduling
+    out: dict[str, Any] = {}
+    if s.node_selector:
+        out["nodeSelector"] = dict(s.node_selector)
+    if s.tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations]
+    if s.affinity:
+        out["affinity"] = s.affinity
+    if s.priority_class_name:
+        out["priorityClassName"] = s.priority_class_name
+    if s.runtime_class_name:
+        out["runtimeClassName"] = s.runtime_class_name
+    return out
+
+
+def engine_deployment(
+    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig
+) -> dict[str, Any]:
+    e = spec.engine
+    image = e.image or config.engine_image
+    model = _model_wiring(owner, spec, image)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *model.volumes]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts]
+    if spec.resources.gpus > 1:
+        # NCCL and CUDA IPC between GPUs of one pod use /dev/shm; the runtime's default is 64 MiB.
+        # A Memory-medium emptyDir counts against the container's memory limit, which bounds it.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "engine",
+        "image": image,
+        **_pull_policy(spec),
+        "command": ["kvfleet-engine"],
+        "args": engine_args(spec, model.path),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _engine_env(spec),
+        "resources": _engine_resources(spec),
+        # The HTTP server starts once the weights are loaded: until then /health refuses
+        # connections, and the startup probe waits up to startupTimeoutSeconds for it.
+        "startupProbe": _http_probe(
+            "/health", period=10, timeout=5, failures=-(-e.startup_timeout_seconds // 10)
+        ),
+        # /health turns 503 when the engine loop stops making progress: restart it.
+        "livenessProbe": _http_probe("/health", period=10, timeout=5, failures=3),
+        # /ready turns 503 while draining: leave the endpoints, keep the pod.
+        "readinessProbe": _http_probe("/ready", period=5, timeout=3, failures=2),
+        "lifecycle": _prestop(),
+        "securityContext": _restricted_container_security(),
+        "volumeMounts": mounts,
+    }
+    template_annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ENGINE_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    if model.init_containers:
+        # The script reaches the pod through a ConfigMap, whose changes do not restart pods:
+        # its hash in the template does.
+        script = model_download_script().encode()
+        template_annotations[CONFIG_HASH_ANNOTATION] = hashlib.sha256(script).hexdigest()[:20]
+    pod_spec: dict[str, Any] = {
+        # The engine never talks to the API server.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        # SIGTERM drains for up to shutdownTimeoutSeconds, after the preStop sleep.
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + e.shutdown_timeout_seconds + 15,
+        "securityContext": _restricted_pod_security(),
+        **_scheduling(spec),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if model.init_containers:
+        pod_spec["initContainers"] = model.init_containers
+    name = engine_name(owner.name)
+    return with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _metadata(owner, name, "engine"),
+            "spec": {
+                "replicas": desired_replicas(spec),
+                "selector": {"matchLabels": selector_labels(owner.name, "engine")},
+                # A new pod must be ready before an old one goes: capacity never dips, at the
+                # price of one spare GPU slot during a rollout.
+                "strategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                },
+                # Downloading and loading a model legitimately takes long: report a stuck
+                # rollout only well after the startup probe would have given up.
+                "progressDeadlineSeconds": e.startup_timeout_seconds + 600,
+                "revisionHistoryLimit": 3,
+                "template": {
+                    "metadata": {
+                        "labels": common_labels(owner.name, "engine"),
+                        "annotations": template_annotations,
+                    },
+                    "spec": pod_spec,
+                },
+            },
+        }
+    )
+
+
+def engine_service(owner: Owner) -> dict[str, Any]:
+    name = engine_name(owner.name)
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(owner, name, "engine"),
+            "spec": {
+                # Headless: the router balances over the pods itself, from the EndpointSlices.
+                "clusterIP": "None",
+                "selector": selector_labels(owner.name, "engine"),
+                "ports": [
+                    {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+                ],
+            },
+        }
+    )
+
+
+def router_deployment(
+    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig
+) -> dict[str, Any]:
+    name = router_name(owner.name)
+    selector = selector_labels(owner.name, "router")
+    container = {
+        "name": "router",
+        "image": spec.routing.image or config.router_image,
+        "command": ["kvfleet-router"],
+        "args": router_args(
+            engine_service=engine_name(owner.name), namespace=owner.namespace, routing=spec.routing
+        ),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": _http_probe("/health", period=5, timeout=3, failures=2),
+        "livenessProbe": _http_probe("/health", period=10, timeout=5, failures=3),
+        "lifecycle": _prestop(),
+        "securityContext": _restricted_container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _metadata(owner, name, "router"),
+            "spec": {
+                "replicas": spec.routing.replicas,
+                "selector": {"matchLabels": selector},
+                "strategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                },
+                "revisionHistoryLimit": 3,
+                "template": {
+                    "metadata": {"labels": common_labels(owner.name, "router")},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "enableServiceLinks": False,
+                        # Streams in flight finish before the router exits; the engines behind
+                        # it drain for as long.
+                        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS
+                        + spec.engine.shutdown_timeout_seconds
+                        + 15,
+                        "securityContext": _restricted_pod_security(),
+                        "topologySpreadConstraints": [
+                            {
+                                "maxSkew": 1,
+                                "topologyKey": "kubernetes.io/hostname",
+                                "whenUnsatisfiable": "ScheduleAnyway",
+                                "labelSelector": {"matchLabels": selector},
+                            }
+                        ],
+                        "containers": [container],
+                        "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    },
+                },
+            },
+        }
+    )
+
+
+def router_service(owner: Owner) -> dict[str, Any]:
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _metadata(owner, owner.name, "router"),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector_labels(owner.name, "router"),
+                "ports": [
+                    {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
+                ],
+            },
+        }
+    )
+
+
+def router_service_account(owner: Owner) -> dict[str, Any]:
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _metadata(owner, router_name(owner.name), "router"),
+        }
+    )
+
+
+def router_role(owner: Owner) -> dict[str, Any]:
+    return with_hash(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(owner, router_name(owner.name), "router"),
+            "rules": as_manifest(ROUTER_RULES),
+        }
+    )
+
+
+def router_role_binding(owner: Owner) -> dict[str, Any]:
+    name = router_name(owner.name)
+    return with_hash(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(owner, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        }
+    )
+
+
+def download_config_map(owner: Owner) -> dict[str, Any]:
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(owner, download_config_name(owner.name), "engine"),
+            "data": {SCRIPT_FILE: model_download_script()},
+        }
+    )
+
+
+def build_children(
+    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """All desired children, in creation order (what a pod needs exists before the pod)."""
+    children = []
+    if parse_source(spec.model.source).kind == "hf":
+        children.append(download_config_map(owner))
+    children += [
+        router_service_account(owner),
+        router_role(owner),
+        router_role_binding(owner),
+        engine_service(owner),
+        engine_deployment(owner, spec, config),
+        router_deployment(owner, spec, config),
+        router_service(owner),
+    ]
+    return children
+
+
+def optional_children(owner: Owner) -> list[ChildRef]:
+    """Children that only some specs have: removed when the spec stops asking for them."""
+    return [ChildRef("v1", "ConfigMap", "configmaps", download_config_name(owner.name))]

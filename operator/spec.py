@@ -1,0 +1,349 @@
+"""The InferenceService spec as pydantic models, and its validation. Pure: no I/O.
+
+``crds/inferenceservices.kvfleet.dev.yaml`` is the source of truth for the API; these models
+mirror it field for field (same names, defaults, ranges and enums). The API server enforces the
+schema and the CEL rules before an object is stored, but the operator validates again: an API
+server older than CEL support, an emulator, or a CRD installed without validation must not make
+the operator act on a spec the CRD would reject. Each CEL rule has an equivalent check here that
+fails with the same message; tests/test_crd_schema.py holds the two to each other.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+# Served name of the engine's built-in demo model (kvfleet.engine.default_model.DEFAULT_MODEL_NAME;
+# not imported, because importing the engine package pulls in torch, which the operator image
+# does not have).
+DEMO_MODEL_NAME = "kvfleet-tiny-random-llama"
+
+# Tensor parallelism is in the API, but the engine cannot shard a model yet.
+ENGINE_MAX_TENSOR_PARALLEL_SIZE = 1
+
+# Children are named "<name>-engine" etc. and the router Service is "<name>": a DNS-1035 label
+# of at most 63 characters, so the longest suffix ("-engine", "-router": 7) leaves 56.
+MAX_NAME_LENGTH = 56
+
+# Messages shared with the CRD's CEL rules (x-kubernetes-validations); the test compares them.
+MSG_NAME_FORMAT = (
+    "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
+    "letter): it names the router Service"
+)
+MSG_NAME_LENGTH = "metadata.name must be at most 56 characters: children append '-engine'"
+MSG_MIN_MAX = "minReplicas must be less than or equal to maxReplicas"
+MSG_REPLICAS_BOUNDS = (
+    "with autoscaling.mode builtin, replicas must lie within [minReplicas, maxReplicas]"
+)
+MSG_EXTERNAL_REPLICAS = (
+    "autoscaling.mode external needs replicas: HPA and KEDA read and write it through /scale"
+)
+MSG_TP_GPUS = "tensorParallelSize > 1 needs resources.gpus equal to it (one GPU per shard)"
+MSG_MODEL_CACHE_HF = "modelCache is only used to download hf:// models"
+MSG_HF_TOKEN_HF = "hfTokenSecretRef is only used with hf:// sources"
+MSG_NO_DOTDOT = "source must not contain '..' path segments"
+MSG_MANAGED_FLAGS = (
+    "extraArgs must not set flags the operator manages (--model, --served-model-name, --host, "
+    "--port, --api-key, --device, --tensor-parallel-size)"
+)
+
+# Flags the operator sets itself; overriding them would break probes, routing or auth.
+MANAGED_FLAGS_RE = re.compile(
+    r"^--(model|served-model-name|host|port|api-key|device|tensor-parallel-size)(=.*)?$"
+)
+NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+HF_SOURCE_RE = re.compile(
+    r"^hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)"
+    r"(@(?P<revision>[-A-Za-z0-9_./]+))?$"
+)
+PVC_SOURCE_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)(?P<path>/\S*)?$")
+PATH_SOURCE_RE = re.compile(r"^/\S*$")
+DOTDOT_RE = re.compile(r"(^|/)[.][.](/|$)")
+# The pattern of the CRD's spec.model.source: empty (demo model), hf://, pvc:// or a path.
+SOURCE_PATTERN = (
+    r"^$|^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$"
+    r"|^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/\S*)?$|^/\S*$"
+)
+# Kubernetes resource.Quantity, unsigned.
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+    r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+HTTP_TOKEN_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+EXTENDED_RESOURCE_PATTERN = (
+    r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+
+
+def _int_to_str(value: Any) -> Any:
+    # int-or-string in the CRD: 4 and "4" are the same quantity.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+Quantity = Annotated[
+    str, BeforeValidator(_int_to_str), StringConstraints(pattern=QUANTITY_PATTERN, max_length=64)
+]
+DnsSubdomain = Annotated[
+    str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+]
+
+
+class _Model(BaseModel):
+    # forbid: the API server prunes unknown fields, so an unknown field here is a typo that
+    # reached the operator some other way; reporting it beats silently ignoring it.
+    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", frozen=True)
+
+
+SecretKey = Annotated[str, StringConstraints(min_length=1, max_length=253)]
+
+
+class HFTokenSecretRef(_Model):
+    name: DnsSubdomain
+    key: SecretKey = "token"
+
+
+class APIKeySecretRef(_Model):
+    name: DnsSubdomain
+    key: SecretKey = "api-key"
+
+
+class ModelSpec(_Model):
+    source: Annotated[str, StringConstraints(max_length=512, pattern=SOURCE_PATTERN)] = ""
+    served_name: (
+        Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")] | None
+    ) = None
+    hf_token_secret_ref: HFTokenSecretRef | None = None
+
+    @model_validator(mode="after")
+    def _cel(self) -> ModelSpec:
+        if DOTDOT_RE.search(self.source):
+            raise ValueError(MSG_NO_DOTDOT)
+        if self.hf_token_secret_ref is not None and not self.source.startswith("hf://"):
+            raise ValueError(MSG_HF_TOKEN_HF)
+        return self
+
+
+class EnvVar(_Model):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    value: str | None = None
+    # Passed through to the pod as is; the API server validates it there.
+    value_from: dict[str, Any] | None = None
+
+
+class EngineSpec(_Model):
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    max_num_seqs: int = Field(default=256, ge=1, le=65536)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    block_size: Literal[16] = 16
+    enable_prefix_caching: bool = True
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    max_waiting_requests: Annotated[int, Field(ge=1)] | None = None
+    shutdown_timeout_seconds: int = Field(default=30, ge=0, le=3600)
+    startup_timeout_seconds: int = Field(default=1800, ge=60, le=86400)
+    extra_args: list[Annotated[str, StringConstraints(max_length=256)]] = Field(
+        default_factory=list, max_length=64
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+
+    @model_validator(mode="after")
+    def _cel(self) -> EngineSpec:
+        if any(MANAGED_FLAGS_RE.match(arg) for arg in self.extra_args):
+            raise ValueError(MSG_MANAGED_FLAGS)
+        names = [e.name for e in self.env]
+        if len(names) != len(set(names)):
+            # The CRD makes env a map keyed by name, which rejects duplicates.
+            raise ValueError("env names must be unique")
+        return self
+
+
+class ResourcesSpec(_Model):
+    gpus: int = Field(default=1, ge=0, le=64)
+    gpu_resource_name: Annotated[
+        str, StringConstraints(max_length=253, pattern=EXTENDED_RESOURCE_PATTERN)
+    ] = "nvidia.com/gpu"
+    cpu: Quantity = "4"
+    memory: Quantity = "32Gi"
+
+
+class Toleration(_Model):
+    key: Annotated[str, StringConstraints(max_length=316)] | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: Annotated[str, StringConstraints(max_length=63)] | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingSpec(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    # A core/v1 Affinity, passed through; the API server validates it on the Deployment.
+    affinity: dict[str, Any] | None = None
+    priority_class_name: DnsSubdomain | None = None
+    runtime_class_name: DnsSubdomain | None = None
+
+
+class AutoscalingSpec(_Model):
+    mode: Literal["builtin", "external"] = "builtin"
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(default=1, ge=1, le=1000)
+    target_queue_depth: float = Field(default=4.0, gt=0.0, le=10000.0)
+    target_kv_cache_usage: float = Field(default=0.8, gt=0.0, le=1.0, alias="targetKVCacheUsage")
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    scale_to_zero_delay_seconds: int = Field(default=600, ge=0, le=86400)
+
+    @model_validator(mode="after")
+    def _cel(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(MSG_MIN_MAX)
+        return self
+
+
+class RoutingSpec(_Model):
+    replicas: int = Field(default=1, ge=1, le=100)
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+    session_header: Annotated[
+        str, StringConstraints(min_length=1, max_length=128, pattern=HTTP_TOKEN_PATTERN)
+    ] = "x-session-id"
+    use_user_field: bool = True
+    prefix_affinity: bool = True
+    prefix_length: int = Field(default=256, ge=1, le=65536)
+    load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
+    hold_timeout_seconds: int = Field(default=120, ge=0, le=3600)
+
+
+class ModelCacheSpec(_Model):
+    claim_name: DnsSubdomain
+
+
+class InferenceServiceSpec(_Model):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    replicas: Annotated[int, Field(ge=0, le=1000)] | None = None
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    api_key_secret_ref: APIKeySecretRef | None = None
+    model_cache: ModelCacheSpec | None = None
+
+    @model_validator(mode="after")
+    def _cel(self) -> InferenceServiceSpec:
+        a = self.autoscaling
+        if (
+            self.replicas is not None
+            and a.mode == "builtin"
+            and not a.min_replicas <= self.replicas <= a.max_replicas
+        ):
+            raise ValueError(MSG_REPLICAS_BOUNDS)
+        if a.mode == "external" and self.replicas is None:
+            raise ValueError(MSG_EXTERNAL_REPLICAS)
+        tp = self.engine.tensor_parallel_size
+        if tp > 1 and tp != self.resources.gpus:
+            raise ValueError(MSG_TP_GPUS)
+        if self.model_cache is not None and not self.model.source.startswith("hf://"):
+            raise ValueError(MSG_MODEL_CACHE_HF)
+        return self
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from. kind "demo": the engine's built-in tiny random model."""
+
+    kind: Literal["demo", "hf", "pvc", "path"]
+    repo: str = ""  # hf: "org/name"
+    revision: str = ""  # hf: branch, tag or commit; "main" when not given
+    claim: str = ""  # pvc: claim name
+    path: str = ""  # pvc: path inside the claim ("" = its root); path: the absolute path
+
+
+def parse_source(source: str) -> ModelSource:
+    if not source:
+        return ModelSource(kind="demo")
+    if m := HF_SOURCE_RE.match(source):
+        return ModelSource(kind="hf", repo=m["repo"], revision=m["revision"] or "main")
+    if m := PVC_SOURCE_RE.match(source):
+        return ModelSource(kind="pvc", claim=m["claim"], path=(m["path"] or "").strip("/"))
+    if PATH_SOURCE_RE.match(source):
+        return ModelSource(kind="path", path=source)
+    # Unreachable for a validated spec: ModelSpec.source carries the same pattern.
+    raise ValueError(f"unsupported model source {source!r}")
+
+
+def served_model_name(spec: InferenceServiceSpec) -> str:
+    """The name clients put in "model": the one given, else what vLLM would call it."""
+    if spec.model.served_name:
+        return spec.model.served_name
+    src = parse_source(spec.model.source)
+    match src.kind:
+        case "demo":
+            return DEMO_MODEL_NAME
+        case "hf":
+            return src.repo
+        case "pvc":
+            return src.path.rsplit("/", 1)[-1] or src.claim
+        case _:
+            return src.path.rstrip("/").rsplit("/", 1)[-1] or src.path
+
+
+def desired_replicas(spec: InferenceServiceSpec) -> int:
+    """Engine replicas to run until the autoscaler (builtin mode) decides otherwise.
+
+    spec.replicas wins when set: in external mode HPA/KEDA write it through /scale (the CRD
+    requires it there), and in builtin mode the CRD keeps it within [minReplicas, maxReplicas].
+    Unset, the service starts with at least one replica even when minReplicas is 0, so a new
+    endpoint answers at once; scaling to zero is the autoscaler's decision, after
+    scaleToZeroDelaySeconds of idleness.
+    """
+    if spec.replicas is not None:
+        return spec.replicas
+    return max(spec.autoscaling.min_replicas, 1)
+
+
+class SpecError(ValueError):
+    """A spec the operator will not act on; the message is shown in the Degraded condition."""
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if p != "__root__")
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"spec.{loc}: {msg}" if loc else f"spec: {msg}"
+
+
+def parse_spec(name: str, raw: Any) -> InferenceServiceSpec:
+    """Validate an InferenceService (its name and spec) as the CRD and the engine require."""
+    problems: list[str] = []
+    if not NAME_RE.match(name):
+        problems.append(MSG_NAME_FORMAT)
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(MSG_NAME_LENGTH)
+    spec: InferenceServiceSpec | None = None
+    try:
+        spec = InferenceServiceSpec.model_validate(raw if raw is not None else {})
+    except ValidationError as e:
+        problems.extend(_describe(err) for err in e.errors(include_url=False))
+    if spec is not None and spec.engine.tensor_parallel_size > ENGINE_MAX_TENSOR_PARALLEL_SIZE:
+        problems.append(
+            "spec.engine.tensorParallelSize: tensor parallelism (> 1) is not supported by this "
+            "engine version"
+        )
+    if problems or spec is None:
+        raise SpecError("; ".join(problems))
+    return spec
