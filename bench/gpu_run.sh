@@ -43,7 +43,8 @@ for step in "$@"; do
             tee "$out/llama3_requests.txt"
         ;;
     latency)
-        timeout 300 $py bench/latency.py --model bench/models/Llama-3.1-8B 2>&1 | tee "$out/latency.txt"
+        timeout 300 $py bench/latency.py --model bench/models/Llama-3.1-8B --profile 2>&1 |
+            tee "$out/latency.txt"
         ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile one timed run (host time)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -85,6 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     prefill = statistics.median(timed(1) for _ in range(args.repeats))
     full = statistics.median(timed(args.output_len) for _ in range(args.repeats))
     tpot = (full - prefill) / (args.output_len - 1)
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        timed(args.output_len)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        sys.stdout.write(buf.getvalue())
     floor = weight_bytes / bandwidth
     sys.stdout.write(
         f"device: {device_name()}  commit: {git_commit()}\n"

@@ -1,2 +1,20 @@
-"""Attention and cache kernels. Each Triton kernel has a pure-PyTorch twin in ``reference``
-that is both the CPU path and the test oracle."""
+"""Attention, cache and fused elementwise kernels. Each Triton kernel has a pure-PyTorch twin in
+``reference`` that is both the CPU path and the test oracle."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton kernels run on CUDA tensors when triton is installed (a GPU dependency only)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

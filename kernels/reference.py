@@ -67,3 +67,44 @@ def paged_attention(
         o = torch.einsum("hgqk,khd->qhgd", probs, v)
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(query.dtype)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)``, or ``(norm(x + residual), x + residual)``; statistics in fp32, rounded to
+    the input dtype before the weight multiply, as HF's Llama-family norms do."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    positions: torch.Tensor,
+    cos: torch.Tensor,  # [max_pos, head_dim] fp32, halves duplicated
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding in the activations' dtype, as HF applies it."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvfleet.kernels import reference, triton_available
+
 _ACTIVATIONS = {
     "silu": nn.functional.silu,
     "gelu": nn.functional.gelu,
@@ -19,8 +21,15 @@ class GatedActivation(nn.Module):
             raise ValueError(
                 f"unsupported hidden_act {hidden_act!r}; known: {sorted(_ACTIVATIONS)}"
             )
+        self.hidden_act = hidden_act
         self.act = _ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hidden_act == "silu":
+            if x.is_cuda and triton_available():
+                from kvfleet.kernels.activation import silu_and_mul
+
+                return silu_and_mul(x)
+            return reference.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvfleet.kernels import reference, triton_available
+
 
 def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -51,17 +53,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        if q.is_cuda and triton_available():
+            from kvfleet.kernels.rotary import apply_rotary
+
+            return apply_rotary(q, k, positions, self.cos, self.sin)
+        return reference.apply_rotary(q, k, positions, self.cos, self.sin)
