@@ -28,7 +28,7 @@ for step in "$@"; do
     qwen3)
         timeout 500 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static hf-continuous \
-            --baseline-num-prompts 64 --result-json "$out/qwen3_throughput.json" 2>&1 |
+            --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
         ;;
     llama8b)

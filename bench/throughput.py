@@ -125,7 +125,6 @@ def run_hf_static(args: argparse.Namespace, work: Workload) -> Result:
     )
 
 
-@torch.inference_mode()
 def run_hf_continuous(args: argparse.Namespace, work: Workload) -> Result:
     """transformers' own continuous batching (`generate_batch`), one max_new_tokens for all."""
     from transformers import GenerationConfig
@@ -140,6 +139,8 @@ def run_hf_continuous(args: argparse.Namespace, work: Workload) -> Result:
     with Timer() as t:
         outs = model.generate_batch(inputs=work.prompts, generation_config=config)
     produced = sum(len(o.generated_tokens) for o in outs.values())
+    if produced == 0:
+        raise RuntimeError("generate_batch produced no tokens")
     del model
     free_memory()
     return Result(

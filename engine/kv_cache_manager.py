@@ -70,6 +70,13 @@ class KVCacheManager:
         bs = self.block_size
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        # The common decode step: the token fits the last block and fills no block to cache.
+        if (
+            not new_computed_blocks
+            and total <= len(blocks) * bs
+            and (not self.enable_caching or total // bs <= self._num_cached_blocks[req.request_id])
+        ):
+            return []
         if total > req.num_tokens:
             raise ValueError(f"{req}: cannot compute {total} tokens, only {req.num_tokens} known")
         num_needed = cdiv(total, bs) - len(blocks) - len(new_computed_blocks)
