@@ -57,10 +57,7 @@ class _Parent:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer] | None
     cumulative_logprobs: list[float] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.status.finished for c in self.children)
+    num_unfinished: int = 0
 
 
 class EngineCore:
@@ -140,6 +137,7 @@ class EngineCore:
                 for _ in children
             ],
             [0.0] * len(children),
+            len(children),
         )
         self._parents[request_id] = parent
         for i, child in enumerate(children):
@@ -192,29 +190,34 @@ class EngineCore:
         self.generation_tokens_total += len(sample_reqs)
 
         deltas: dict[str, RequestOutput] = {}
+        finished_parents: list[_Parent] = []
         for req, token, logprobs in zip(
             sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
         ):
-            if req.status is RequestStatus.FINISHED_ABORTED:
+            status = req.status
+            if status is RequestStatus.FINISHED_ABORTED:
                 continue
-            if req.num_output_tokens == 1:
+            first_token = len(req.output_token_ids) == 1
+            if first_token:
                 self.prompt_tokens_total += req.num_prompt_tokens
             parent, index = self._child_of[req.request_id]
             detok = parent.detokenizers[index] if parent.detokenizers else None
-            stop = detok.add_token(token) if detok is not None else None
-            if stop is not None:
-                if not req.status.finished:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = stop
-            finished = req.status.finished
-            completion = CompletionOutput(
-                index=index,
-                text=detok.take_delta(finished) if detok is not None else "",
-                token_ids=[token],
-                finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason,
-            )
+            text = ""
+            if detok is not None:
+                stop = detok.add_token(token)
+                if stop is not None:
+                    if not status.finished:
+                        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                    status = req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = stop
+                text = detok.take_delta(status.finished)
+            completion = CompletionOutput(index, text, [token])
+            if status.finished:
+                completion.finish_reason = status.finish_reason
+                completion.stop_reason = req.stop_reason
+                parent.num_unfinished -= 1
+                if not parent.num_unfinished:
+                    finished_parents.append(parent)
             if logprobs is not None:
                 chosen, top = logprobs
                 parent.cumulative_logprobs[index] += chosen
@@ -224,25 +227,26 @@ class EngineCore:
             if delta is None:
                 first = parent.children[0]
                 delta = deltas[parent.request_id] = RequestOutput(
-                    request_id=parent.request_id,
-                    prompt_token_ids=parent.prompt_token_ids,
-                    outputs=[],
+                    parent.request_id,
+                    parent.prompt_token_ids,
+                    [],
                     num_cached_tokens=max(first.num_cached_tokens, 0),
                     prompt=parent.prompt,
-                    metrics=RequestMetrics(
-                        first.arrival_time, first.first_scheduled_time, first.first_token_time
-                    ),
+                )
+            if first_token or status.finished:
+                # Latency metrics need the timestamps only at the first token and at the end.
+                first = parent.children[0]
+                delta.metrics = RequestMetrics(
+                    first.arrival_time, first.first_scheduled_time, first.first_token_time
                 )
             delta.outputs.append(completion)
 
         self._release_finished()
-        for delta in deltas.values():
-            parent = self._parents[delta.request_id]
-            if parent.finished:
-                delta.finished = True
-                del self._parents[delta.request_id]
-                for child in parent.children:
-                    del self._child_of[child.request_id]
+        for parent in finished_parents:
+            deltas[parent.request_id].finished = True
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                del self._child_of[child.request_id]
         return list(deltas.values())
 
     def stats(self) -> dict[str, float]:

@@ -204,27 +204,38 @@ class ModelRunner:
 
         bs = self.block_size
         num_seqs = len(out.scheduled)
-        rows = np.empty(num_seqs, dtype=np.int64)
-        num_new = np.empty(num_seqs, dtype=np.int64)
-        computed = np.empty(num_seqs, dtype=np.int64)
+        rows_l: list[int] = []
+        num_new_l: list[int] = []
+        computed_l: list[int] = []
         input_ids: list[int] = []
         sampling: list[int] = []
+        table, row_len, row_of, started = self.block_table, self.row_len, self.rows, out.started
+        new_block_ids = out.new_block_ids
         for i, (req, n) in enumerate(out.scheduled):
             rid = req.request_id
-            row = self.rows.get(rid)
-            if row is None or rid in out.started:
+            row = row_of.get(rid)
+            if row is None or rid in started:
                 self._release(rid)
-                row = self.rows[rid] = self.free_rows.pop()
-            new_blocks = out.new_block_ids[rid]
+                row = row_of[rid] = self.free_rows.pop()
+            new_blocks = new_block_ids[rid]
             if new_blocks:
-                start = self.row_len[row]
-                self.block_table[row, start : start + len(new_blocks)] = new_blocks
-                self.row_len[row] = start + len(new_blocks)
+                start = row_len[row]
+                table[row, start : start + len(new_blocks)] = new_blocks
+                row_len[row] = start + len(new_blocks)
             c = req.num_computed_tokens
-            rows[i], num_new[i], computed[i] = row, n, c
-            input_ids.extend(req.all_token_ids[c : c + n])
-            if c + n == req.num_tokens:
+            rows_l.append(row)
+            num_new_l.append(n)
+            computed_l.append(c)
+            tokens = req.all_token_ids
+            if n == 1:
+                input_ids.append(tokens[c])
+            else:
+                input_ids.extend(tokens[c : c + n])
+            if c + n == len(tokens):
                 sampling.append(i)
+        rows = np.array(rows_l, dtype=np.int64)
+        num_new = np.array(num_new_l, dtype=np.int64)
+        computed = np.array(computed_l, dtype=np.int64)
 
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=qsl[1:])

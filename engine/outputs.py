@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str = ""
@@ -25,13 +25,15 @@ class CompletionOutput:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
             self.cumulative_logprob = delta.cumulative_logprob
         self.finish_reason = delta.finish_reason
         self.stop_reason = delta.stop_reason
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Monotonic timestamps (time.monotonic) of a request's life, for latency metrics."""
 
@@ -40,7 +42,7 @@ class RequestMetrics:
     first_token_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -56,4 +58,5 @@ class RequestOutput:
             self.outputs[d.index].add(d)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
-        self.metrics = delta.metrics
+        if delta.metrics is not None:
+            self.metrics = delta.metrics
