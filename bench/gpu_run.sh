@@ -31,6 +31,12 @@ for step in "$@"; do
             --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
         ;;
+    qwen3-static)
+        timeout 500 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
+            --input-len 100 1024 --output-len 100 1024 --baselines hf-static \
+            --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
+            tee "$out/qwen3_throughput.txt"
+        ;;
     llama8b)
         timeout 550 $py bench/throughput.py --model bench/models/Llama-3.1-8B --num-prompts 256 \
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static \
