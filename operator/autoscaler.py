@@ -6,7 +6,13 @@ Two signals, as the engines report them: requests in flight (running + waiting) 
 a target, and mean KV-cache usage over a target. Each gives a replica count (with a tolerance band
 that ignores small deviations); the larger wins. Then, as HPA does: clamp to [min, max], bound the
 step up, and scale down only to the highest recommendation seen within the stabilization window.
-A pod that did not answer is never a reason to scale down."""
+A pod that did not answer is never a reason to scale down, nor is a replica still starting; a
+starting replica counts as idle when scaling up (it takes its share of the load once ready), as
+HPA counts unready pods, so a slow model load does not make the scaler climb to the maximum.
+
+The history keeps only the latest recommendation of each replica count: the windows only ask
+for the highest and lowest value seen since some time, which an older equal entry never
+changes, so what is persisted stays a handful of entries."""
 
 from __future__ import annotations
 
@@ -66,6 +72,12 @@ class ScaleDecision:
     unanswered: tuple[str, ...] = ()
 
 
+def compact_history(history: tuple[Recommendation, ...]) -> tuple[Recommendation, ...]:
+    """The latest recommendation of each replica count, in the given (time) order."""
+    last = {r.replicas: i for i, r in enumerate(history)}
+    return tuple(r for i, r in enumerate(history) if last[r.replicas] == i)
+
+
 def _from_ratio(current: int, ratio: float, tolerance: float) -> int:
     if abs(ratio - 1.0) <= tolerance:
         return current
@@ -80,14 +92,21 @@ def decide(
     last_active: float | None,
     now: float,
     held_requests: float = 0.0,
+    starting: int = 0,
 ) -> ScaleDecision:
+    """``starting``: replicas asked for that are not ready yet, so not among ``pods``."""
     answered = [p for p in pods if p.answered]
     unanswered = tuple(p.pod for p in pods if not p.answered)
     in_flight = sum(p.in_flight for p in answered)
     busy = in_flight > 0 or held_requests > 0
     if busy:
         last_active = now
-    signals = {"current": float(current), "in_flight": in_flight, "held": held_requests}
+    signals = {
+        "current": float(current),
+        "starting": float(starting),
+        "in_flight": in_flight,
+        "held": held_requests,
+    }
 
     # -- what the load asks for ------------------------------------------------------------
     if current == 0:
@@ -98,8 +117,9 @@ def decide(
     elif not answered:
         raw, why = current, "no engine answered its metrics"
     else:
-        per_replica = in_flight / len(answered)
-        kv = sum(p.kv_cache_usage or 0.0 for p in answered) / len(answered)
+        serving = len(answered) + starting
+        per_replica = in_flight / serving
+        kv = sum(p.kv_cache_usage or 0.0 for p in answered) / serving
         signals.update(queue_per_replica=per_replica, kv_cache_usage=kv)
         by_queue = _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance)
         by_kv = _from_ratio(current, kv / policy.target_kv_cache_usage, policy.tolerance)
@@ -119,13 +139,15 @@ def decide(
     raw = min(max(raw, policy.min_replicas), policy.max_replicas)
     if unanswered and raw < current:
         raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
+    elif starting and raw < current:
+        raw, why = current, f"held: {starting} replicas still starting"
 
     # -- stabilization ---------------------------------------------------------------------
     keep = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
     # With no history (a new service), the present size counts as seen now: nothing shrinks
     # before one whole window of evidence.
     past = tuple(r for r in history if now - r.time < keep) or (Recommendation(now, current),)
-    history = (*past, Recommendation(now, raw))
+    history = compact_history((*past, Recommendation(now, raw)))
     if raw > current:
         window = [
             raw,

@@ -19,6 +19,8 @@ import os
 import random
 import socket
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -28,6 +30,7 @@ from kvfleet.operator.kube import Kube
 from kvfleet.operator.rbac import cluster_role
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import MANAGED_BY, OperatorConfig
+from kvfleet.operator.scaler import Autoscaler
 
 logger = logging.getLogger("kvfleet.operator")
 
@@ -57,12 +60,24 @@ def build_registry(
     *,
     debounce: float = 0.1,
     backoff: float = 1.0,
+    autoscale_interval: float = 10.0,
+    scrape_timeout: float = 2.0,
+    clock: Callable[[], float] = time.time,
 ) -> kopf.OperatorRegistry:
-    """A registry with the operator's handlers (and no login handler: the caller adds one)."""
+    """A registry with the operator's handlers (and no login handler: the caller adds one).
+
+    clock: seconds since the epoch, for the autoscaler's windows (tests pass a fake one)."""
     registry = kopf.OperatorRegistry()
-    reconciler = Reconciler(Kube(settings), config)
+    api = Kube(settings)
+    reconciler = Reconciler(api, config)
+    autoscaler = Autoscaler(
+        api, interval=autoscale_interval, scrape_timeout=scrape_timeout, clock=clock
+    )
     register(
-        registry, settings, WorkQueue(reconciler.reconcile, debounce=debounce, backoff=backoff)
+        registry,
+        settings,
+        WorkQueue(reconciler.reconcile, debounce=debounce, backoff=backoff),
+        autoscaler,
     )
     return registry
 
@@ -79,7 +94,12 @@ def _run(ns: argparse.Namespace) -> int:
         router_image=ns.router_image or defaults.router_image,
     )
     settings = build_settings(ns.peering)
-    registry = build_registry(settings, config)
+    registry = build_registry(
+        settings,
+        config,
+        autoscale_interval=ns.autoscale_interval,
+        scrape_timeout=ns.scrape_timeout,
+    )
     kopf.on.login(registry=registry)(_login)
     given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
     namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
@@ -141,6 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVFLEET_PEERING") or None,
         help="kopf peering object name: one active replica, the others on standby "
         "(env KVFLEET_PEERING); default: standalone",
+    )
+    run.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=float(os.environ.get("KVFLEET_AUTOSCALE_INTERVAL", "10")),
+        help="seconds between autoscaling decisions of a builtin-mode InferenceService "
+        "(env KVFLEET_AUTOSCALE_INTERVAL; default: 10)",
+    )
+    run.add_argument(
+        "--scrape-timeout",
+        type=float,
+        default=float(os.environ.get("KVFLEET_SCRAPE_TIMEOUT", "2")),
+        help="seconds a pod has to answer /metrics before it counts as unreachable "
+        "(env KVFLEET_SCRAPE_TIMEOUT; default: 2)",
     )
     run.set_defaults(func=_run)
     rbac = sub.add_parser("print-rbac", help="print the operator's ClusterRole as YAML")

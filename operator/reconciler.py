@@ -38,10 +38,11 @@ from kvfleet.operator.resources import (
     router_name,
     service_url,
 )
+from kvfleet.operator.scaler import Autoscaler
 from kvfleet.operator.spec import (
     InferenceServiceSpec,
     SpecError,
-    desired_replicas,
+    engine_replicas,
     parse_spec,
     served_model_name,
 )
@@ -173,13 +174,15 @@ class Reconciler:
 
         spec_error: str | None = None
         problems: list[Problem] = []
+        replicas: int | None = None
         try:
             spec = parse_spec(name, isvc.get("spec"))
         except SpecError as e:
             spec, spec_error = None, str(e)
             logger.warning("%s/%s: invalid spec: %s", namespace, name, e)
         if spec is not None:
-            live, problems = await self._converge(owner, spec)
+            replicas = engine_replicas(spec, previous.get("desiredReplicas"))
+            live, problems = await self._converge(owner, spec, replicas)
         else:
             # Nothing is applied; the children of the last valid spec keep serving.
             live = await self._existing(owner)
@@ -197,7 +200,7 @@ class Reconciler:
             previous=previous,
             spec_error=spec_error,
             child_problems=problems,
-            desired_replicas=desired_replicas(spec) if spec is not None else None,
+            desired_replicas=replicas,
             model_name=served_model_name(spec) if spec is not None else None,
             url=service_url(owner) if live.get(f"Service/{name}") else None,
             engine=live.get(f"Deployment/{engine_name(name)}"),
@@ -217,7 +220,7 @@ class Reconciler:
             raise RetryLater("; ".join(p.message for p in problems))
 
     async def _converge(
-        self, owner: Owner, spec: InferenceServiceSpec
+        self, owner: Owner, spec: InferenceServiceSpec, replicas: int
     ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
         """Apply every desired child and remove the ones no longer desired.
 
@@ -226,7 +229,7 @@ class Reconciler:
         """
         live: dict[str, dict[str, Any]] = {}
         problems: list[Problem] = []
-        desired = build_children(owner, spec, self._config)
+        desired = build_children(owner, spec, self._config, replicas)
         for obj in desired:
             label = f"{obj['kind']}/{obj['metadata']['name']}"
             try:
@@ -289,14 +292,21 @@ class Reconciler:
 
 
 def register(
-    registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, queue: WorkQueue
+    registry: kopf.OperatorRegistry,
+    settings: kopf.OperatorSettings,
+    queue: WorkQueue,
+    autoscaler: Autoscaler,
 ) -> None:
-    """Wire the kopf handlers that feed the queue; settings gain server-side label selectors."""
+    """Wire the kopf handlers that feed the queue and start or stop the autoscaling loops;
+    settings gain server-side label selectors."""
 
     # async: kopf runs sync handlers in threads, and the queue belongs to the event loop.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def inference_service_event(name: str, namespace: str, **_: Any) -> None:
+    async def inference_service_event(
+        name: str, namespace: str, type: str, body: kopf.Body, **_: Any
+    ) -> None:
         queue.enqueue((namespace, name))
+        autoscaler.track((namespace, name), body, deleted=type == "DELETED")
 
     async def child_event(labels: kopf.Labels, namespace: str, **_: Any) -> None:
         if owner := labels.get(LABEL_ISVC):
@@ -315,4 +325,5 @@ def register(
 
     @kopf.on.cleanup(registry=registry)
     async def stop_queue(**_: Any) -> None:
+        await autoscaler.stop()
         await queue.stop()

@@ -395,8 +395,9 @@ def _scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def engine_deployment(
-    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig
+    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig, replicas: int | None = None
 ) -> dict[str, Any]:
+    """replicas: the autoscaler's count (spec.engine_replicas); None for the spec's own."""
     e = spec.engine
     image = e.image or config.engine_image
     model = _model_wiring(owner, spec, image)
@@ -459,7 +460,7 @@ def engine_deployment(
             "kind": "Deployment",
             "metadata": _metadata(owner, name, "engine"),
             "spec": {
-                "replicas": desired_replicas(spec),
+                "replicas": desired_replicas(spec) if replicas is None else replicas,
                 "selector": {"matchLabels": selector_labels(owner.name, "engine")},
                 # A new pod must be ready before an old one goes: capacity never dips, at the
                 # price of one spare GPU slot during a rollout.
@@ -626,7 +627,10 @@ def download_config_map(owner: Owner) -> dict[str, Any]:
 
 
 def build_children(
-    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    config: OperatorConfig,
+    engine_replicas: int | None = None,
 ) -> list[dict[str, Any]]:
     """All desired children, in creation order (what a pod needs exists before the pod)."""
     children = []
@@ -637,7 +641,7 @@ def build_children(
         router_role(owner),
         router_role_binding(owner),
         engine_service(owner),
-        engine_deployment(owner, spec, config),
+        engine_deployment(owner, spec, config, engine_replicas),
         router_deployment(owner, spec, config),
         router_service(owner),
     ]

@@ -317,6 +317,19 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, 1)
 
 
+def engine_replicas(spec: InferenceServiceSpec, decided: int | None) -> int:
+    """The engine Deployment's replicas, given the autoscaler's last decision (status
+    .desiredReplicas, None before the first).
+
+    external: spec.replicas, which HPA/KEDA drive through /scale. builtin: the operator owns the
+    count, so spec.replicas only seeds it; bounds changed since the decision apply at once.
+    """
+    a = spec.autoscaling
+    if a.mode == "external" or decided is None:
+        return desired_replicas(spec)
+    return min(max(decided, a.min_replicas), a.max_replicas)
+
+
 class SpecError(ValueError):
     """A spec the operator will not act on; the message is shown in the Degraded condition."""
 

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet.operator.autoscaler import PodMetrics, Recommendation, ScalingPolicy, decide
+from kvfleet.operator.autoscaler import (
+    PodMetrics,
+    Recommendation,
+    ScalingPolicy,
+    compact_history,
+    decide,
+)
 
 POLICY = ScalingPolicy(
     min_replicas=1,
@@ -148,3 +154,40 @@ def test_never_below_a_recommendation_inside_the_down_window(policy, current, ea
     d = decide(current, pods(*load) if load else pods(0.0), policy, history, 999.0, 1000.0)
     if policy.scale_down_stabilization_s > 10 and d.replicas < current:
         assert d.replicas >= min(earlier, current)
+
+
+def test_starting_replicas_count_as_idle_going_up_and_hold_going_down():
+    policy = ScalingPolicy(min_replicas=1, max_replicas=20, target_queue_depth=8,
+                           scale_down_stabilization_s=0)  # fmt: skip
+    # 5 asked for, 1 ready with 40 in flight: once all 5 are up that is 8 each, on target.
+    assert decide(5, pods(40), policy, (), None, 10.0, starting=4).replicas == 5
+    # Without knowing about the starting ones, it would climb as if one replica carried it all.
+    assert decide(5, pods(40), policy, (), None, 10.0).replicas == 10
+    d = decide(5, pods(0), policy, (), None, 10.0, starting=4)
+    assert d.replicas == 5 and "starting" in d.reason
+
+
+def test_history_keeps_the_latest_entry_of_each_count():
+    h = (Recommendation(0, 3), Recommendation(5, 4), Recommendation(9, 3), Recommendation(12, 2))
+    assert compact_history(h) == (Recommendation(5, 4), Recommendation(9, 3), Recommendation(12, 2))
+    history: tuple[Recommendation, ...] = ()
+    for t in range(200):
+        history = decide(3, pods(8, 8, 8), POLICY, history, None, float(t)).history
+    assert len(history) == 1
+
+
+histories = st.lists(st.tuples(st.floats(0, 400), st.integers(0, 12)), min_size=0, max_size=30).map(
+    lambda xs: tuple(Recommendation(t, n) for t, n in sorted(xs))
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies, st.integers(0, 12), histories, loads, st.integers(0, 3))
+def test_compaction_never_changes_a_decision(policy, current, history, load, starting):
+    metrics = pods(*load) if load else pods(0.0)
+    full = decide(current, metrics, policy, history, 100.0, 400.0, starting=starting)
+    compact = decide(
+        current, metrics, policy, compact_history(history), 100.0, 400.0, starting=starting
+    )
+    assert (full.replicas, full.reason) == (compact.replicas, compact.reason)
+    assert full.history == compact.history

@@ -1,0 +1,163 @@
+"""The metrics scraper against real HTTP servers: parsing, pod targets, timeouts and failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.metrics_scraper import (
+    HELD_REQUESTS,
+    KV_CACHE_USAGE,
+    RUNNING,
+    WAITING,
+    Target,
+    parse_metrics,
+    ready_targets,
+    scrape_engines,
+    scrape_held_requests,
+)
+
+ENGINE_TEXT = """\
+# HELP vllm:num_requests_running Requests in the running batch.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="tiny"} 3.0
+# HELP vllm:num_requests_waiting Requests waiting to be scheduled.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="tiny"} 5.0
+# HELP vllm:kv_cache_usage_perc Fraction of KV-cache blocks in use (0..1).
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="tiny"} 0.25
+# HELP vllm:prompt_tokens_total Prompt tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{model_name="tiny"} 1234.0
+"""
+
+
+def test_parse_reads_the_engine_gauges_and_sums_series():
+    assert parse_metrics(ENGINE_TEXT, (RUNNING, WAITING, KV_CACHE_USAGE)) == {
+        RUNNING: 3.0,
+        WAITING: 5.0,
+        KV_CACHE_USAGE: 0.25,
+    }
+    two_models = (
+        'vllm:num_requests_running{model_name="a"} 1\nvllm:num_requests_running{model_name="b"} 2\n'
+    )
+    assert parse_metrics(two_models, (RUNNING, WAITING)) == {RUNNING: 3.0}
+    router = f"# TYPE {HELD_REQUESTS} gauge\n{HELD_REQUESTS} 7\n"
+    assert parse_metrics(router, (HELD_REQUESTS,)) == {HELD_REQUESTS: 7.0}
+
+
+def test_parse_rejects_what_is_not_the_exposition_format():
+    with pytest.raises(ValueError):
+        parse_metrics("<html>502 Bad Gateway</html>\n", (RUNNING,))
+
+
+def pod(name: str, ip: str | None = "10.0.0.1", ready: bool = True, **extra) -> dict:
+    return {
+        "metadata": {"name": name, **extra.get("metadata", {})},
+        "spec": extra.get("spec", {"containers": [{"name": "engine"}]}),
+        "status": {
+            **({"podIP": ip} if ip else {}),
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def test_targets_are_ready_pods_on_their_http_port():
+    ported = {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 9}]}]}
+    pods = [
+        pod("b", spec=ported),
+        pod("a"),
+        pod("starting", ready=False),
+        pod("no-ip", ip=None),
+        pod("going", metadata={"deletionTimestamp": "2025-01-01T00:00:00Z"}),
+        pod("v6", ip="fd00::1"),
+    ]
+    assert ready_targets(pods, 8000) == [
+        Target("a", "http://10.0.0.1:8000/metrics"),
+        Target("b", "http://10.0.0.1:9/metrics"),
+        Target("v6", "http://[fd00::1]:8000/metrics"),
+    ]
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest_asyncio.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
+    """Start an HTTP server answering /metrics with a handler; returns its /metrics URL."""
+    runners: list[web.AppRunner] = []
+
+    async def start(handler: Handler) -> str:
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}/metrics"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def text(body: str, status: int = 200) -> Handler:
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(text=body, status=status)
+
+    return handler
+
+
+async def hang(_: web.Request) -> web.Response:
+    await asyncio.sleep(30)
+    return web.Response(text=ENGINE_TEXT)
+
+
+@pytest.mark.asyncio
+async def test_engines_answer_or_are_reported_unanswered(serve):
+    targets = [
+        Target("good", await serve(text(ENGINE_TEXT))),
+        Target("slow", await serve(hang)),
+        Target("error", await serve(text("oops", status=500))),
+        Target("garbage", await serve(text("<html>\n"))),
+        Target("partial", await serve(text(ENGINE_TEXT.split("# HELP vllm:kv")[0]))),
+        Target("refused", "http://127.0.0.1:1/metrics"),
+    ]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with aiohttp.ClientSession() as session:
+        metrics = await scrape_engines(session, targets, timeout=0.5)
+    # Concurrent, each bounded by its timeout: the hanging pod costs one timeout, not more.
+    assert loop.time() - started < 3
+    assert metrics[0] == PodMetrics("good", running=3.0, waiting=5.0, kv_cache_usage=0.25)
+    assert metrics[0].in_flight == 8.0
+    assert [m.pod for m in metrics if not m.answered] == [
+        "slow",
+        "error",
+        "garbage",
+        "partial",
+        "refused",
+    ]
+
+
+@pytest.mark.asyncio
+async def test_held_requests_are_summed_over_routers(serve):
+    targets = [
+        Target("r1", await serve(text(f"{HELD_REQUESTS} 2\n"))),
+        Target("r2", await serve(text(f"{HELD_REQUESTS} 3\n"))),
+        # A router whose gauge has no series yet holds nothing; a silent one is reported.
+        Target("r3", await serve(text("# nothing held yet\n"))),
+        Target("r4", await serve(hang)),
+    ]
+    async with aiohttp.ClientSession() as session:
+        held, silent = await scrape_held_requests(session, targets, timeout=0.5)
+    assert (held, silent) == (5.0, ("r4",))
