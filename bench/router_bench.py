@@ -1,0 +1,472 @@
+"""Router benchmark on CPU engine processes.
+
+1. Affinity: a multi-turn chat workload (conversations sharing a few system prompts, each turn
+   sending the whole history) against N real engines, through the router and round robin
+   (straight to the engines in turn). Reported: the engines' own prefix-cache hit rate
+   (delta of ``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``) and client TTFT.
+   Each run uses its own prompts (another seed), so no run finds the previous run's blocks.
+2. Added latency: a stub upstream answering an 8-event SSE stream at once, hit at a fixed rate
+   directly and through the router; reported: time to first byte and to the last byte, p50/p99.
+
+    python -P bench/router_bench.py --engines 3 --conversations 24 --turns 6 --result-json out.json
+
+Engines serve a random-weight Llama built here (``--hidden-size``, ``--layers``; the built-in
+default model's tokenizer); the routers get its tokenizer (``--tokenizer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+logger = logging.getLogger("kvfleet.bench.router")
+
+MODEL = "tiny"
+# Plain words: about 1.5 tokens each with the tiny model's tokenizer.
+WORDS = tuple(
+    " ".join(
+        (
+            "the of and to in is you that it he was for on are as with his they at be this have",
+            "from or one had by word but not what all were we when your can said there use an",
+            "each which she do how their if will up other about out many then them these so some",
+            "her would make like him into time has look two more write go see number no way could",
+            "people my than first water been call who oil its now find long down day did get come",
+        )
+    ).split()
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str
+    users: tuple[str, ...]
+
+
+def make_conversations(
+    num: int, turns: int, num_systems: int, system_words: int, user_words: int, seed: int
+) -> list[Conversation]:
+    rng = random.Random(seed)
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    systems = [f"[{seed}-{i}] {text(system_words)}" for i in range(num_systems)]
+    return [
+        Conversation(systems[c % num_systems], tuple(text(user_words) for _ in range(turns)))
+        for c in range(num)
+    ]
+
+
+Target = Callable[[int], tuple[str, dict[str, str]]]  # conversation -> (base URL, headers)
+
+
+async def chat_turn(
+    session: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    headers: dict[str, str],
+) -> tuple[float, str]:
+    """One greedy streamed turn: (TTFT in seconds, reply text). TTFT is the first content
+    delta, not the role chunk the engine sends before generating."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    start = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text or choice.get("finish_reason"):
+                    ttft = time.perf_counter() - start if ttft is None else ttft
+                    parts.append(text)
+    assert ttft is not None, "no content in the stream"
+    return ttft, "".join(parts)
+
+
+async def run_conversations(
+    convs: Sequence[Conversation], target: Target, max_tokens: int, think_s: float = 0.0
+) -> list[float]:
+    """All conversations at once, each turn after the previous reply and a think time (uniform
+    in [0, 2 think_s], the same draws for every run); the TTFT of every turn. Without think
+    time the conversations move in lockstep, which makes round robin accidentally sticky."""
+    ttfts: list[float] = []
+
+    async def one(session: aiohttp.ClientSession, i: int, conv: Conversation) -> None:
+        rng = random.Random(i)
+        messages = [{"role": "system", "content": conv.system}]
+        for user in conv.users:
+            await asyncio.sleep(rng.uniform(0, 2 * think_s))
+            messages.append({"role": "user", "content": user})
+            url, headers = target(i)
+            ttft, reply = await chat_turn(session, url, messages, max_tokens, headers)
+            ttfts.append(ttft)
+            messages.append({"role": "assistant", "content": reply})
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, i, c) for i, c in enumerate(convs)))
+    return ttfts
+
+
+async def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
+    """Sum over the engines of (prefix-cache hits, queries), in tokens."""
+    hits = queries = 0.0
+    async with aiohttp.ClientSession() as s:
+        for url in urls:
+            async with s.get(f"{url}/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if line.startswith("vllm:prefix_cache_hits_total"):
+                        hits += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("vllm:prefix_cache_queries_total"):
+                        queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+@dataclass
+class AffinityResult:
+    policy: str
+    requests: int
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    seconds: float
+
+
+async def measure_affinity(
+    policy: str,
+    engine_urls: Sequence[str],
+    target: Target,
+    convs: Sequence[Conversation],
+    max_tokens: int,
+    think_s: float = 0.0,
+) -> AffinityResult:
+    h0, q0 = await prefix_counters(engine_urls)
+    start = time.perf_counter()
+    ttfts = await run_conversations(convs, target, max_tokens, think_s)
+    seconds = time.perf_counter() - start
+    h1, q1 = await prefix_counters(engine_urls)
+    ms = np.asarray(ttfts) * 1000
+    return AffinityResult(
+        policy,
+        len(ttfts),
+        (h1 - h0) / (q1 - q0),
+        float(np.percentile(ms, 50)),
+        float(np.percentile(ms, 90)),
+        seconds,
+    )
+
+
+def round_robin(urls: Sequence[str]) -> Target:
+    turn = itertools.count()
+    return lambda _conv: (urls[next(turn) % len(urls)], {})
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-P", *args]
+
+
+Proc = subprocess.Popen[bytes]
+
+
+def start_engine(model: Path, port: int, log: Path, *extra: str) -> Proc:
+    cmd = python_cmd("-m", "kvfleet.engine.cli", "serve", "--model", str(model), "--host",
+                     "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
+                     *extra)  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_router(endpoints: Sequence[str], port: int, log: Path, *extra: str) -> Proc:
+    cmd = python_cmd("-m", "kvfleet.operator.router", "--host", "127.0.0.1", "--port", str(port),
+                     "--endpoints", ",".join(endpoints), *extra)  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_ready(urls: Sequence[str], path: str, timeout_s: float = 120.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}{path} not ready after {timeout_s}s")
+            time.sleep(0.2)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def engines(n: int, model: Path, log_dir: Path, *extra: str) -> Iterator[list[tuple[Proc, str]]]:
+    """n engine processes serving ``model`` (built beforehand: n processes would race to build
+    it), as (process, base URL)."""
+    procs = []
+    try:
+        for i in range(n):
+            port = free_port()
+            proc = start_engine(model, port, log_dir / f"engine{i}.log", *extra)
+            procs.append((proc, f"http://127.0.0.1:{port}"))
+        wait_ready([u for _, u in procs], "/ready")
+        yield procs
+    finally:
+        stop([p for p, _ in procs])
+
+
+def bench_model(cache_dir: Path, hidden_size: int, layers: int) -> Path:
+    """A random Llama with the default model's tokenizer (vocab 1024), large enough that
+    prefill costs something on a CPU, so that cache hits show in TTFT."""
+    from kvfleet.engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(
+        cache_dir / f"router-bench-llama-h{hidden_size}-l{layers}", "llama", seed=0,
+        vocab_size=1024, hidden_size=hidden_size, num_layers=layers, num_heads=8,
+        num_kv_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Added latency
+# --------------------------------------------------------------------------------------------
+
+STUB_EVENTS = b"".join(b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n' for _ in range(8))
+
+
+def stub_app() -> web.Application:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(STUB_EVENTS + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_get("/health", lambda _r: web.json_response({"status": "ok"}))
+    return app
+
+
+async def fixed_rate(url: str, rate: float, n: int) -> tuple[list[float], list[float]]:
+    """n streamed requests, one every 1/rate seconds: (TTFB, total) per request, seconds."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    ttfb: list[float] = []
+    total: list[float] = []
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        start = time.perf_counter()
+        async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+            await r.content.readany()
+            ttfb.append(time.perf_counter() - start)
+            await r.read()
+            total.append(time.perf_counter() - start)
+
+    async with aiohttp.ClientSession() as session:
+        tasks = []
+        t0 = time.perf_counter()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(session)))
+        await asyncio.gather(*tasks)
+    return ttfb, total
+
+
+@dataclass
+class LatencyResult:
+    path: str
+    requests: int
+    rate: float
+    ttfb_p50_ms: float
+    ttfb_p99_ms: float
+    total_p50_ms: float
+    total_p99_ms: float
+
+
+def latency_result(path: str, rate: float, ttfb: list[float], total: list[float]) -> LatencyResult:
+    a, b = np.asarray(ttfb) * 1000, np.asarray(total) * 1000
+    return LatencyResult(path, len(total), rate, *(float(np.percentile(x, p))
+                         for x in (a, b) for p in (50, 99)))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=24)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=130, help="about 200 tokens")
+    p.add_argument("--user-words", type=int, default=60)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--kv-blocks", type=int, default=1024,
+                   help="KV cache blocks per engine (0: the engine's default, which on a CPU "
+                   "holds the whole workload many times over)")  # fmt: skip
+    p.add_argument("--think-time", type=float, default=1.0, help="mean seconds between turns")
+    p.add_argument("--hidden-size", type=int, default=384, help="of the bench model")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--prefix-length", type=int, default=128,
+                   help="router --prefix-length for the prefix-key run")  # fmt: skip
+    p.add_argument("--rate", type=float, default=50.0, help="added-latency request rate")
+    p.add_argument("--latency-requests", type=int, default=1000)
+    p.add_argument("--cache-dir", type=Path, help="where the bench model is built (default: temp)")
+    p.add_argument("--result-json", type=Path)
+    p.add_argument("--stub-port", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def print_tables(affinity: list[AffinityResult], latency: list[LatencyResult]) -> None:
+    rr = next(r for r in affinity if r.policy == "round robin")
+    print("| policy | requests | prefix-cache hit rate | vs round robin | TTFT p50 ms "
+          "| TTFT p90 ms | seconds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in affinity:
+        print(f"| {r.policy} | {r.requests} | {r.hit_rate:.1%} | {r.hit_rate / rr.hit_rate:.2f}x "
+              f"| {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | {r.seconds:.1f} |")  # fmt: skip
+    print()
+    print("| path | requests | rate/s | TTFB p50 ms | TTFB p99 ms | total p50 ms | total p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in latency:
+        print(f"| {r.path} | {r.requests} | {r.rate:g} | {r.ttfb_p50_ms:.2f} | {r.ttfb_p99_ms:.2f} "
+              f"| {r.total_p50_ms:.2f} | {r.total_p99_ms:.2f} |")  # fmt: skip
+
+
+async def affinity_runs(
+    ns: argparse.Namespace, urls: list[str], tokenizer: str, log_dir: Path
+) -> list[AffinityResult]:
+    hosts = [u.removeprefix("http://") for u in urls]
+    session_port, prefix_port = free_port(), free_port()
+    routers = [
+        start_router(hosts, session_port, log_dir / "router-session.log", "--tokenizer", tokenizer),
+        start_router(hosts, prefix_port, log_dir / "router-prefix.log", "--tokenizer", tokenizer,
+                     "--prefix-length", str(ns.prefix_length)),
+    ]  # fmt: skip
+    try:
+        session_url, prefix_url = (f"http://127.0.0.1:{p}" for p in (session_port, prefix_port))
+        wait_ready([session_url, prefix_url], "/health")
+
+        def workload(seed: int) -> list[Conversation]:
+            return make_conversations(ns.conversations, ns.turns, ns.system_prompts,
+                                      ns.system_words, ns.user_words, seed)  # fmt: skip
+
+        # Warm-up: the first requests of a process pay one-off costs (allocator, lazy imports).
+        await run_conversations(workload(99)[: ns.engines * 2], round_robin(urls), 4)
+        runs: list[tuple[str, Target]] = [
+            ("round robin", round_robin(urls)),
+            ("router, session header", lambda i: (session_url, {"x-session-id": f"conv-{i}"})),
+            (f"router, prefix key ({ns.prefix_length} tokens)", lambda _i: (prefix_url, {})),
+        ]
+        results = []
+        for seed, (policy, target) in enumerate(runs):
+            r = await measure_affinity(
+                policy, urls, target, workload(seed), ns.max_tokens, ns.think_time
+            )
+            logger.info("%s", r)
+            results.append(r)
+        return results
+    finally:
+        stop(routers)
+
+
+async def latency_runs(ns: argparse.Namespace, log_dir: Path) -> list[LatencyResult]:
+    stub_port, router_port = free_port(), free_port()
+    stub = subprocess.Popen(python_cmd(__file__, "--stub-port", str(stub_port)))
+    router = start_router([f"127.0.0.1:{stub_port}"], router_port, log_dir / "router-stub.log")
+    try:
+        direct, routed = (f"http://127.0.0.1:{p}" for p in (stub_port, router_port))
+        wait_ready([direct, routed], "/health")
+        out = []
+        for path, url in [("direct", direct), ("router", routed)] * 2:
+            ttfb, total = await fixed_rate(url, ns.rate, ns.latency_requests)
+            out.append(latency_result(path, ns.rate, ttfb, total))
+            logger.info("%s", out[-1])
+        # The first pair warms both paths up; report the second.
+        return out[2:]
+    finally:
+        stop([stub, router])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    if ns.stub_port:
+        web.run_app(stub_app(), host="127.0.0.1", port=ns.stub_port, print=None, access_log=None)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = Path(tmp)
+        model = bench_model(ns.cache_dir or log_dir, ns.hidden_size, ns.layers)
+        blocks = ("--num-gpu-blocks-override", str(ns.kv_blocks)) if ns.kv_blocks else ()
+        with engines(ns.engines, model, log_dir, *blocks) as procs:
+            urls = [u for _, u in procs]
+            affinity = asyncio.run(affinity_runs(ns, urls, str(model), log_dir))
+        latency = asyncio.run(latency_runs(ns, log_dir))
+    print_tables(affinity, latency)
+    if ns.result_json:
+        doc = {
+            "args": {k: str(v) for k, v in vars(ns).items()},
+            "affinity": [asdict(r) for r in affinity],
+            "latency": [asdict(r) for r in latency],
+        }
+        ns.result_json.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
