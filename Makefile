@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install install-dev run test lint clean
+.PHONY: install install-dev tools run test lint e2e clean
 
 $(PY):
 	python3 -P -m venv $(VENV)
@@ -25,6 +25,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
+# helm (and kubectl) for the chart tests and e2e: pinned, checksummed, into .tools/bin.
+TOOLS := .tools/bin
+$(TOOLS)/helm: scripts/fetch_tools.py
+	python3 -P scripts/fetch_tools.py
+	touch $@
+tools: $(TOOLS)/helm
+
 # The main job: the OpenAI-compatible server on the built-in default model (a tiny
 # random-weight Llama: meaningless text). MODEL=/path/to/hf-model serves a real one.
 run: install
@@ -35,9 +42,14 @@ lint: install-dev
 	$(VENV)/bin/ruff format --check .
 
 # pytest exits 5 when it collects nothing: that is a failure here, not a pass.
-test: lint
-	$(PY) -P -m pytest -q; rc=$$?; \
+# KVFLEET_REQUIRE_TOOLS: the tools were just installed, so a test that cannot find one fails.
+test: lint tools
+	KVFLEET_REQUIRE_TOOLS=1 $(PY) -P -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# End to end on a kind cluster (docker, kind, kubectl needed; skips saying what is missing).
+e2e: install-dev tools
+	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -P -m pytest -q e2e
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .tools .pytest_cache .ruff_cache .hypothesis

