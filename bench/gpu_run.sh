@@ -37,6 +37,10 @@ for step in "$@"; do
             --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
         ;;
+    profile)
+        timeout 300 $py bench/profile_step.py --model bench/models/Qwen3-0.6B --batch 128 \
+            --context 1024 2>&1 | tee "$out/profile.txt"
+        ;;
     llama8b)
         timeout 550 $py bench/throughput.py --model bench/models/Llama-3.1-8B --num-prompts 256 \
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static \
