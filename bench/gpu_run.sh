@@ -40,6 +40,8 @@ for step in "$@"; do
     profile)
         timeout 300 $py bench/profile_step.py --model bench/models/Qwen3-0.6B --batch 128 \
             --context 1024 2>&1 | tee "$out/profile.txt"
+        timeout 300 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
+            --input-len 100 1024 --output-len 100 1024 --step-stats 2>&1 | tee "$out/steps.txt"
         ;;
     llama8b)
         timeout 550 $py bench/throughput.py --model bench/models/Llama-3.1-8B --num-prompts 256 \

@@ -12,6 +12,7 @@ import argparse
 import gc
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +56,8 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
     ]
     llm.generate([{"prompt_token_ids": p} for p in work.prompts[:4]], params[:4])  # warm-up
+    if args.step_stats:
+        _record_steps(llm)
     with Timer() as t:
         outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -74,6 +77,44 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
             "prefix_cache_hits": stats["prefix_cache_hits"],
         },
     )
+
+
+def _record_steps(llm: LLM) -> None:
+    """Log, at exit, where step time went: pure decode steps (CUDA graphs) versus steps that
+    carry prefill tokens, with their counts and mean sizes."""
+    import atexit
+
+    core = llm.engine
+    schedule, step = core.scheduler.schedule, core.step
+    times: dict[str, list[float]] = {"decode": [], "prefill": []}
+    seqs: dict[str, list[int]] = {"decode": [], "prefill": []}
+    last: dict[str, int] = {}
+
+    def schedule_spy():
+        out = schedule()
+        last["seqs"], last["tokens"] = len(out.scheduled), out.num_batched_tokens
+        return out
+
+    def step_spy():
+        start = time.perf_counter()
+        result = step()
+        torch.cuda.synchronize()
+        kind = "decode" if last.get("tokens") == last.get("seqs") else "prefill"
+        times[kind].append(time.perf_counter() - start)
+        seqs[kind].append(last.get("seqs", 0))
+        return result
+
+    def report() -> None:
+        for kind, t in times.items():
+            if t:
+                logger.info(
+                    "%s steps: %d, %.2f s total, %.2f ms mean, %.1f sequences mean",
+                    kind, len(t), sum(t), 1e3 * sum(t) / len(t), sum(seqs[kind]) / len(t),
+                )  # fmt: skip
+
+    core.scheduler.schedule = schedule_spy
+    core.step = step_spy
+    atexit.register(report)
 
 
 def _hf_model(args: argparse.Namespace):
@@ -174,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="baselines run the first N prompts of the same workload")  # fmt: skip
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--result-json", default=None)
+    p.add_argument("--step-stats", action="store_true", help="log decode vs prefill step time")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
