@@ -25,6 +25,7 @@ from common import (
     Timer,
     Workload,
     random_workload,
+    sync,
     write_results,
 )
 
@@ -98,7 +99,7 @@ def _record_steps(llm: LLM) -> None:
     def step_spy():
         start = time.perf_counter()
         result = step()
-        torch.cuda.synchronize()
+        sync()
         kind = "decode" if last.get("tokens") == last.get("seqs") else "prefill"
         times[kind].append(time.perf_counter() - start)
         seqs[kind].append(last.get("seqs", 0))
