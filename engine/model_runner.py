@@ -40,6 +40,8 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(model_config.hf_config.vocab_size, device, args.seed)
+        if device.type == "cuda" and self.backend.name == "triton":
+            self._warm_up()
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.backend.name == "triton" and not args.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -145,6 +147,29 @@ class ModelRunner:
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         caches = self._allocate_kv_cache(1)
+        self._dummy_forward(lens)
+        del caches
+        self._bind_kv_cache([])
+
+    def _warm_up(self) -> None:
+        """Compile every prefill-kernel variant serving can meet (one per sequence-table bucket)
+        now rather than in the middle of someone's request."""
+        from kvfleet.kernels.paged_attention import prefill_seq_bucket
+
+        max_seqs = self.args.max_num_seqs
+        bucket = prefill_seq_bucket(1)
+        while True:
+            count = min(max_seqs, bucket)
+            assert prefill_seq_bucket(count) == bucket
+            self._dummy_forward([32] * count)
+            if count == max_seqs:
+                return
+            bucket *= 2
+
+    def _dummy_forward(self, lens: list[int]) -> None:
+        """Forward + sampling-sized logits for sequences of the given lengths, every slot and
+        block-table entry pointing at block 0 (the null block, never handed to a request)."""
+        num_tokens, num_seqs = sum(lens), len(lens)
         qsl = np.concatenate([[0], np.cumsum(lens)])
         positions = np.concatenate([np.arange(n) for n in lens])
         meta = AttentionMetadata(
@@ -154,7 +179,7 @@ class ModelRunner:
             ),
             seq_lens=torch.tensor(lens, device=self.device),
             query_start_loc=torch.tensor(qsl, device=self.device),
-            seq_lens_cpu=lens,
+            seq_lens_cpu=list(lens),
             query_start_loc_cpu=qsl.tolist(),
             max_query_len=max(lens),
             max_seq_len=max(lens),
@@ -165,8 +190,6 @@ class ModelRunner:
             hidden = self.model(ids, pos)
             logits = self.model.compute_logits(hidden[qsl[1:] - 1]).float()
             logits.softmax(-1).sort(dim=-1)
-        del caches, hidden, logits
-        self._bind_kv_cache([])
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         mc = self.model_config

@@ -243,7 +243,9 @@ def _decode_reduce_kernel(
     )
 
 
-@triton.jit
+# Arguments that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for each "== 1" / "% 16 == 0" pattern of them, mid-serving, at ~0.5 s each).
+@triton.jit(do_not_specialize=["num_seqs", "min_q_len", "max_q_len", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     kv_ptr,
@@ -486,6 +488,11 @@ def paged_decode_attention(
     return out
 
 
+def prefill_seq_bucket(num_seqs: int) -> int:
+    """The kernel's per-batch sequence-table width: few distinct values, so few compilations."""
+    return max(128, triton.next_power_of_2(num_seqs))
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: each sequence's newest tokens
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -522,7 +529,7 @@ def paged_prefill_attention(
         block_m = max(block_m, group_pad)
         grid = (query.shape[0] // (block_m // group_pad) + num_seqs, num_kv_heads)
         tile = (block_m, block_n, num_warps, num_stages)
-        launches.append((grid, triton.next_power_of_2(num_seqs), tile, small_q + 1, max_query_len))
+        launches.append((grid, prefill_seq_bucket(num_seqs), tile, small_q + 1, max_query_len))
     for grid, block_seqs, (block_m, block_n, num_warps, num_stages), min_q, max_q in launches:
         _prefill_kernel[grid](
             query,
