@@ -25,6 +25,9 @@ for step in "$@"; do
         timeout 300 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
         ;;
+    gputests)
+        timeout 400 $py -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+        ;;
     qwen3)
         timeout 500 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static hf-continuous \
