@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import kopf
 import pytest
 import pytest_asyncio
 import yaml
@@ -44,6 +42,7 @@ from tests.test_operator_kmock import (
     cluster,
     create,
     eventually,
+    run_operator,
     url,
     writes,
 )
@@ -217,38 +216,8 @@ async def operator(k: APIServer, clock: Clock) -> AsyncIterator[None]:
         scrape_timeout=0.2,
         clock=clock,
     )
-    server = str(k.url)
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=server)
-
-    stop, ready = threading.Event(), threading.Event()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(
-                kopf.operator(
-                    registry=registry,
-                    settings=settings,
-                    clusterwide=True,
-                    stop_flag=stop,
-                    ready_flag=ready,
-                )
-            )
-        except BaseException as e:
-            failure.append(e)
-
-    thread = threading.Thread(target=run, name="operator")
-    thread.start()
-    try:
-        assert await asyncio.to_thread(ready.wait, 10)
+    async with run_operator(registry, settings, str(k.url)):
         yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 10)
-    assert not thread.is_alive() and not failure, failure
 
 
 def service(name: str, autoscaling: dict[str, Any], **spec: Any) -> dict[str, Any]:

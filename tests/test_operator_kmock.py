@@ -141,12 +141,11 @@ async def cluster() -> AsyncIterator[APIServer]:
 
 
 @contextlib.asynccontextmanager
-async def operator(k: APIServer) -> AsyncIterator[None]:
+async def run_operator(
+    registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, url: str
+) -> AsyncIterator[None]:
     """The operator in a thread of its own, with its own event loop, as in its own process: on
     exit kopf waits for and cancels every task of its loop, which must not include kmock's."""
-    settings = build_settings()
-    registry = build_registry(settings, CONFIG, debounce=0.02, backoff=0.2)
-    url = str(k.url)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -178,6 +177,14 @@ async def operator(k: APIServer) -> AsyncIterator[None]:
         stop.set()
         await asyncio.to_thread(thread.join, 10)
     assert not thread.is_alive() and not failure, failure
+
+
+@contextlib.asynccontextmanager
+async def operator(k: APIServer) -> AsyncIterator[None]:
+    settings = build_settings()
+    registry = build_registry(settings, CONFIG, debounce=0.02, backoff=0.2)
+    async with run_operator(registry, settings, str(k.url)):
+        yield
 
 
 async def api(k: APIServer, method: str, url: str, body: Any = None) -> Any:
