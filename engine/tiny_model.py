@@ -2,25 +2,28 @@
 
 Nothing is downloaded. :func:`build_tokenizer` trains a byte-level BPE tokenizer on a small
 English corpus held in this module; :func:`build_tiny_model` builds a Llama / Mistral / Qwen2 /
-Qwen3 model with that tokenizer and saves both as an ordinary Hugging Face model directory
-(``config.json``, ``generation_config.json``, safetensors weights, ``tokenizer.json``,
-``tokenizer_config.json``, ``chat_template.jinja``), loadable with ``AutoTokenizer`` and
-``AutoModelForCausalLM``.
+Qwen3 / GPT-2 / Gemma 2 model with that tokenizer and saves both as an ordinary Hugging Face
+model directory (``config.json``, ``generation_config.json``, safetensors weights,
+``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``), loadable with
+``AutoTokenizer`` and ``AutoModelForCausalLM``.
 
 Weights are re-initialised so the model is a useful test oracle rather than a flat one:
 
-* every ``nn.Linear`` weight ~ N(0, 1/fan_in), so each attention and MLP block adds a
-  contribution about as large as the residual stream; the prediction at a position really
-  depends on the earlier tokens (a broken KV cache or attention mask changes the output);
+* every ``nn.Linear`` (and GPT-2 ``Conv1D``) weight ~ N(0, 1/fan_in), so each attention and
+  MLP block adds a contribution about as large as the residual stream; the prediction at a
+  position really depends on the earlier tokens (a broken KV cache or attention mask changes
+  the output);
 * the embedding ~ N(0, 1) and the LM head ~ N(0, 2/fan_in), so logits have a standard
   deviation near 1.4 and the greedy top-1 / top-2 gap is typically a few tenths (median about
   0.3-0.4 on random prompts): fp32 greedy token ids from two correct implementations agree,
   near ties are rare. With ``tie_word_embeddings`` the shared matrix is N(0, 2/hidden_size),
   which keeps the logits at the same scale (the small input embedding is rescaled by the first
   RMSNorm anyway);
-* every norm weight (input / post-attention / final RMSNorm, Qwen3 q/k norm) is
-  ``1 + 0.1 * N(0, 1)``, so a norm that ignores its weight (or mixes up which one) is caught;
-* every bias (Qwen2's q/k/v projections) is ``0.2 * N(0, 1)``, never zero.
+* every norm weight (input / post-attention / final RMSNorm, Qwen3 q/k norm, GPT-2 LayerNorm)
+  is ``1 + 0.1 * N(0, 1)``, so a norm that ignores its weight (or mixes up which one) is
+  caught; Gemma 2's norms, applied as ``1 + weight``, store ``0.1 * N(0, 1)``; GPT-2's
+  LayerNorm biases are ``0.1 * N(0, 1)`` and its learned positions N(0, 1/hidden_size);
+* every projection bias (Qwen2's q/k/v, all of GPT-2's) is ``0.2 * N(0, 1)``, never zero.
 
 Initialisation draws from a private ``torch.Generator`` seeded with ``seed`` in a fixed module
 order, so the same arguments give bit-identical weights; the checkpoint is built in float32
@@ -48,7 +51,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GenerationConfig,
+    GPT2Config,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -56,18 +61,27 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
 
+#: The Llama family: one config shape, one engine implementation.
 ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+#: Architectures with their own config names and layer structure.
+OTHER_ARCHITECTURES: tuple[str, ...] = ("gpt2", "gemma2")
+ALL_ARCHITECTURES: tuple[str, ...] = ARCHITECTURES + OTHER_ARCHITECTURES
 
 _CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "mistral": (MistralConfig, "MistralForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+    "gpt2": (GPT2Config, "GPT2LMHeadModel"),
+    "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
 }
+# Norms HF applies as (1 + weight): initialised around 0 so their scale is still about 1.
+_ZERO_CENTRED_NORMS = ("Gemma2RMSNorm",)
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -461,6 +475,27 @@ def _make_config(
     config_overrides: dict[str, Any],
 ) -> PretrainedConfig:
     config_cls, hf_class = _CONFIG_CLASSES[arch]
+    special_ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if arch == "gpt2":
+        gpt2_kwargs: dict[str, Any] = {
+            "vocab_size": vocab_size,
+            "n_embd": hidden_size,
+            "n_layer": num_layers,
+            "n_head": num_heads,
+            "n_positions": max_position_embeddings,
+            "tie_word_embeddings": tie_word_embeddings,
+            "architectures": [hf_class],
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            **special_ids,
+            **config_overrides,
+        }
+        return config_cls(**gpt2_kwargs)
     kwargs: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
@@ -470,9 +505,7 @@ def _make_config(
         "num_key_value_heads": num_kv_heads,
         "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
+        **special_ids,
         "architectures": [hf_class],
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -486,6 +519,19 @@ def _make_config(
     if arch == "qwen3":
         # Qwen3Config defaults head_dim to 128 regardless of hidden_size.
         kwargs["head_dim"] = hidden_size // num_heads
+    if arch == "gemma2":
+        # Gemma2Config's defaults are gemma-2-9b's (head_dim 256, a 4096-token window). Tiny
+        # ones instead, with a window short enough to matter on a 200-token prompt, and a query
+        # scalar equal to head_dim as in gemma-2-2b/9b.
+        del kwargs["hidden_act"]
+        kwargs.update(
+            head_dim=hidden_size // num_heads,
+            query_pre_attn_scalar=hidden_size // num_heads,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=32,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        )
     kwargs.update(config_overrides)
     return config_cls(**kwargs)
 
@@ -503,8 +549,9 @@ def _init_weights(model: nn.Module, seed: int) -> None:
     done: set[int] = set()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear):
-            fan_in = module.in_features
+        if isinstance(module, nn.Linear | Conv1D):
+            # Conv1D (GPT-2) stores its weight [in, out].
+            fan_in = module.in_features if isinstance(module, nn.Linear) else module.weight.shape[0]
             gain = 2.0 if module is output_embeddings else 1.0
             if id(module.weight) not in done:
                 normal_(module.weight, 0.0, math.sqrt(gain / fan_in))
@@ -514,10 +561,19 @@ def _init_weights(model: nn.Module, seed: int) -> None:
         elif isinstance(module, nn.Embedding):
             tied = output_embeddings is not None and output_embeddings.weight is module.weight
             std = math.sqrt(2.0 / module.embedding_dim) if tied else 1.0
+            if name.endswith(".wpe"):
+                # GPT-2's learned positions: half the variance of a tied token embedding, so
+                # the token, not its position, dominates what the first LayerNorm sees.
+                std = math.sqrt(1.0 / module.embedding_dim)
             if id(module.weight) not in done:
                 normal_(module.weight, 0.0, std)
-        elif isinstance(weight, nn.Parameter) and weight.dim() == 1 and "norm" in name.lower():
-            normal_(weight, 1.0, 0.1)
+        elif (
+            isinstance(weight, nn.Parameter)
+            and weight.dim() == 1
+            and ("norm" in name.lower() or isinstance(module, nn.LayerNorm))
+        ):
+            zero_centred = type(module).__name__ in _ZERO_CENTRED_NORMS
+            normal_(weight, 0.0 if zero_centred else 1.0, 0.1)
             bias = getattr(module, "bias", None)
             if isinstance(bias, nn.Parameter):
                 normal_(bias, 0.0, 0.1)
@@ -548,7 +604,7 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_kv_heads: int | None = None,
     max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = False,
     max_shard_size: str | None = None,
@@ -561,10 +617,21 @@ def build_tiny_model(
     ``rope_theta=500000.0``, ``rope_scaling={"rope_type": "llama3", ...}`` or, for Mistral,
     ``sliding_window=16`` (the default here is ``None``: full attention). ``max_shard_size``
     (e.g. ``"200KB"``) splits the safetensors weights into shards with an index file.
-    Returns ``path``.
+
+    ``num_kv_heads`` defaults to 2 (GPT-2: ``num_heads``, it has no grouped-query attention).
+    Embeddings are untied unless asked for, also for GPT-2 and Gemma 2 whose real checkpoints
+    tie them: a random tied head mostly predicts the input token again, so greedy output
+    degenerates into repeats and makes a weak oracle. Gemma 2 is built with ``head_dim`` and
+    ``query_pre_attn_scalar`` both ``hidden_size // num_heads``, a 32-token sliding window on
+    even layers and soft-caps of 50 (attention) and 30 (final logits); override any of them by
+    name. Returns ``path``.
     """
     if arch not in _CONFIG_CLASSES:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ALL_ARCHITECTURES}")
+    if num_kv_heads is None:
+        num_kv_heads = num_heads if arch == "gpt2" else 2
+    if arch == "gpt2" and num_kv_heads != num_heads:
+        raise ValueError("gpt2 has no grouped-query attention: num_kv_heads must equal num_heads")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} not divisible by num_heads {num_heads}")
     if num_heads % num_kv_heads:

@@ -216,6 +216,6 @@ def test_overrides_dtype_and_tied(tmp_path: Path) -> None:
 
 def test_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown arch"):
-        build_tiny_model(tmp_path / "x", "gpt2")
+        build_tiny_model(tmp_path / "x", "falcon")
     with pytest.raises(ValueError, match="num_kv_heads"):
         build_tiny_model(tmp_path / "x", "llama", num_heads=4, num_kv_heads=3)

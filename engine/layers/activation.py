@@ -1,28 +1,42 @@
-"""Gated MLP activations: the input holds gate and up halves side by side."""
+"""MLP activations. Gated ones take an input holding gate and up halves side by side."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kvfleet.kernels import reference, triton_available
 
-_ACTIVATIONS = {
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # GPT-2's tanh GELU spelt out as HF's NewGELUActivation does; torch's fused
+    # gelu(approximate="tanh") rounds differently in the last bits.
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": nn.functional.silu,
     "gelu": nn.functional.gelu,
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "relu": nn.functional.relu,
 }
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; known: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
 
 
 class GatedActivation(nn.Module):
     def __init__(self, hidden_act: str) -> None:
         super().__init__()
-        if hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"unsupported hidden_act {hidden_act!r}; known: {sorted(_ACTIVATIONS)}"
-            )
         self.hidden_act = hidden_act
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = get_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hidden_act == "silu":

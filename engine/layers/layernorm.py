@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add fused in (x + residual is both normed and carried on)."""
+"""Normalisation layers, with the residual add fused in (x + residual is both normed and carried
+on): RMSNorm (Llama family), GemmaRMSNorm (scale by 1 + weight) and LayerNorm (GPT-2)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,43 @@ class RMSNorm(nn.Module):
 
             return rms_norm(x, self.weight, self.eps, residual)
         return reference.rms_norm(x, self.weight, self.eps, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored zero-centred and applied as (1 + weight), and the
+    multiply happens in fp32 before rounding (Llama rounds first), as HF's Gemma2RMSNorm does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (GPT-2)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return out if residual is None else (out, residual)

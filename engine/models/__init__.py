@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvfleet.engine.models.gemma2 import Gemma2ForCausalLM
+from kvfleet.engine.models.gpt2 import GPT2LMHeadModel
 from kvfleet.engine.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

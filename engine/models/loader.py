@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from kvfleet.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +43,18 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
-    Unknown tensors and parameters left unloaded are errors, not silent random weights."""
+    Unknown tensors and parameters left unloaded are errors, not silent random weights.
+
+    A model whose checkpoint layout differs from its parameters (GPT-2: transposed Conv1D
+    matrices, q/k/v in one tensor) defines ``checkpoint_tensors`` to rewrite the stream of
+    (name, tensor) pairs first."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    rewrite: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
+    rewrite = getattr(model, "checkpoint_tensors", lambda tensors: tensors)
     loaded: set[str] = set()
-    for name, tensor in iter_checkpoint(path):
+    for name, tensor in rewrite(iter_checkpoint(path)):
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         target, shard = name, None
@@ -79,11 +87,20 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights of the right shapes: fast and deterministic, for benchmarks only. Norm
-    weights are 1 so activations keep a sane scale through deep models."""
+    weights are their identity (1, or 0 for Gemma's zero-centred ones) and LayerNorm biases 0, so
+    activations keep a sane scale through deep models."""
+    identity: dict[int, float] = {}
+    for module in model.modules():
+        if isinstance(module, RMSNorm | LayerNorm):
+            identity[id(module.weight)] = 1.0
+        if isinstance(module, GemmaRMSNorm):
+            identity[id(module.weight)] = 0.0
+        if isinstance(module, LayerNorm):
+            identity[id(module.bias)] = 0.0
     gens: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.data.fill_(1.0)
+    for param in model.parameters():
+        if id(param) in identity:
+            param.data.fill_(identity[id(param)])
             continue
         # Generated where the parameter lives: a 13B model filled on the host takes minutes.
         gen = gens.get(param.device)
