@@ -321,6 +321,9 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
         assert engine_replicas_of(k, "llm") == 4
         # A silent pod is reported and is never a reason to scale down.
         engines[3].silent = True
+        # As above: the clock moves only once the steps see the silent pod, or a step in
+        # flight could pair the old answers with the new time.
+        await steps(engines[0])
         clock.now = T0 + 310
         await steps(engines[0])
         assert status_of(k, "llm")["autoscaling"]["unreachablePods"] == [
