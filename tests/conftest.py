@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfleet.engine.tiny_model import ARCHITECTURES, build_tiny_model
+from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
 
 # Lengths from 1 to 200 tokens, on and off 16-token block boundaries.
 PROMPT_LENS = (1, 7, 16, 33, 64, 100, 161, 200)
@@ -19,7 +19,7 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {arch: build_tiny_model(root / arch, arch) for arch in ARCHITECTURES}
+    return {arch: build_tiny_model(root / arch, arch) for arch in ALL_ARCHITECTURES}
 
 
 @pytest.fixture(scope="session")
