@@ -5,15 +5,14 @@ and global layers."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from kvfleet.engine.distributed import tp_size
 from kvfleet.engine.layers.activation import GatedActivation
 from kvfleet.engine.layers.attention import Attention
-from kvfleet.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvfleet.engine.layers.embedding import VocabParallelEmbedding
 from kvfleet.engine.layers.layernorm import GemmaRMSNorm
 from kvfleet.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -21,6 +20,7 @@ from kvfleet.engine.layers.linear import (
     RowParallelLinear,
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
+from kvfleet.engine.models.causal_lm import CausalLM
 from kvfleet.engine.models.llama import rope_parameters
 
 
@@ -134,38 +134,11 @@ class Gemma2Model(nn.Module):
         return x
 
 
-class Gemma2ForCausalLM(nn.Module):
-    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "0"),
-        "up_proj": ("gate_up_proj", "1"),
-    }
-
+class Gemma2ForCausalLM(CausalLM):
     def __init__(self, config: Any, arch: str = "Gemma2ForCausalLM") -> None:
-        super().__init__()
-        if config.num_attention_heads % tp_size():
-            raise ValueError("attention heads must divide evenly over tensor-parallel ranks")
-        self.config = config
-        self.model = Gemma2Model(config)
-        self.final_logit_softcapping: float | None = getattr(
-            config, "final_logit_softcapping", None
+        super().__init__(
+            config,
+            Gemma2Model(config),
+            tie_by_default=True,
+            final_logit_soft_cap=getattr(config, "final_logit_softcapping", None),
         )
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden)
-        cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]

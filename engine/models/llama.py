@@ -3,15 +3,14 @@ One implementation; the architectures differ only in the switches read from thei
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from kvfleet.engine.distributed import tp_size
 from kvfleet.engine.layers.activation import GatedActivation
 from kvfleet.engine.layers.attention import Attention
-from kvfleet.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvfleet.engine.layers.embedding import VocabParallelEmbedding
 from kvfleet.engine.layers.layernorm import RMSNorm
 from kvfleet.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -19,6 +18,7 @@ from kvfleet.engine.layers.linear import (
     RowParallelLinear,
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
+from kvfleet.engine.models.causal_lm import CausalLM
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -139,32 +139,6 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
-    # Checkpoint tensor name piece -> (our fused parameter, shard within it).
-    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "0"),
-        "up_proj": ("gate_up_proj", "1"),
-    }
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: Any, arch: str = "LlamaForCausalLM") -> None:
-        super().__init__()
-        if config.num_attention_heads % tp_size():
-            raise ValueError("attention heads must divide evenly over tensor-parallel ranks")
-        self.config = config
-        self.model = LlamaModel(config, arch)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        super().__init__(config, LlamaModel(config, arch), tie_by_default=False)

@@ -1,0 +1,59 @@
+"""What the decoder-only models share: a body, an LM head (tied to the embedding or not), the
+logits, and the checkpoint's q/k/v and gate/up projections fused into single parameters."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kvfleet.engine.distributed import tp_size
+from kvfleet.engine.layers.attention import Attention
+from kvfleet.engine.layers.embedding import ParallelLMHead
+
+# Checkpoint tensor name piece -> (our fused parameter, shard within it).
+FUSED_QKV_GATE_UP: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "0"),
+    "up_proj": ("gate_up_proj", "1"),
+}
+
+
+class CausalLM(nn.Module):
+    """`model` must have `embed_tokens` and `layers[i].self_attn.attn`."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = FUSED_QKV_GATE_UP
+
+    def __init__(
+        self,
+        config: Any,
+        model: nn.Module,
+        tie_by_default: bool,
+        final_logit_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if config.num_attention_heads % tp_size():
+            raise ValueError("attention heads must divide evenly over tensor-parallel ranks")
+        self.config = config
+        self.model = model
+        self.final_logit_soft_cap = final_logit_soft_cap
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_by_default))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.final_logit_soft_cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
