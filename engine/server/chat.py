@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 import jinja2
 from aiohttp import web
 
-from kvfleet.engine.async_engine import EngineDeadError
-from kvfleet.engine.outputs import CompletionOutput
-from kvfleet.engine.server.errors import APIError, bad_request
+from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.server.errors import bad_request
 from kvfleet.engine.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -19,7 +17,7 @@ from kvfleet.engine.server.protocol import (
     random_id,
 )
 from kvfleet.engine.server.serving import SERVING, ServingContext
-from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send
+from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body
 
 # For checkpoints without a template of their own: ChatML, which most chat models were tuned on.
@@ -164,28 +162,27 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             ]
         )
     )
-    try:
-        async with aclosing(outputs) as it:
-            async for _, delta in it:
-                cached = delta.num_cached_tokens
-                choices = []
-                for c in delta.outputs:
-                    completion_tokens += len(c.token_ids)
-                    if nothing_to_send(c):
-                        continue
-                    choices.append(
-                        {
-                            "index": c.index,
-                            "delta": {"content": c.text} if c.text else {},
-                            "logprobs": logprobs(c),
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    )
-                if choices:
-                    await sse.send(chunk(choices))
-    except EngineDeadError as e:
-        await sse.send(APIError(503, str(e), "service_unavailable").sse_payload())
+
+    def to_choices(_: int, delta: RequestOutput) -> list[dict[str, Any]]:
+        nonlocal completion_tokens, cached
+        cached = delta.num_cached_tokens
+        choices = []
+        for c in delta.outputs:
+            completion_tokens += len(c.token_ids)
+            if nothing_to_send(c):
+                continue
+            choices.append(
+                {
+                    "index": c.index,
+                    "delta": {"content": c.text} if c.text else {},
+                    "logprobs": logprobs(c),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return choices
+
+    if not await relay(sse, outputs, to_choices, chunk):
         return await sse.finish()
     if include_usage:
         payload = chunk([])

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from kvfleet.engine.async_engine import EngineDeadError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.protocol import CompletionRequest, Usage, now, random_id
 from kvfleet.engine.server.serving import SERVING, ServingContext
-from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send
+from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body
 
 
@@ -130,30 +127,29 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 ]
             )
         )
-    try:
-        async with aclosing(outputs) as it:
-            async for i, delta in it:
-                last[i] = delta
-                choices = []
-                for choice in delta.outputs:
-                    index = i * n + choice.index
-                    completion_tokens += len(choice.token_ids)
-                    builder = offsets.setdefault(index, _LogprobsBuilder(ctx))
-                    if nothing_to_send(choice):
-                        continue
-                    choices.append(
-                        {
-                            "index": index,
-                            "text": choice.text,
-                            "logprobs": builder.build(choice),
-                            "finish_reason": choice.finish_reason,
-                            "stop_reason": choice.stop_reason,
-                        }
-                    )
-                if choices:
-                    await sse.send(chunk(choices))
-    except EngineDeadError as e:
-        await sse.send(APIError(503, str(e), "service_unavailable").sse_payload())
+
+    def to_choices(i: int, delta: RequestOutput) -> list[dict[str, Any]]:
+        nonlocal completion_tokens
+        last[i] = delta
+        choices = []
+        for choice in delta.outputs:
+            index = i * n + choice.index
+            completion_tokens += len(choice.token_ids)
+            builder = offsets.setdefault(index, _LogprobsBuilder(ctx))
+            if nothing_to_send(choice):
+                continue
+            choices.append(
+                {
+                    "index": index,
+                    "text": choice.text,
+                    "logprobs": builder.build(choice),
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
+        return choices
+
+    if not await relay(sse, outputs, to_choices, chunk):
         return await sse.finish()
     if include_usage:
         results = [

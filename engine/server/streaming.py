@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
+from kvfleet.engine.async_engine import EngineDeadError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.server.errors import APIError
 
 _END = object()
 
@@ -82,3 +85,26 @@ def nothing_to_send(choice: CompletionOutput) -> bool:
     """A token that completed no character (text held back) and carries no logprobs or finish:
     a chunk for it would be empty noise."""
     return not choice.text and choice.finish_reason is None and choice.logprobs is None
+
+
+Choices = list[dict[str, Any]]
+
+
+async def relay(
+    sse: SSEResponse,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    to_choices: Callable[[int, RequestOutput], Choices],
+    chunk: Callable[[Choices], dict[str, Any]],
+) -> bool:
+    """One event per engine step, carrying the choices `to_choices` makes of its delta (steps
+    that make none send nothing). False, after an error event, when the engine died mid-stream."""
+    try:
+        async with aclosing(outputs) as it:
+            async for i, delta in it:
+                choices = to_choices(i, delta)
+                if choices:
+                    await sse.send(chunk(choices))
+    except EngineDeadError as e:
+        await sse.send(APIError(503, str(e), "service_unavailable").sse_payload())
+        return False
+    return True
