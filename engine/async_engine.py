@@ -52,12 +52,21 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
+        if self.core.workers is not None:
+            self.core.workers.watch(self._worker_died)
 
     async def stop(self) -> None:
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
+        await asyncio.to_thread(self.core.shutdown)
+
+    def _worker_died(self, reason: str) -> None:
+        # The loop thread may be blocked in a collective with the dead rank: fail everything
+        # from here rather than wait for it.
+        self.error = EngineDeadError(reason)
+        self._post(self._fail_all, EngineDeadError(f"the engine loop died: {reason}"))
 
     @property
     def num_unfinished(self) -> int:
@@ -94,8 +103,10 @@ class AsyncEngine:
                     self._post(self._deliver, outputs)
         except BaseException as e:
             logger.exception("engine loop died")
+            # A collective failing because a worker died says less than the death itself.
+            reason = self.core.worker_failure() or repr(e)
             self.error = e
-            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {reason}"))
 
     def _apply_commands(self) -> None:
         while True:

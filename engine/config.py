@@ -47,11 +47,22 @@ class EngineArgs(BaseModel):
         default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"
     )
     enforce_eager: bool = Field(default=False, description="never use CUDA graphs")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="split the model over this many GPUs of this machine, one process each",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA device is visible")
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.resolved_device().type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs but {torch.cuda.device_count()} "
+                "are visible"
+            )
         return self
 
     def resolved_backend(self) -> str:
@@ -102,6 +113,8 @@ class ModelConfig(BaseModel):
             )
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        _check_tensor_parallel(args.tensor_parallel_size, num_heads, num_kv_heads)
         return cls(
             path=path,
             hf_config=hf_config,
@@ -109,8 +122,24 @@ class ModelConfig(BaseModel):
             dtype=_resolve_dtype(args.dtype, hf_config, device),
             max_model_len=args.max_model_len or native_len,
             num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+        )
+
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads one rank holds; with fewer KV heads than ranks each is replicated."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+
+def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention heads"
+        )
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads: one must divide "
+            "the other"
         )
 
 

@@ -10,12 +10,14 @@ from typing import Any
 
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.model_runner import ModelRunner
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.request import Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import Scheduler
+from kvfleet.engine.workers import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,21 @@ class _Parent:
 class EngineCore:
     def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
         self.args = args
-        self.device = args.resolved_device()
+        self.device = rank_device(args.resolved_device(), 0)
         self.model_config = ModelConfig.from_args(args, self.device)
         self.tokenizer = tokenizer
         if tokenizer is None and not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        self.runner = ModelRunner(args, self.model_config, self.device)
+        self.workers: TensorParallelWorkers | None = None
+        if args.tensor_parallel_size > 1:
+            self.workers = TensorParallelWorkers(args)
+        try:
+            self.runner = ModelRunner(args, self.model_config, self.device)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.workers is not None:
+            self.runner.before_forward = self.workers.send
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -85,14 +96,24 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
-            "engine ready: %s (%s) on %s, %s, max_model_len=%d, prefix caching %s",
+            "engine ready: %s (%s) on %s x%d, %s, max_model_len=%d, prefix caching %s",
             self.model_config.path,
             self.model_config.architecture,
             self.device,
+            args.tensor_parallel_size,
             self.model_config.dtype,
             self.model_config.max_model_len,
             "on" if args.enable_prefix_caching else "off",
         )
+
+    def worker_failure(self) -> str | None:
+        """Why a tensor-parallel worker can no longer run steps, or None."""
+        return None if self.workers is None else self.workers.failure()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(

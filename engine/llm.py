@@ -24,6 +24,16 @@ class LLM:
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now rather than at interpreter exit."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -1,9 +1,12 @@
-"""Runs the model on one flat batch per step: builds input ids, positions, slot mapping and block
-tables from the scheduler's decision, runs the forward pass and samples."""
+"""Runs the model on one flat batch per step. Rank 0 turns the scheduler's decision into a
+`StepPlan` (input ids, lengths, the block-table entries that changed), every tensor-parallel
+rank runs the same plan through its shard of the model, and rank 0 samples."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,6 +15,7 @@ from kvfleet.engine.attention_backend import get_attention_backend
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
+from kvfleet.engine.distributed import all_reduce_min, tp_rank, tp_size
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
@@ -25,6 +29,19 @@ logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_BYTES = 4 << 30
 
 
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step, as every rank needs it: small (O(batch) plus the block ids the scheduler just
+    appended), because rank 0 sends it to each tensor-parallel worker every step."""
+
+    rows: np.ndarray  # block-table row of each sequence
+    num_new: np.ndarray  # tokens each sequence adds this step
+    computed: np.ndarray  # tokens each sequence already has in the KV cache
+    input_ids: np.ndarray
+    table_writes: list[tuple[int, int, list[int]]]  # (row, first column, block ids)
+    sampling: np.ndarray  # indices of the sequences that sample this step
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:
         self.args = args
@@ -33,13 +50,17 @@ class ModelRunner:
         self.dtype = model_config.dtype
         self.block_size = args.block_size
         self.max_blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
+        self.num_kv_heads = model_config.kv_heads_per_rank(tp_size())
 
         torch.manual_seed(args.seed)
         self.model = self._load_model()
         self.backend = get_attention_backend(args.resolved_backend(), model_config.max_model_len)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler(model_config.hf_config.vocab_size, device, args.seed)
+        # Only rank 0 samples; the workers' logits are computed (the LM head is a collective)
+        # and dropped.
+        vocab = model_config.hf_config.vocab_size
+        self.sampler = Sampler(vocab, device, args.seed) if tp_rank() == 0 else None
         if device.type == "cuda" and self.backend.name == "triton":
             self._warm_up()
         self.graphs: DecodeGraphs | None = None
@@ -59,6 +80,7 @@ class ModelRunner:
         self.row_len = np.zeros(args.max_num_seqs, dtype=np.int64)
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(args.max_num_seqs - 1, -1, -1))
+        self.before_forward: Callable[[StepPlan], None] | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -67,6 +89,8 @@ class ModelRunner:
         prev_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
+            if self.device.type == "cuda":
+                self._check_weights_fit(cls)
             with torch.device(self.device):
                 model = cls(mc.hf_config, mc.architecture)
         finally:
@@ -77,10 +101,26 @@ class ModelRunner:
             load_weights(model, mc.path)
         return model.eval()
 
+    def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:
+        """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
+        mc = self.model_config
+        with torch.device("meta"):
+            shapes = cls(mc.hf_config, mc.architecture)
+        need = sum(p.numel() * p.element_size() for p in shapes.parameters())
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * self.args.gpu_memory_utilization
+        if need > budget:
+            raise ValueError(
+                f"the model's weights take {need / 2**30:.1f} GiB per GPU at {mc.dtype} with "
+                f"tensor_parallel_size={tp_size()}, more than gpu_memory_utilization="
+                f"{self.args.gpu_memory_utilization} of this GPU's {total / 2**30:.1f} GiB: "
+                "raise tensor_parallel_size (or gpu_memory_utilization)"
+            )
+
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
         return per_layer * mc.num_layers
 
     def _num_kv_blocks(self) -> int:
@@ -97,12 +137,19 @@ class ModelRunner:
             if self.device.type == "cpu" and args.kv_cache_memory_bytes is None:
                 # No point holding more than every sequence at full length (plus the null block).
                 num = min(num, args.max_num_seqs * self.max_blocks_per_seq + 1)
+            # Every rank holds the same blocks (its own heads of them): the smallest budget wins.
+            num = all_reduce_min(num, self.device)
         if num < 2:
             raise ValueError(
                 f"the KV cache budget holds {num} blocks of {self.block_bytes} bytes; at least 2 "
                 "are needed (raise gpu_memory_utilization or kv_cache_memory_bytes)"
             )
         tokens = (num - 1) * self.block_size
+        if tp_rank() == 0:
+            self._log_kv_size(num, tokens)
+        return num
+
+    def _log_kv_size(self, num: int, tokens: int) -> None:
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
             "max_model_len=%d: %.2fx",
@@ -113,7 +160,6 @@ class ModelRunner:
             self.model_config.max_model_len,
             tokens / self.model_config.max_model_len,
         )
-        return num
 
     def _cuda_kv_budget(self) -> int:
         """Memory left for the KV cache after the weights and the peak activations of a forward
@@ -193,7 +239,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         mc = self.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]
@@ -216,23 +262,36 @@ class ModelRunner:
     def finish_request(self, request_id: str) -> None:
         """Forget everything held for a request that has left the engine."""
         self._release(request_id)
-        self.sampler.forget(request_id)
+        if self.sampler is not None:
+            self.sampler.forget(request_id)
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
-        """Run one step. Returns the requests that sampled a token and what they sampled."""
+        """Run one step (rank 0). Returns the requests that sampled a token and what they
+        sampled. `before_forward` hands the plan to the tensor-parallel workers."""
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
             return [], SamplerOutput([], [])
+        plan = self.plan(out)
+        if self.before_forward is not None:
+            self.before_forward(plan)
+        logits = self.forward(plan)
+        if logits is None:
+            return [], SamplerOutput([], [])
+        assert self.sampler is not None
+        sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
+        with torch.inference_mode():
+            return sample_reqs, self.sampler(logits, sample_reqs)
 
-        bs = self.block_size
-        num_seqs = len(out.scheduled)
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """Rows for new requests, the block ids appended since the last step, the input ids."""
         rows_l: list[int] = []
         num_new_l: list[int] = []
         computed_l: list[int] = []
         input_ids: list[int] = []
         sampling: list[int] = []
-        table, row_len, row_of, started = self.block_table, self.row_len, self.rows, out.started
+        writes: list[tuple[int, int, list[int]]] = []
+        row_len, row_of, started = self.row_len, self.rows, out.started
         new_block_ids = out.new_block_ids
         for i, (req, n) in enumerate(out.scheduled):
             rid = req.request_id
@@ -242,8 +301,8 @@ class ModelRunner:
                 row = row_of[rid] = self.free_rows.pop()
             new_blocks = new_block_ids[rid]
             if new_blocks:
-                start = row_len[row]
-                table[row, start : start + len(new_blocks)] = new_blocks
+                start = int(row_len[row])
+                writes.append((row, start, new_blocks))
                 row_len[row] = start + len(new_blocks)
             c = req.num_computed_tokens
             rows_l.append(row)
@@ -256,32 +315,43 @@ class ModelRunner:
                 input_ids.extend(tokens[c : c + n])
             if c + n == len(tokens):
                 sampling.append(i)
-        rows = np.array(rows_l, dtype=np.int64)
-        num_new = np.array(num_new_l, dtype=np.int64)
-        computed = np.array(computed_l, dtype=np.int64)
+        return StepPlan(
+            rows=np.array(rows_l, dtype=np.int64),
+            num_new=np.array(num_new_l, dtype=np.int64),
+            computed=np.array(computed_l, dtype=np.int64),
+            input_ids=np.array(input_ids, dtype=np.int64),
+            table_writes=writes,
+            sampling=np.array(sampling, dtype=np.int64),
+        )
 
+    def forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run a plan through this rank's model; the logits of the sampling sequences (None
+        when none samples)."""
+        bs = self.block_size
+        table = self.block_table
+        for row, start, blocks in plan.table_writes:
+            table[row, start : start + len(blocks)] = blocks
+        rows, num_new, computed = plan.rows, plan.num_new, plan.computed
+        num_seqs = len(rows)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=qsl[1:])
         num_tokens = int(qsl[-1])
         positions = np.arange(num_tokens) + np.repeat(computed - qsl[:-1], num_new)
         seq_lens = computed + num_new
-        slots = (
-            self.block_table[np.repeat(rows, num_new), positions // bs].astype(np.int64) * bs
-            + positions % bs
+        slots = table[np.repeat(rows, num_new), positions // bs].astype(np.int64) * bs + (
+            positions % bs
         )
         max_seq_len = int(seq_lens.max())
-        block_tables = self.block_table[rows, : cdiv(max_seq_len, bs)]
+        block_tables = table[rows, : cdiv(max_seq_len, bs)]
 
         dev = self.device
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        sample_reqs = [out.scheduled[i][0] for i in sampling]
+        ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
         graphs = self.graphs
         if graphs is not None and num_tokens == num_seqs and graphs.can_run(num_seqs):
             # A pure decode step (every sequence adds one token, and so samples).
             with torch.inference_mode():
                 hidden = graphs.run(ids, positions, slots, block_tables, seq_lens)
-                logits = self.model.compute_logits(hidden)
-                return sample_reqs, self.sampler(logits, sample_reqs)
+                return self.model.compute_logits(hidden)
 
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
@@ -296,8 +366,7 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         with torch.inference_mode(), attention_context(meta):
             hidden = self.model(ids, pos)
-            if not sampling:
-                return [], SamplerOutput([], [])
-            logits_idx = torch.from_numpy(qsl[1:][sampling] - 1).to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden[logits_idx])
-            return sample_reqs, self.sampler(logits, sample_reqs)
+            if not len(plan.sampling):
+                return None
+            logits_idx = torch.from_numpy(qsl[1:][plan.sampling] - 1).to(dev, non_blocking=True)
+            return self.model.compute_logits(hidden[logits_idx])

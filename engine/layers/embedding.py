@@ -17,6 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp_rank() * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_shapes = {None: (vocab_size, hidden_size)}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
         part = loaded[self.start : self.start + self.per_rank]

@@ -15,13 +15,25 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    """``checkpoint_shapes`` on each parameter: the whole (unsharded) checkpoint tensor that
+    ``weight_loader`` takes for each shard, so dummy weights can be generated whole and split
+    exactly as a checkpoint would be, and every tensor-parallel size sees the same model."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        full_shapes: dict[str | None, tuple[int, int]],
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_shapes = full_shapes
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.checkpoint_shapes = {k: v[:1] for k, v in full_shapes.items()}
         else:
             self.register_parameter("bias", None)
 
@@ -35,11 +47,18 @@ class _Linear(nn.Module):
 class ColumnParallelLinear(_Linear):
     """Output features split across ranks; each rank's output is its own slice."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        full_shapes: dict[str | None, tuple[int, int]] | None = None,
+    ) -> None:
         size = tp_size()
         if out_features % size:
             raise ValueError(f"{out_features} output features do not split over {size} ranks")
-        super().__init__(in_features, out_features // size, bias)
+        full = full_shapes or {None: (out_features, in_features)}
+        super().__init__(in_features, out_features // size, bias, full)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
         n = param.shape[0]
@@ -53,7 +72,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
         self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias)
+        full = {str(i): (n, in_features) for i, n in enumerate(out_sizes)}
+        super().__init__(in_features, sum(out_sizes), bias, full)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
         index = int(shard)  # type: ignore[arg-type]
@@ -81,7 +101,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // size)
         self._kv_replicas = max(1, size // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
-        super().__init__(hidden_size, out, bias)
+        q, kv = (num_heads * head_dim, hidden_size), (num_kv_heads * head_dim, hidden_size)
+        super().__init__(hidden_size, out, bias, {"q": q, "k": kv, "v": kv})
 
     @property
     def output_sizes(self) -> tuple[int, int, int]:
@@ -105,7 +126,8 @@ class RowParallelLinear(_Linear):
         size = tp_size()
         if in_features % size:
             raise ValueError(f"{in_features} input features do not split over {size} ranks")
-        super().__init__(in_features // size, out_features, bias)
+        full = {None: (out_features, in_features)}
+        super().__init__(in_features // size, out_features, bias, full)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
         if param.dim() == 2:

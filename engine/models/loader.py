@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -86,9 +87,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes: fast and deterministic, for benchmarks only. Norm
-    weights are their identity (1, or 0 for Gemma's zero-centred ones) and LayerNorm biases 0, so
-    activations keep a sane scale through deep models."""
+    """Random weights of the right shapes: fast and deterministic, for benchmarks only. Each
+    checkpoint tensor is generated whole from a seed of its own name and handed to the
+    parameter's loader, so a tensor-parallel rank holds exactly its slice of the model one rank
+    would hold: the model does not depend on the tensor-parallel size. Norm weights are their
+    identity (1, or 0 for Gemma's zero-centred ones) and LayerNorm biases 0, so activations keep
+    a sane scale through deep models."""
     identity: dict[int, float] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm | LayerNorm):
@@ -97,13 +101,19 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             identity[id(module.weight)] = 0.0
         if isinstance(module, LayerNorm):
             identity[id(module.bias)] = 0.0
-    gens: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if id(param) in identity:
             param.data.fill_(identity[id(param)])
             continue
-        # Generated where the parameter lives: a 13B model filled on the host takes minutes.
-        gen = gens.get(param.device)
-        if gen is None:
-            gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.data.uniform_(-1e-2, 1e-2, generator=gen)
+        shapes = getattr(param, "checkpoint_shapes", {None: tuple(param.shape)})
+        for shard, shape in shapes.items():
+            # Generated where the parameter lives: a 13B model filled on the host takes minutes.
+            key = zlib.crc32(f"{seed}:{name}:{shard}".encode())
+            gen = torch.Generator(device=param.device).manual_seed(key)
+            whole = torch.empty(shape, dtype=param.dtype, device=param.device)
+            whole.uniform_(-1e-2, 1e-2, generator=gen)
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(whole)
+            else:
+                loader(param, whole, shard)

@@ -97,9 +97,10 @@ async def _health(request: web.Request) -> web.Response:
     engine: AsyncEngine = request.app[SERVING].engine
     if engine.is_healthy():
         return web.json_response({"status": "ok"})
-    reason = (
-        "engine loop is dead" if not engine.is_alive() else "engine loop is not making progress"
-    )
+    if engine.is_alive():
+        reason = "engine loop is not making progress"
+    else:
+        reason = f"engine loop is dead: {engine.error}" if engine.error else "engine loop is dead"
     return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
 
 

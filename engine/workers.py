@@ -1,0 +1,150 @@
+"""Tensor-parallel worker processes: ranks 1..N-1 of one engine, one GPU each. Rank 0 is the
+engine process itself: it schedules and sends every step's plan down a pipe to each worker, and
+all ranks run that plan through their shard of the model, kept in lock step by the collectives
+inside it. A worker holds no scheduler state, so a step costs it one small message."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing as mp
+import pickle
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+
+import torch.distributed as dist
+
+from kvfleet.engine.config import EngineArgs, ModelConfig
+from kvfleet.engine.distributed import init_tensor_parallel, rank_device
+from kvfleet.engine.model_runner import ModelRunner, StepPlan
+
+logger = logging.getLogger(__name__)
+
+_HELLO = b"up"
+_STOP = b""
+# How long a freshly spawned worker may take to import torch and say it is up.
+_START_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, args_json: str, conn: Connection, log_level: int
+) -> None:
+    # Ctrl-C reaches the whole process group; the engine process decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
+    )
+    conn.send_bytes(_HELLO)
+    args = EngineArgs.model_validate_json(args_json)
+    device = rank_device(args.resolved_device(), rank)
+    init_tensor_parallel(rank, world_size, port, device)
+    runner = ModelRunner(args, ModelConfig.from_args(args, device), device)
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except EOFError:
+            # The engine process is gone; collectives with it can never complete.
+            logger.error("the engine process went away; worker exiting")
+            return
+        if msg == _STOP:
+            break
+        runner.forward(pickle.loads(msg))
+    dist.destroy_process_group()
+
+
+class TensorParallelWorkers:
+    """Starts ranks 1..N-1, joins the process group as rank 0, and feeds the workers."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        world = args.tensor_parallel_size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._stopping = False
+        for rank in range(1, world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world, port, args.model_dump_json(), child, logging.root.level),
+                name=f"kvfleet-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        atexit.register(self.shutdown)
+        try:
+            self._await_hello()
+            init_tensor_parallel(0, world, port, rank_device(args.resolved_device(), 0))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (rank 0 here, workers %s)", world,
+                    [p.pid for p in self._procs])  # fmt: skip
+
+    def _await_hello(self) -> None:
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
+            ready = wait([conn, proc.sentinel], timeout=_START_TIMEOUT_S)
+            if conn not in ready or conn.recv_bytes() != _HELLO:
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} did not start (exit code "
+                    f"{proc.exitcode}); see its log lines above"
+                )
+
+    def send(self, plan: StepPlan) -> None:
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, 1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise RuntimeError(f"tensor-parallel worker rank {rank} is gone") from e
+
+    def failure(self) -> str | None:
+        """Why the group cannot work any more, or None while every worker runs."""
+        for rank, proc in enumerate(self._procs, 1):
+            if proc.exitcode is not None:
+                return f"tensor-parallel worker rank {rank} exited with code {proc.exitcode}"
+        return None
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure` from a thread as soon as a worker dies: rank 0 may then be stuck
+        in a collective that will never complete, so it cannot notice by itself."""
+
+        def run() -> None:
+            wait([p.sentinel for p in self._procs])
+            reason = self.failure()
+            if reason is not None and not self._stopping:
+                logger.error("%s", reason)
+                on_failure(reason)
+
+        threading.Thread(target=run, name="kvfleet-tp-watch", daemon=True).start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # already gone
+                conn.send_bytes(_STOP)
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop; killing it", proc.name)
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
