@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="cProfile one timed run (host time)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=8,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=False,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
     vocab = llm.engine.vocab_size
