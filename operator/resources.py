@@ -404,9 +404,16 @@ def engine_deployment(
     volumes = [{"name": "tmp", "emptyDir": {}}, *model.volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts]
     if spec.resources.gpus > 1:
-        # NCCL and CUDA IPC between GPUs of one pod use /dev/shm; the runtime's default is 64 MiB.
-        # A Memory-medium emptyDir counts against the container's memory limit, which bounds it.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        # The tensor-parallel workers of one pod (one per GPU) talk through NCCL, which falls back
+        # to /dev/shm segments where GPUs lack peer access; the runtime's default is 64 MiB. The
+        # tmpfs counts against the memory limit: the sizeLimit makes a full /dev/shm fail with
+        # "No space left on device" in the engine's log rather than an OOM kill of the pod.
+        volumes.append(
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
+            }
+        )
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {
         "name": "engine",

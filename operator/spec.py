@@ -30,9 +30,6 @@ from pydantic.alias_generators import to_camel
 # does not have).
 DEMO_MODEL_NAME = "kvfleet-tiny-random-llama"
 
-# Tensor parallelism is in the API, but the engine cannot shard a model yet.
-ENGINE_MAX_TENSOR_PARALLEL_SIZE = 1
-
 # Children are named "<name>-engine" etc. and the router Service is "<name>": a DNS-1035 label
 # of at most 63 characters, so the longest suffix ("-engine", "-router": 7) leaves 56.
 MAX_NAME_LENGTH = 56
@@ -180,6 +177,7 @@ class ResourcesSpec(_Model):
     ] = "nvidia.com/gpu"
     cpu: Quantity = "4"
     memory: Quantity = "32Gi"
+    shared_memory: Quantity = "2Gi"
 
 
 class Toleration(_Model):
@@ -352,11 +350,6 @@ def parse_spec(name: str, raw: Any) -> InferenceServiceSpec:
         spec = InferenceServiceSpec.model_validate(raw if raw is not None else {})
     except ValidationError as e:
         problems.extend(_describe(err) for err in e.errors(include_url=False))
-    if spec is not None and spec.engine.tensor_parallel_size > ENGINE_MAX_TENSOR_PARALLEL_SIZE:
-        problems.append(
-            "spec.engine.tensorParallelSize: tensor parallelism (> 1) is not supported by this "
-            "engine version"
-        )
     if problems or spec is None:
         raise SpecError("; ".join(problems))
     return spec

@@ -316,9 +316,10 @@ def test_examples_are_accepted(obj):
     parse_spec(obj["metadata"]["name"], obj["spec"])
 
 
-def test_examples_cover_cpu_and_gpu():
+def test_examples_cover_cpu_gpu_and_tensor_parallel():
     gpus = sorted(o["spec"].get("resources", {}).get("gpus", 1) for o in examples())
     assert gpus[0] == 0 and gpus[-1] >= 1
+    assert any(o["spec"].get("engine", {}).get("tensorParallelSize", 1) > 1 for o in examples())
 
 
 M = spec_module
@@ -333,6 +334,9 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("negative-min", "llm", {"autoscaling": {"minReplicas": -1}}, None),
     ("negative-gpus", "llm", {"resources": {"gpus": -1}}, None),
     ("memory", "llm", {"resources": {"memory": "lots"}}, None),
+    ("shared-memory", "llm", {"resources": {"sharedMemory": "2 GiB"}}, None),
+    ("shared-memory-negative", "llm", {"resources": {"sharedMemory": "-1Gi"}}, None),
+    ("shared-memory-bool", "llm", {"resources": {"sharedMemory": True}}, None),
     ("gpu-resource-name", "llm", {"resources": {"gpuResourceName": "gpu"}}, None),
     ("source-scheme", "llm", {"model": {"source": "s3://bucket/model"}}, None),
     ("hf-without-org", "llm", {"model": {"source": "hf://llama"}}, None),
@@ -355,6 +359,18 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
         M.MSG_EXTERNAL_REPLICAS,
     ),
     ("tp-without-gpus", "llm", {"engine": {"tensorParallelSize": 2}}, M.MSG_TP_GPUS),
+    (
+        "tp-with-fewer-gpus",
+        "llm",
+        {"engine": {"tensorParallelSize": 4}, "resources": {"gpus": 2}},
+        M.MSG_TP_GPUS,
+    ),
+    (
+        "tp-with-more-gpus",
+        "llm",
+        {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 4}},
+        M.MSG_TP_GPUS,
+    ),
     (
         "cache-without-hf",
         "llm",
@@ -404,13 +420,18 @@ def test_valid_edge_cases_pass_both():
         {"model": {"source": "hf://Qwen/Qwen2.5-0.5B@v1.0"}, "modelCache": {"claimName": "c"}},
         {"resources": {"cpu": 2, "memory": "1.5Gi"}, "engine": {"extraArgs": ["--seed", "3"]}},
         {"engine": {"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}},
+        {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
+        {"engine": {"tensorParallelSize": 8}, "resources": {"gpus": 8, "sharedMemory": "8Gi"}},
+        # The rule binds tensorParallelSize > 1 only: several GPUs at 1 stay valid, as before.
+        {"resources": {"gpus": 2}},
+        {"resources": {"sharedMemory": "512Mi"}},
+        {"resources": {"sharedMemory": 1073741824}},
     ):
         assert crd_problems(isvc(spec)) == []
         parse_spec("llm", spec)
 
 
-def test_tensor_parallel_passes_the_crd_but_not_this_engine():
-    spec = {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}
-    assert crd_problems(isvc(spec)) == []
-    with pytest.raises(SpecError, match="not supported by this engine version"):
-        parse_spec("llm", spec)
+def test_shared_memory_defaults_and_int_form():
+    assert parse_spec("llm", {}).resources.shared_memory == "2Gi"
+    spec = parse_spec("llm", {"resources": {"sharedMemory": 1073741824}})
+    assert spec.resources.shared_memory == "1073741824"

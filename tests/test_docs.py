@@ -152,8 +152,6 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 OTHER_TOOLS_FLAGS = {
     "--namespace", "--create-namespace", "--reuse-values", "--server-side", "--previous",
     "--as", "--build-arg", "--set", "--dry-run", "--include-crds", "--kube-context",
-    # Refused in engine.extraArgs (the operator's own); not an engine flag of this version.
-    "--tensor-parallel-size",
 }  # fmt: skip
 
 

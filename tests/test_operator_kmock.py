@@ -207,6 +207,7 @@ def example(name: str) -> dict[str, Any]:
 
 LLAMA = example("inferenceservice-llama-3.1-8b.yaml")
 DEMO = example("inferenceservice-cpu-demo.yaml")
+QWEN_TP2 = example("inferenceservice-qwen2.5-32b-tp2.yaml")
 
 
 async def eventually(check: Callable[[], T], timeout: float = 10.0) -> T:
@@ -507,14 +508,58 @@ async def test_status_follows_the_children(cluster):
     assert_rbac_covers(k)
 
 
+async def test_a_tensor_parallel_service_is_reconciled_like_any_other(cluster):
+    k = cluster
+    async with operator(k):
+        await create(k, QWEN_TP2, "qwen")
+        await eventually(lambda: len(children_of(k, "qwen")) == 8)
+        await eventually(lambda: condition(k.live(ISVCS, NS, "qwen"), "Progressing"))
+        await settled(k)
+
+        isvc = k.live(ISVCS, NS, "qwen")
+        assert condition(isvc, "Degraded")["status"] == "False"
+        assert isvc["status"]["desiredReplicas"] == 1
+        pod = children_of(k, "qwen")["Deployment/qwen-engine"]["spec"]["template"]["spec"]
+        engine = pod["containers"][0]
+        assert engine["args"][engine["args"].index("--tensor-parallel-size") + 1] == "2"
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod[
+            "volumes"
+        ]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+
+        # Reconciled again, unchanged: the /dev/shm volume is no reason to write.
+        mark = len(k)
+        await api(k, "patch", url(ISVCS, "qwen"), {"metadata": {"labels": {"team": "a"}}})
+        await reconciled_after(k, mark, "qwen")
+        assert writes(k, mark) == []
+
+        # Removed by hand, it comes back: the operator writes the engine Deployment again.
+        template = copy.deepcopy(pod)
+        template["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
+        mark = len(k)
+        await api(
+            k, "patch", url(DEPLOYMENTS, "qwen-engine"), {"spec": {"template": {"spec": template}}}
+        )
+
+        def volumes() -> list[str]:
+            deploy = k.live(DEPLOYMENTS, NS, "qwen-engine")
+            return [v["name"] for v in deploy["spec"]["template"]["spec"]["volumes"]]
+
+        await eventually(lambda: "dshm" in volumes())
+        assert f"PATCH {url(DEPLOYMENTS, 'qwen-engine')}" in writes(k, mark)
+        await settled(k)
+    assert_rbac_covers(k)
+
+
 INVALID = {
     # name: (spec, words of the Degraded message)
     "bad-bounds": ({"autoscaling": {"minReplicas": 3, "maxReplicas": 1}}, "minReplicas"),
     "bad-source": ({"model": {"source": "s3://bucket/m"}}, "spec.model.source"),
     "bad-field": ({"engine": {"maxTokens": 5}}, "spec.engine.maxTokens"),
     "bad-tp": (
-        {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
-        "not supported by this engine version",
+        {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 1}},
+        "tensorParallelSize",
     ),
     "bad-util": ({"engine": {"gpuMemoryUtilization": 3}}, "gpuMemoryUtilization"),
 }

@@ -27,7 +27,6 @@ from kvfleet.operator.resources import (
     OperatorConfig,
     Owner,
     build_children,
-    engine_args,
     engine_deployment,
     model_download_script,
     router_args,
@@ -35,7 +34,6 @@ from kvfleet.operator.resources import (
 from kvfleet.operator.spec import (
     DEMO_MODEL_NAME,
     InferenceServiceSpec,
-    SpecError,
     desired_replicas,
     parse_source,
     parse_spec,
@@ -75,9 +73,13 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
 
 LLAMA = example("inferenceservice-llama-3.1-8b.yaml")["spec"]
 DEMO = example("inferenceservice-cpu-demo.yaml")["spec"]
+QWEN_TP2 = example("inferenceservice-qwen2.5-32b-tp2.yaml")["spec"]
+EXAMPLES = pytest.mark.parametrize(
+    "raw", [DEMO, LLAMA, QWEN_TP2], ids=["cpu-demo", "llama", "qwen-tp2"]
+)
 
 
-@pytest.mark.parametrize("raw", [DEMO, LLAMA], ids=["cpu-demo", "llama"])
+@EXAMPLES
 def test_children_are_valid_kubernetes_objects_owned_and_labelled(raw):
     objs = children(raw)
     assert set(objs) >= {
@@ -121,7 +123,7 @@ def test_only_hf_sources_get_the_download_config_map():
     assert cm["data"]["download.py"] == model_download_script()
 
 
-@pytest.mark.parametrize("raw", [DEMO, LLAMA], ids=["cpu-demo", "llama"])
+@EXAMPLES
 def test_restricted_pod_security_on_every_container(raw):
     objs = children(raw)
     for name in ("Deployment/llm-engine", "Deployment/llm-router"):
@@ -170,7 +172,7 @@ def test_gpu_resources_use_the_configured_resource_name():
     assert args[args.index("--device") + 1] == "cuda"
     # Several GPUs in one pod talk through /dev/shm: a Memory emptyDir replaces the 64 MiB one.
     volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
 
 
 def test_cpu_engine_requests_no_gpu():
@@ -314,7 +316,7 @@ def test_scheduling_applies_to_engine_pods_only():
     assert "nodeSelector" not in router_pod and "runtimeClassName" not in router_pod
 
 
-@pytest.mark.parametrize("raw", [DEMO, LLAMA], ids=["cpu-demo", "llama"])
+@pytest.mark.parametrize("raw", [DEMO, LLAMA, QWEN_TP2], ids=["cpu-demo", "llama", "qwen-tp2"])
 def test_the_engine_cli_accepts_the_arguments(raw):
     from kvfleet.engine.cli import build_parser
 
@@ -326,20 +328,47 @@ def test_the_engine_cli_accepts_the_arguments(raw):
     assert ns.max_num_seqs == spec.engine.max_num_seqs
     assert ns.enable_prefix_caching is spec.engine.enable_prefix_caching
     assert ns.port == 8000 and ns.host == "0.0.0.0"
+    assert ns.tensor_parallel_size == spec.engine.tensor_parallel_size
 
 
-def test_tensor_parallel_is_wired_but_refused_by_this_engine():
-    raw = {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}}
-    spec = InferenceServiceSpec.model_validate(raw)  # valid for the CRD
-    args = engine_args(spec, "/m")
+def dshm(deploy: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The /dev/shm volume of an engine Deployment and its mount, None where absent."""
+    pod = deploy["spec"]["template"]["spec"]
+    volume = next((v for v in pod["volumes"] if v["name"] == "dshm"), None)
+    mount = next(
+        (m for m in container(deploy, "engine")["volumeMounts"] if m["name"] == "dshm"), None
+    )
+    return volume, mount
+
+
+def test_tensor_parallel_engine_gets_its_gpus_flag_and_shared_memory():
+    deploy = children(QWEN_TP2)["Deployment/llm-engine"]
+    engine = container(deploy, "engine")
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    args = engine["args"]
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
-    with pytest.raises(SpecError, match="not supported by this engine version"):
-        parse_spec("llm", raw)
-    # Why it is refused: the engine has no such flag yet.
-    from kvfleet.engine.cli import build_parser
+    assert args[args.index("--device") + 1] == "cuda"
+    volume, mount = dshm(deploy)
+    assert volume == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+    assert mount == {"name": "dshm", "mountPath": "/dev/shm"}
 
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(args)
+    raw = copy.deepcopy(QWEN_TP2)
+    raw["resources"]["sharedMemory"] = "8Gi"
+    volume, _ = dshm(children(raw)["Deployment/llm-engine"])
+    assert volume is not None and volume["emptyDir"]["sizeLimit"] == "8Gi"
+
+
+def test_single_gpu_engine_has_no_tensor_parallelism_and_no_shared_memory():
+    deploy = children(LLAMA)["Deployment/llm-engine"]
+    engine = container(deploy, "engine")
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "--tensor-parallel-size" not in engine["args"]
+    assert dshm(deploy) == (None, None)
+    # sharedMemory only sizes the volume of a multi-GPU pod; it adds none to a single-GPU one.
+    raw = copy.deepcopy(LLAMA)
+    raw["resources"]["sharedMemory"] = "8Gi"
+    assert dshm(children(raw)["Deployment/llm-engine"]) == (None, None)
 
 
 def test_router_cli_contract():
@@ -454,7 +483,9 @@ def served(obj: dict[str, Any]) -> dict[str, Any]:
     pod |= {"restartPolicy": "Always", "dnsPolicy": "ClusterFirst", "schedulerName": "default"}
     c = pod["containers"][0]
     c["imagePullPolicy"] = "IfNotPresent"
-    c["resources"]["requests"] = {"cpu": "4000m", "memory": str(32 * 2**30), "nvidia.com/gpu": "1"}
+    requests = c["resources"]["requests"]
+    requests["cpu"] = f"{parse_quantity(requests['cpu']) * 1000:f}m"  # "4" -> "4000m"
+    requests["memory"] = f"{parse_quantity(requests['memory']):f}"  # "32Gi" -> bytes
     c["livenessProbe"]["successThreshold"] = 1
     live["status"] = {"replicas": 1}
     return live
@@ -476,6 +507,27 @@ def test_in_sync_sees_hand_edits_and_spec_changes():
     # A change that only removes a field is invisible to a containment check: the hash sees it.
     with_env = engine_deployment(OWNER, spec_of({"engine": {"env": [{"name": "X"}]}}), CONFIG)
     assert not in_sync(desired, served(with_env))
+
+
+def test_in_sync_with_the_shared_memory_volume_as_served_and_restores_it():
+    desired = engine_deployment(OWNER, spec_of(QWEN_TP2), CONFIG)
+    live = served(desired)
+    volume = next(v for v in live["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    volume["emptyDir"]["sizeLimit"] = "2048Mi"  # how a server may spell the same quantity
+    assert in_sync(desired, live)
+
+    removed = served(desired)
+    pod = removed["spec"]["template"]["spec"]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
+    assert not in_sync(desired, removed)
+    unmounted = served(desired)
+    engine = unmounted["spec"]["template"]["spec"]["containers"][0]
+    engine["volumeMounts"] = [m for m in engine["volumeMounts"] if m["name"] != "dshm"]
+    assert not in_sync(desired, unmounted)
+    shrunk = served(desired)
+    volume = next(v for v in shrunk["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    volume["emptyDir"]["sizeLimit"] = "64Mi"
+    assert not in_sync(desired, shrunk)
 
 
 def test_quantities():
