@@ -72,7 +72,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
             param.data.copy_(tensor)
         else:
-            loader(param, tensor.to(param.dtype), shard)
+            # The loader narrows to this rank's slice first; copy_ converts the dtype after.
+            loader(param, tensor, shard)
         loaded.add(target if shard is None else f"{target}#{shard}")
     expected = set()
     for name in params:
