@@ -1,12 +1,18 @@
-"""Pieces every benchmark shares: random token-id workloads, timing, and result records."""
+"""Pieces every benchmark shares: random token-id workloads, timing, result records, HF
+baseline models, and servers run as child processes."""
 
 from __future__ import annotations
 
 import json
 import logging
 import platform
+import socket
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,3 +133,80 @@ def write_results(path: str | None, meta: dict[str, Any], results: list[Result])
     if path:
         Path(path).write_text(text + "\n")
     logger.info("%s", text)
+
+
+def hf_model(model: str | Path, dtype: str) -> Any:
+    """HF transformers' model of ``model``'s config.json with its own random initialisation,
+    built on the GPU when there is one (``dtype`` "auto": bfloat16)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    torch_dtype = getattr(torch, dtype) if dtype != "auto" else torch.bfloat16
+    # Built in place on the device: initialising billions of weights on the CPU takes minutes.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return built.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Servers as child processes
+# --------------------------------------------------------------------------------------------
+
+Proc = subprocess.Popen[bytes]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-P", *args]
+
+
+def start_process(cmd: Sequence[str], log: Path) -> Proc:
+    with log.open("ab") as out:
+        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_engine(model: str | Path, port: int, log: Path, *extra: str, served_name: str) -> Proc:
+    """``kvfleet-engine serve`` on 127.0.0.1:``port``, output to ``log``."""
+    cmd = python_cmd("-m", "kvfleet.engine.cli", "serve", "--model", str(model), "--host",
+                     "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+                     *extra)  # fmt: skip
+    return start_process(cmd, log)
+
+
+def wait_ready(
+    urls: Sequence[str], path: str, timeout_s: float = 120.0, procs: Sequence[Proc] = ()
+) -> None:
+    """Polls ``url + path`` until each answers 200; fails at once when one of ``procs`` (the
+    servers being waited for) has exited, rather than at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            dead = [p.args for p in procs if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"server exited before it was ready: {dead[0]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}{path} not ready after {timeout_s}s")
+            time.sleep(0.2)
+
+
+def stop(procs: Sequence[Proc]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Proc, free_port, python_cmd, start_engine, start_process, stop, wait_ready
 
 logger = logging.getLogger("kvfleet.bench.router")
 
@@ -193,62 +196,10 @@ def round_robin(urls: Sequence[str]) -> Target:
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-P", *args]
-
-
-Proc = subprocess.Popen[bytes]
-
-
-def start_engine(model: Path, port: int, log: Path, *extra: str) -> Proc:
-    cmd = python_cmd("-m", "kvfleet.engine.cli", "serve", "--model", str(model), "--host",
-                     "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
-                     *extra)  # fmt: skip
-    with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-
 def start_router(endpoints: Sequence[str], port: int, log: Path, *extra: str) -> Proc:
     cmd = python_cmd("-m", "kvfleet.operator.router", "--host", "127.0.0.1", "--port", str(port),
                      "--endpoints", ",".join(endpoints), *extra)  # fmt: skip
-    with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_ready(urls: Sequence[str], path: str, timeout_s: float = 120.0) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}{path}", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}{path} not ready after {timeout_s}s")
-            time.sleep(0.2)
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    return start_process(cmd, log)
 
 
 @contextlib.contextmanager
@@ -259,9 +210,9 @@ def engines(n: int, model: Path, log_dir: Path, *extra: str) -> Iterator[list[tu
     try:
         for i in range(n):
             port = free_port()
-            proc = start_engine(model, port, log_dir / f"engine{i}.log", *extra)
+            proc = start_engine(model, port, log_dir / f"engine{i}.log", *extra, served_name=MODEL)
             procs.append((proc, f"http://127.0.0.1:{port}"))
-        wait_ready([u for _, u in procs], "/ready")
+        wait_ready([u for _, u in procs], "/ready", procs=[p for p, _ in procs])
         yield procs
     finally:
         stop([p for p, _ in procs])

@@ -3,13 +3,29 @@ transformers' own greedy generations on them as the reference."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
+
+
+def load_bench_script(name: str) -> ModuleType:
+    """bench/<name>.py as a module: bench/ is a folder of scripts, not a package."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class is being built.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # Lengths from 1 to 200 tokens, on and off 16-token block boundaries.
 PROMPT_LENS = (1, 7, 16, 33, 64, 100, 161, 200)

@@ -5,7 +5,6 @@ holding until an engine appears, and an engine killed mid-run (last: it takes on
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -13,21 +12,16 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from kvfleet.operator.router import EngineTokenizer, Router, RouterSettings, build_app
+from tests.conftest import load_bench_script
 from tests.test_router import serving
 
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "router_bench.py"
-_SPEC = importlib.util.spec_from_file_location("kvfleet_router_bench", _PATH)
-assert _SPEC is not None and _SPEC.loader is not None
-bench = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = bench  # dataclasses look their module up by name
-_SPEC.loader.exec_module(bench)
+bench = load_bench_script("router_bench")
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
