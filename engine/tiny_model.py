@@ -42,7 +42,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -338,20 +338,28 @@ def corpus() -> list[str]:
     return list(_corpus_lines())
 
 
-@functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    """Trains the byte-level BPE tokenizer once per vocab size; returns its JSON."""
+def train_byte_level_bpe(vocab_size: int, special_tokens: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on :func:`corpus`: ``special_tokens`` first (ids 0,
+    1, ...), the 256 byte symbols, then merges up to ``vocab_size`` or until no pair of the
+    corpus occurs twice. No post-processor."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    return tok
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Trains the tiny models' tokenizer once per vocab size; returns its JSON."""
+    tok = train_byte_level_bpe(vocab_size, SPECIAL_TOKENS)
     bos_id = tok.token_to_id(BOS_TOKEN)
     tok.post_processor = processors.Sequence(
         [
