@@ -1,24 +1,33 @@
 """Online-serving benchmark client for an OpenAI-compatible server (kvfleet, vLLM, ...).
 
-Sends random token-id prompts as streaming requests at a chosen arrival rate and reports
-throughput plus TTFT / TPOT / ITL / end-to-end latency, in the spirit of ``vllm bench serve``::
+Sends random token-id prompts (or one fixed ``--prompt`` text) as streaming requests at a chosen
+arrival rate and reports throughput plus TTFT / TPOT / ITL / end-to-end latency, in the spirit of
+``vllm bench serve``::
 
     python bench/serve.py --base-url http://127.0.0.1:8000 --model NAME \\
         --num-prompts 200 --input-len 512 --output-len 128 --request-rate 8 \\
         --max-concurrency 32 --prefix-len 256 --result-json out.json
 
+Or as closed-loop users, each sending its next request as soon as its previous one finished, for
+a fixed time after a warm-up; only requests that start and finish inside the measured window
+count, and throughput is over the window's length::
+
+    python bench/serve.py --model NAME --endpoint chat --prompt "Explain RAG in 3 sentences" \\
+        --output-len 200 --users 32 --warmup-duration 10 --duration 60
+
 Random ids must lie inside the served model's vocabulary: it is taken from ``--vocab-size``, or
 from the tokenizer (``--tokenizer``, else ``--model`` when that is a local directory).
 
 The pure parts (dataset, arrival schedule, SSE parsing, per-stream bookkeeping, aggregation,
-report) are plain functions and classes; only :func:`send_request` and :func:`benchmark` touch
-the network.
+report) are plain functions and classes; only :func:`send_request`, :func:`benchmark` and
+:func:`closed_loop` touch the network.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -144,7 +153,8 @@ def build_payload(
     prompt_text: str | None = None,
     extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Request body; chat needs ``prompt_text`` since chat messages cannot carry token ids."""
+    """Request body. ``prompt_text``, when given, is sent instead of the sample's ids; chat
+    needs it since chat messages cannot carry token ids."""
     payload: dict[str, Any] = {
         "model": model,
         "temperature": temperature,
@@ -153,7 +163,7 @@ def build_payload(
         "stream_options": {"include_usage": True},
     }
     if endpoint == "completions":
-        payload["prompt"] = list(sample.prompt_ids)
+        payload["prompt"] = prompt_text if prompt_text is not None else list(sample.prompt_ids)
         payload["max_tokens"] = sample.output_len
     else:
         if prompt_text is None:
@@ -605,6 +615,72 @@ async def benchmark(
 
 
 # --------------------------------------------------------------------------------------------
+# Closed-loop users
+# --------------------------------------------------------------------------------------------
+
+# A user whose request failed waits this long before its next one, so that a dead server is not
+# hit in a tight loop for the whole duration.
+FAILURE_PAUSE_S = 0.5
+
+
+def in_window(records: Sequence[RequestRecord], duration_s: float) -> list[RequestRecord]:
+    """The requests that started at or after the window opened (``start`` 0) and finished by
+    the time it closed: one cut by either edge ran under a load that was ramping or draining."""
+    return [r for r in records if r.start >= 0 and r.start + r.e2e <= duration_s]
+
+
+async def closed_loop(
+    url: str,
+    payloads: Sequence[dict[str, Any]],
+    prompt_lens: Sequence[int],
+    *,
+    users: int,
+    duration_s: float,
+    warmup_s: float = 0.0,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 6 * 3600,
+) -> list[RequestRecord]:
+    """``users`` clients, each sending its next request as soon as its previous one ended, until
+    ``warmup_s + duration_s`` seconds have passed; requests take the payloads in turn, cycling.
+
+    Users join evenly spread over the warm-up: with equal requests, users that all started
+    together would stay in lockstep, every prefill landing in the same step. Returns the record
+    of every request, ``start`` counted from the end of the warm-up (see :func:`in_window`).
+    """
+    headers = headers or {}
+    records: list[RequestRecord] = []
+    turn = itertools.count()
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        window_start = t0 + warmup_s
+        end = window_start + duration_s
+
+        async def user(u: int) -> None:
+            await asyncio.sleep(u * warmup_s / users)
+            while time.perf_counter() < end:
+                k = next(turn) % len(payloads)
+                record = await send_request(
+                    session,
+                    url,
+                    payloads[k],
+                    headers=headers,
+                    prompt_len=prompt_lens[k],
+                    bench_start=window_start,
+                )
+                records.append(record)
+                if not record.success:
+                    await asyncio.sleep(FAILURE_PAUSE_S)
+
+        logger.info(
+            "%d users for %.0f s of warm-up and %.0f s measured", users, warmup_s, duration_s
+        )
+        await asyncio.gather(*(user(u) for u in range(users)))
+    return records
+
+
+# --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
 
@@ -645,6 +721,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="random tokens shared by every prompt, before its own --input-len",
     )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="send this text as every prompt instead of random ids (chat: the user message); "
+        "--output-len tokens each",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--request-rate",
@@ -655,6 +737,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests")
     p.add_argument(
         "--warmup", type=int, default=0, help="requests sent first, excluded from results"
+    )
+    p.add_argument(
+        "--users",
+        type=int,
+        default=None,
+        help="closed loop instead of an arrival rate: this many users, each sending its next "
+        "request when its previous one finished; requests cycle through the --num-prompts",
+    )
+    p.add_argument(
+        "--duration", type=float, default=None, help="--users: seconds measured, after warm-up"
+    )
+    p.add_argument(
+        "--warmup-duration",
+        type=float,
+        default=0.0,
+        help="--users: seconds before the measured window, over which the users join",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
@@ -690,6 +788,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         p.error("--extra-body must be a JSON object")
+    if args.users is not None:
+        if args.users < 1:
+            p.error("--users must be >= 1")
+        if args.duration is None or not args.duration > 0:
+            p.error("--users needs --duration > 0")
+        if args.warmup_duration < 0:
+            p.error("--warmup-duration must be >= 0")
+        if not math.isinf(args.request_rate) or args.max_concurrency or args.warmup:
+            p.error("--users sets the load: drop --request-rate, --max-concurrency, --warmup")
+    elif args.duration is not None or args.warmup_duration:
+        p.error("--duration and --warmup-duration need --users")
+    if args.prompt is not None:
+        if not args.prompt:
+            p.error("--prompt must not be empty")
+        if args.prefix_len or args.range_ratio:
+            p.error("--prefix-len and --range-ratio shape random prompts, not --prompt")
+        return args
     if args.tokenizer is None and Path(args.model).is_dir():
         args.tokenizer = args.model
     if args.endpoint == "chat" and args.tokenizer is None:
@@ -705,12 +820,13 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
+def _samples_and_texts(args: argparse.Namespace) -> tuple[list[SampleRequest], list[str | None]]:
+    """The requests to send (measured ones first, then the warmup) and the text each sends in
+    place of its ids, if any."""
+    count = args.num_prompts + args.warmup
+    if args.prompt is not None:
+        # No ids: the prompt's length comes back in the server's usage.
+        return [SampleRequest([], args.output_len)] * count, [args.prompt] * count
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     excluded: list[int] = []
     if tokenizer is not None:
@@ -719,7 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = token_pool(vocab_size, excluded)
 
     samples = generate_random_dataset(
-        args.num_prompts + args.warmup,
+        count,
         args.input_len,
         args.output_len,
         pool=pool,
@@ -727,6 +843,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix_len=args.prefix_len,
         seed=args.seed,
     )
+    if args.endpoint == "chat":
+        return samples, [chat_text(s, tokenizer) for s in samples]
+    return samples, [None] * count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    samples, texts = _samples_and_texts(args)
     payloads = [
         build_payload(
             s,
@@ -734,28 +862,46 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model,
             ignore_eos=args.ignore_eos,
             temperature=args.temperature,
-            prompt_text=chat_text(s, tokenizer) if args.endpoint == "chat" else None,
+            prompt_text=text,
             extra_body=args.extra_body,
         )
-        for s in samples
+        for s, text in zip(samples, texts, strict=True)
     ]
     n = args.num_prompts
+    prompt_lens = [s.prompt_len for s in samples[:n]]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.base_url.rstrip("/") + ENDPOINT_PATHS[args.endpoint]
 
-    records, _, duration = asyncio.run(
-        benchmark(
-            url,
-            payloads[:n],
-            [s.prompt_len for s in samples[:n]],
-            headers=headers,
-            request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency,
-            warmup_payloads=payloads[n:],
-            seed=args.seed,
-            timeout_s=args.timeout,
+    sent: int | None = None
+    if args.users is not None:
+        every = asyncio.run(
+            closed_loop(
+                url,
+                payloads[:n],
+                prompt_lens,
+                users=args.users,
+                duration_s=args.duration,
+                warmup_s=args.warmup_duration,
+                headers=headers,
+                timeout_s=args.timeout,
+            )
         )
-    )
+        records, duration, sent = in_window(every, args.duration), args.duration, len(every)
+        logger.info("%d requests sent, %d inside the measured window", sent, len(records))
+    else:
+        records, _, duration = asyncio.run(
+            benchmark(
+                url,
+                payloads[:n],
+                prompt_lens,
+                headers=headers,
+                request_rate=args.request_rate,
+                max_concurrency=args.max_concurrency,
+                warmup_payloads=payloads[n:],
+                seed=args.seed,
+                timeout_s=args.timeout,
+            )
+        )
     metrics = compute_metrics(records, duration)
     sys.stdout.write(format_report(metrics))
     sys.stdout.flush()
@@ -763,6 +909,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.result_json is not None:
         doc = result_document(vars(args), metrics, records, detailed=args.save_detailed)
         doc["args"]["url"] = url
+        if sent is not None:
+            doc["requests_sent"] = sent
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(doc, indent=2, allow_nan=False, default=str))
         logger.info("wrote %s", args.result_json)

@@ -4,10 +4,8 @@ end-to-end run of the CLI against a fake OpenAI-compatible streaming server."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,14 +16,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-# bench/ is a folder of scripts, not a package, so the module is loaded from its path.
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "serve.py"
-_SPEC = importlib.util.spec_from_file_location("kvfleet_bench_serve", _PATH)
-assert _SPEC is not None and _SPEC.loader is not None
-serve = importlib.util.module_from_spec(_SPEC)
-# dataclasses look their module up in sys.modules while the class is being built.
-sys.modules[_SPEC.name] = serve
-_SPEC.loader.exec_module(serve)
+from tests.conftest import load_bench_script
+
+serve = load_bench_script("serve")
 
 POOL = serve.token_pool(1000, excluded_ids=[0, 1, 2])
 
@@ -108,6 +101,8 @@ def test_build_payload() -> None:
     assert "ignore_eos" not in c and "prompt" not in c and "max_tokens" not in c
     with pytest.raises(ValueError):
         serve.build_payload(s, "chat", "m")
+    text = serve.build_payload(s, "completions", "m", prompt_text="Tell me")
+    assert text["prompt"] == "Tell me" and text["max_tokens"] == 9
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,12 +292,16 @@ class FakeServer:
     """Streams one chunk per requested token with a small sleep, then usage and [DONE].
 
     With ``faulty``, request k (in arrival order) gets HTTP 500 when k % 5 == 0 and a stream
-    cut off before [DONE] when k % 5 == 1.
+    cut off before [DONE] when k % 5 == 1. With ``token_cap``, no request gets more tokens
+    than that, whatever it asked for.
     """
 
-    def __init__(self, faulty: bool = False, delay_s: float = 0.002) -> None:
+    def __init__(
+        self, faulty: bool = False, delay_s: float = 0.002, token_cap: int | None = None
+    ) -> None:
         self.faulty = faulty
         self.delay_s = delay_s
+        self.token_cap = token_cap
         self.bodies: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
         self.in_flight = 0
@@ -317,6 +316,7 @@ class FakeServer:
             return web.json_response({"error": {"message": "injected"}}, status=500)
         chat = request.path.endswith("/chat/completions")
         n_out = body["max_completion_tokens"] if chat else body["max_tokens"]
+        n_out = min(n_out, self.token_cap or n_out)
         n_in = len(body["prompt"]) if not chat else 3 + len(body["messages"][0]["content"])
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -463,3 +463,67 @@ def test_end_to_end_chat_and_unreachable_server(tmp_path: Path) -> None:
     m = json.loads(out.read_text())["metrics"]
     assert rc == 1 and m["failed_requests"] == 3 and m["successful_requests"] == 0
     assert all("Connect" in e for e in m["errors"])
+
+
+# --------------------------------------------------------------------------------------------
+# Closed-loop users
+# --------------------------------------------------------------------------------------------
+
+
+def test_in_window_keeps_requests_inside_both_edges() -> None:
+    def rec(start: float, e2e: float) -> Any:
+        return serve.RequestRecord(success=True, start=start, e2e=e2e)
+
+    inside = [rec(0.0, 1.0), rec(2.0, 1.0), rec(9.5, 0.5)]
+    cut = [rec(-0.1, 1.0), rec(9.5, 0.6), rec(-1.0, 12.0), rec(10.0, 0.1)]
+    assert serve.in_window(inside + cut, 10.0) == inside
+
+
+def test_closed_loop_users_count_only_requests_inside_the_window(tmp_path: Path) -> None:
+    server = FakeServer(delay_s=0.005)
+    out = tmp_path / "users.json"
+    with running(server) as url:
+        rc = serve.main(
+            [
+                *("--base-url", url, "--model", "fake", "--endpoint", "chat"),
+                *("--prompt", "Explain RAG in 3 sentences", "--output-len", "6"),
+                *("--users", "3", "--warmup-duration", "0.4", "--duration", "0.8"),
+                *("--result-json", str(out)),
+            ]
+        )
+    assert rc == 0
+    # A closed loop: never more requests in flight than users, and all of them busy.
+    assert server.max_in_flight == 3
+    assert {b["messages"][0]["content"] for b in server.bodies} == {"Explain RAG in 3 sentences"}
+    assert all(b["max_completion_tokens"] == 6 for b in server.bodies)
+
+    doc = json.loads(out.read_text())
+    assert doc["requests_sent"] == len(server.bodies)
+    counted = doc["requests"]
+    m = doc["metrics"]
+    assert m["successful_requests"] == len(counted) > 0 and m["failed_requests"] == 0
+    assert all(r["start"] >= 0 and r["start"] + r["e2e"] <= 0.8 for r in counted)
+    # Sent but not counted: each user's last request, which ends after the window closed, and
+    # at least the first user's first one, sent as the warm-up began.
+    assert doc["requests_sent"] >= len(counted) + 3 + 1
+    assert m["duration_s"] == 0.8
+    assert m["output_throughput"] == pytest.approx(6 * len(counted) / 0.8)
+    assert m["total_input_tokens"] == len(counted) * (3 + len("Explain RAG in 3 sentences"))
+    assert m["tpot_ms"]["p99"] > 0 and m["ttft_ms"]["p50"] > 0
+
+
+def test_closed_loop_arguments() -> None:
+    base = ["--model", "fake", "--vocab-size", "100"]
+    for bad in (
+        ["--users", "2"],  # no --duration
+        ["--users", "2", "--duration", "1", "--request-rate", "5"],
+        ["--users", "0", "--duration", "1"],
+        ["--duration", "1"],  # no --users
+        ["--prompt", "hi", "--prefix-len", "4"],
+        ["--prompt", ""],
+    ):
+        with pytest.raises(SystemExit):
+            serve.parse_args(base + bad)
+    # A fixed prompt needs no vocabulary, even for chat.
+    args = serve.parse_args(["--model", "fake", "--endpoint", "chat", "--prompt", "hi"])
+    assert args.prompt == "hi" and args.tokenizer is None
