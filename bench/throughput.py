@@ -1,14 +1,19 @@
 """Offline throughput: kvfleet's LLM on a random token-id workload, with HF transformers
-baselines (static padded batches, and transformers' own continuous batching where it exists)
-measured in the same process on the same weights' architecture.
+baselines (static padded batches of one or more sizes, and transformers' own continuous batching
+where it exists) measured in the same process on the same weights' architecture.
 
     python bench/throughput.py --model bench/models/Qwen3-0.6B --load-format dummy \\
-        --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --baselines hf-static
+        --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --baselines hf-static \\
+        --hf-batch-size 1 8
+
+With ``--prefix-len N`` every prompt starts with the same N tokens; with prefix caching on (the
+default) the kvfleet row reports how many prompt tokens the cache served.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import sys
@@ -24,6 +29,7 @@ from common import (
     Result,
     Timer,
     Workload,
+    hf_model,
     random_workload,
     sync,
     write_results,
@@ -65,6 +71,8 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
     if produced != work.output_tokens:
         raise RuntimeError(f"asked for {work.output_tokens} output tokens, got {produced}")
     stats = llm.engine.stats()
+    # Of the timed run alone: the engine's counters also hold the warm-up's lookups.
+    cached = sum(o.num_cached_tokens for o in outs)
     del llm
     free_memory()
     return Result(
@@ -75,7 +83,8 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         produced,
         {
             "num_preemptions": stats["num_preemptions"],
-            "prefix_cache_hits": stats["prefix_cache_hits"],
+            "cached_prompt_tokens": cached,
+            "prefix_cache_hit_rate": cached / work.prompt_tokens,
         },
     )
 
@@ -118,23 +127,12 @@ def _record_steps(llm: LLM) -> None:
     atexit.register(report)
 
 
-def _hf_model(args: argparse.Namespace):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(args.model)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
 @torch.inference_mode()
-def run_hf_static(args: argparse.Namespace, work: Workload) -> Result:
-    """Batches of --hf-batch-size, left-padded; every row decodes until the batch's longest
-    requested output (what a plain `generate` server does), so only requested tokens count."""
-    model = _hf_model(args)
+def run_hf_static(args: argparse.Namespace, work: Workload, bs: int) -> Result:
+    """Batches of ``bs``, left-padded; every row decodes until the batch's longest requested
+    output (what a plain `generate` server does), so only requested tokens count."""
+    model = hf_model(args.model, args.dtype)
     dev = model.device
-    bs = args.hf_batch_size
     generated = 0
     with Timer() as t:
         for i in range(0, len(work.prompts), bs):
@@ -171,7 +169,7 @@ def run_hf_continuous(args: argparse.Namespace, work: Workload) -> Result:
     """transformers' own continuous batching (`generate_batch`), one max_new_tokens for all."""
     from transformers import GenerationConfig
 
-    model = _hf_model(args)
+    model = hf_model(args.model, args.dtype)
     if not hasattr(model, "generate_batch"):
         raise RuntimeError("this transformers has no generate_batch")
     new = max(work.output_lens)
@@ -214,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baselines", nargs="*", default=[], choices=["hf-static", "hf-continuous"])
     p.add_argument("--baseline-num-prompts", type=int, default=64,
                    help="baselines run the first N prompts of the same workload")  # fmt: skip
-    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--hf-batch-size", type=int, nargs="+", default=[32],
+                   help="hf-static runs once per size")  # fmt: skip
     p.add_argument("--result-json", default=None)
     p.add_argument("--step-stats", action="store_true", help="log decode vs prefill step time")
     args = p.parse_args(argv)
@@ -228,14 +227,26 @@ def main(argv: list[str] | None = None) -> int:
         args.prefix_len,
     )  # fmt: skip
     results = [run_kvfleet(args, work)]
-    runners = {"hf-static": run_hf_static, "hf-continuous": run_hf_continuous}
+    runners = []
     for name in args.baselines:
+        if name == "hf-static":
+            runners += [(f"hf-static-bs{bs}", functools.partial(run_hf_static, bs=bs))
+                        for bs in args.hf_batch_size]  # fmt: skip
+        else:
+            runners.append((name, run_hf_continuous))
+    for name, runner in runners:
         try:
-            results.append(runners[name](args, work.head(args.baseline_num_prompts)))
+            results.append(runner(args, work.head(args.baseline_num_prompts)))
         except Exception as e:  # a baseline that cannot run is reported, not fatal
             logger.warning("baseline %s did not run: %r", name, e)
             free_memory()
     sys.stdout.write(TABLE_HEADER + "\n" + "\n".join(r.row() for r in results) + "\n")
+    if args.enable_prefix_caching:
+        extra = results[0].extra
+        sys.stdout.write(
+            f"kvfleet prefix cache: {extra['cached_prompt_tokens']:,} of {work.prompt_tokens:,} "
+            f"prompt tokens ({extra['prefix_cache_hit_rate']:.1%})\n"
+        )
     for r in results[1:]:
         sys.stdout.write(f"kvfleet / {r.name}: {results[0].output_tok_s / r.output_tok_s:.1f}x\n")
     write_results(args.result_json, {"args": vars(args)}, results)
