@@ -3,7 +3,10 @@
 # cannot install packages: kvfleet is put on the path through a shim, and the few pure-Python
 # packages it lacks come as wheels in .whl/ (see the device notes in bench/RESULTS.md).
 #   bash bench/gpu_run.sh OUTDIR check    # kernels at real sizes + GPU tests
-#   bash bench/gpu_run.sh OUTDIR bench    # throughput, latency
+#   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
+#   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
+# Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
+# dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
 out=${1:?output dir}
 shift
@@ -18,6 +21,23 @@ export PYTHONPATH=/tmp/site:/tmp/kv PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=fa
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 py="python3 -P"
+
+# A kvfleet server on 127.0.0.1:8000 in the background ($server); returns once it is ready.
+start_server() {
+    local log=$1
+    shift
+    $py -m kvfleet.engine.cli serve --host 127.0.0.1 --port 8000 "$@" >"$log" 2>&1 &
+    server=$!
+    for _ in $(seq 240); do
+        $py -c 'import urllib.request as r; r.urlopen("http://127.0.0.1:8000/ready", timeout=2)' \
+            2>/dev/null && return 0
+        kill -0 $server 2>/dev/null || break
+        sleep 1
+    done
+    echo "the kvfleet server did not get ready; see $log" >&2
+    kill $server 2>/dev/null
+    return 1
+}
 
 for step in "$@"; do
     case $step in
@@ -60,6 +80,41 @@ for step in "$@"; do
     latency)
         timeout 300 $py bench/latency.py --model bench/models/Llama-3.1-8B --profile 2>&1 |
             tee "$out/latency.txt"
+        ;;
+    gemma-chat)
+        # Closed-loop chat users, 10 s of warm-up then 60 s measured, 1 and then 32 users.
+        timeout 120 $py bench/dummy_tokenizer.py bench/models/gemma-2-2b-it /tmp/gemma-2-2b-it ||
+            continue
+        start_server "$out/gemma_chat_server.log" --model /tmp/gemma-2-2b-it --load-format dummy \
+            --dtype bfloat16 --served-model-name gemma-2-2b-it || continue
+        for users in 1 32; do
+            timeout 120 $py bench/serve.py --base-url http://127.0.0.1:8000 --model gemma-2-2b-it \
+                --endpoint chat --prompt "Explain RAG in 3 sentences" --output-len 200 \
+                --users $users --warmup-duration 10 --duration 60 \
+                --result-json "$out/gemma_chat_${users}users.json" 2>&1 |
+                tee "$out/gemma_chat_${users}users.txt"
+        done
+        kill $server
+        wait $server
+        ;;
+    gpt2-burst)
+        # 50 simultaneous requests of 50 tokens at kvfleet, then at sequential HF generate.
+        timeout 120 $py bench/dummy_tokenizer.py bench/models/gpt2-large /tmp/gpt2-large || continue
+        timeout 500 $py bench/burst.py --model /tmp/gpt2-large --served-model-name gpt2-large \
+            --dtype bfloat16 --startup-timeout 240 --log-dir "$out/gpt2_burst_logs" \
+            --result-json "$out/gpt2_burst.json" 2>&1 | tee "$out/gpt2_burst.txt"
+        ;;
+    llama2-13b)
+        # 256 requests, input and output uniform in [128, 512]; HF baselines on the first 8.
+        # Then the same requests behind one shared 2,000-token prefix, prefix caching on.
+        timeout 330 $py bench/throughput.py --model bench/models/Llama-2-13b-hf --num-prompts 256 \
+            --input-len 128 512 --output-len 128 512 --no-enable-prefix-caching \
+            --baselines hf-static --hf-batch-size 1 8 --baseline-num-prompts 8 \
+            --result-json "$out/llama2_13b_throughput.json" 2>&1 |
+            tee "$out/llama2_13b_throughput.txt"
+        timeout 200 $py bench/throughput.py --model bench/models/Llama-2-13b-hf --num-prompts 256 \
+            --input-len 128 512 --output-len 128 512 --prefix-len 2000 \
+            --result-json "$out/llama2_13b_prefix.json" 2>&1 | tee "$out/llama2_13b_prefix.txt"
         ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

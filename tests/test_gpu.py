@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.tiny_model import ARCHITECTURES
+from kvfleet.engine.tiny_model import ALL_ARCHITECTURES
 from tests.conftest import MAX_TOKENS, assert_no_leak
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 BENCH_MODELS = Path(__file__).resolve().parent.parent / "bench" / "models"
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ALL_ARCHITECTURES)
 def test_triton_path_greedy_equals_hf_in_fp32(arch, model_dirs, prompts, hf_reference):
     llm = LLM(str(model_dirs[arch]), dtype="float32", device="cuda")
     assert llm.engine.runner.backend.name == "triton"
