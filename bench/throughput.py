@@ -58,6 +58,7 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
@@ -73,10 +74,11 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
     stats = llm.engine.stats()
     # Of the timed run alone: the engine's counters also hold the warm-up's lookups.
     cached = sum(o.num_cached_tokens for o in outs)
+    llm.shutdown()
     del llm
     free_memory()
     return Result(
-        "kvfleet",
+        "kvfleet" if args.tensor_parallel_size == 1 else f"kvfleet-tp{args.tensor_parallel_size}",
         t.seconds,
         len(work.prompts),
         work.prompt_tokens,
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--baselines", nargs="*", default=[], choices=["hf-static", "hf-continuous"])
     p.add_argument("--baseline-num-prompts", type=int, default=64,
                    help="baselines run the first N prompts of the same workload")  # fmt: skip
