@@ -4,7 +4,9 @@ with fewer than two GPUs visible; run on a 2-GPU machine with
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,17 +21,31 @@ pytestmark = pytest.mark.skipif(
 BENCH_MODELS = Path(__file__).resolve().parent.parent / "bench" / "models"
 
 
+def _generate(model: str, tp: int, prompts: list, sp: SamplingParams, **engine_args: Any) -> list:
+    """Outputs of an engine that is gone when this returns: each engine sizes its KV cache from
+    the free memory, which a live one would have taken."""
+    llm = LLM(model, tensor_parallel_size=tp, gpu_memory_utilization=0.4, **engine_args)
+    try:
+        assert llm.engine.runner.graphs is not None
+        outs = llm.generate(prompts, sp)
+        assert_no_leak(llm)
+        return outs
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_two_gpus_greedy_equals_one_gpu_and_hf_in_fp32(arch, model_dirs, prompts, hf_reference):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    outs = {}
-    for tp in (1, 2):
-        with LLM(str(model_dirs[arch]), dtype="float32", tensor_parallel_size=tp) as llm:
-            assert llm.engine.runner.graphs is not None
-            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(batch, sp)]
-            assert_no_leak(llm)
-        torch.cuda.empty_cache()
+    outs = {
+        tp: [o.outputs[0].token_ids for o in _generate(str(model_dirs[arch]), tp, batch, sp,
+                                                       dtype="float32")]
+        for tp in (1, 2)
+    }  # fmt: skip
     assert outs[2] == outs[1] == hf_reference[arch]
 
 
@@ -38,13 +54,11 @@ def test_two_gpus_bf16_logprobs_close_to_one_gpu_on_a_real_size_model():
     token's top-20 logprobs with N=2 against N=1; the sums inside the all-reduce round
     differently, so equality is not expected, closeness is."""
     common = dict(
-        model=str(BENCH_MODELS / "Qwen3-0.6B"),
         load_format="dummy",
         dtype="bfloat16",
         skip_tokenizer_init=True,
         max_model_len=2048,
         max_num_seqs=16,
-        gpu_memory_utilization=0.3,
     )
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -52,11 +66,8 @@ def test_two_gpus_bf16_logprobs_close_to_one_gpu_on_a_real_size_model():
         for n in (1, 17, 300, 1000)
     ]
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=20, ignore_eos=True)
-    outs = {}
-    for tp in (1, 2):
-        with LLM(**common, tensor_parallel_size=tp) as llm:
-            outs[tp] = llm.generate(prompts, sp)
-        torch.cuda.empty_cache()
+    model = str(BENCH_MODELS / "Qwen3-0.6B")
+    outs = {tp: _generate(model, tp, prompts, sp, **common) for tp in (1, 2)}
     worst = 0.0
     for a, b in zip(outs[2], outs[1], strict=True):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]

@@ -113,7 +113,10 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.hidden_size = config.hidden_size
+        # HF rounds sqrt(hidden_size) to the activation dtype before the multiply; rounded once
+        # here, as a Python float, so the forward pass (and a CUDA graph of it) makes no tensor.
+        dtype = torch.get_default_dtype()
+        self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=dtype, device="cpu").item()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             _head_dim(config), config.max_position_embeddings, rope_parameters(config)
@@ -124,9 +127,7 @@ class Gemma2Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # HF rounds sqrt(hidden_size) to the activation dtype before the multiply.
-        x = x * torch.tensor(self.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        x = self.embed_tokens(input_ids) * self.normalizer
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
