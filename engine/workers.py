@@ -135,9 +135,19 @@ class TensorParallelWorkers:
         if self._stopping:
             return
         self._stopping = True
+        healthy = self.failure() is None
         for conn in self._conns:
             with contextlib.suppress(OSError):  # already gone
                 conn.send_bytes(_STOP)
+        # NCCL's teardown waits for every rank, so rank 0 tears down while the workers do (they
+        # do on _STOP), not after they exit. With a rank dead it would wait forever: the
+        # process's exit frees the communicator instead. Gloo's teardown is local.
+        if dist.is_initialized() and (healthy or dist.get_backend() == "gloo"):
+            teardown = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            teardown.start()
+            teardown.join(timeout_s)
+            if teardown.is_alive():
+                logger.warning("the process group did not tear down in %.0f s", timeout_s)
         for proc in self._procs:
             proc.join(timeout_s)
             if proc.is_alive():
@@ -146,5 +156,3 @@ class TensorParallelWorkers:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
