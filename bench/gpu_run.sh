@@ -85,7 +85,7 @@ for step in "$@"; do
             tee "$out/latency.txt"
         ;;
     gemma-chat)
-        # Closed-loop chat users, 10 s of warm-up then 60 s measured, 1 and then 32 users.
+        # Closed-loop chat users, 10 s of warm-up then 60 s (CHAT_DURATION) measured, 1 then 32 users.
         timeout 120 $py bench/dummy_tokenizer.py bench/models/gemma-2-2b-it /tmp/gemma-2-2b-it ||
             continue
         start_server "$out/gemma_chat_server.log" --model /tmp/gemma-2-2b-it --load-format dummy \
@@ -93,7 +93,7 @@ for step in "$@"; do
         for users in 1 32; do
             timeout 120 $py bench/serve.py --base-url http://127.0.0.1:8000 --model gemma-2-2b-it \
                 --endpoint chat --prompt "Explain RAG in 3 sentences" --output-len 200 \
-                --users $users --warmup-duration 10 --duration 60 \
+                --users $users --warmup-duration 10 --duration ${CHAT_DURATION:-60} \
                 --result-json "$out/gemma_chat_${users}users.json" 2>&1 |
                 tee "$out/gemma_chat_${users}users.txt"
         done

@@ -106,7 +106,7 @@ def _greedy(path: str, tp: int, **engine_args) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
 def test_engine_with_two_ranks_generates_what_one_rank_does(model_dirs, arch):
     """Chunked prefill (48-token budget) and a 14-block cache that forces preemption: the plan
     each worker gets must carry every block-table change, across steps and re-admissions."""
