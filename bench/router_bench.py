@@ -138,18 +138,21 @@ async def run_conversations(
     return ttfts
 
 
-async def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
-    """Sum over the engines of (prefix-cache hits, queries), in tokens."""
-    hits = queries = 0.0
+async def counters(urls: Sequence[str], *names: str) -> list[float]:
+    """Each named counter summed over the servers' /metrics."""
+    sums = dict.fromkeys(names, 0.0)
     async with aiohttp.ClientSession() as s:
         for url in urls:
             async with s.get(f"{url}/metrics") as r:
                 for line in (await r.text()).splitlines():
-                    if line.startswith("vllm:prefix_cache_hits_total"):
-                        hits += float(line.rsplit(" ", 1)[1])
-                    elif line.startswith("vllm:prefix_cache_queries_total"):
-                        queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+                    name, _, value = line.partition(" ")
+                    if name in sums:
+                        sums[name] += float(value)
+    return [sums[n] for n in names]
+
+
+PREFIX_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+SPILLED = "kvfleet_router_spilled_total"
 
 
 @dataclass
@@ -160,6 +163,7 @@ class AffinityResult:
     ttft_p50_ms: float
     ttft_p90_ms: float
     seconds: float
+    spilled: int | None  # routed past the key's home engine (the load bound); None: no router
 
 
 async def measure_affinity(
@@ -169,12 +173,16 @@ async def measure_affinity(
     convs: Sequence[Conversation],
     max_tokens: int,
     think_s: float = 0.0,
+    router_url: str | None = None,
 ) -> AffinityResult:
-    h0, q0 = await prefix_counters(engine_urls)
+    routers = [router_url] if router_url else []
+    h0, q0 = await counters(engine_urls, *PREFIX_COUNTERS)
+    (s0,) = await counters(routers, SPILLED)
     start = time.perf_counter()
     ttfts = await run_conversations(convs, target, max_tokens, think_s)
     seconds = time.perf_counter() - start
-    h1, q1 = await prefix_counters(engine_urls)
+    h1, q1 = await counters(engine_urls, *PREFIX_COUNTERS)
+    (s1,) = await counters(routers, SPILLED)
     ms = np.asarray(ttfts) * 1000
     return AffinityResult(
         policy,
@@ -183,6 +191,7 @@ async def measure_affinity(
         float(np.percentile(ms, 50)),
         float(np.percentile(ms, 90)),
         seconds,
+        int(s1 - s0) if router_url else None,
     )
 
 
@@ -313,6 +322,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--think-time", type=float, default=1.0, help="mean seconds between turns")
     p.add_argument("--hidden-size", type=int, default=384, help="of the bench model")
     p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--load-factor", type=float, default=1.25, help="the routers' bound")
     p.add_argument("--prefix-length", type=int, default=128,
                    help="router --prefix-length for the prefix-key run")  # fmt: skip
     p.add_argument("--rate", type=float, default=50.0, help="added-latency request rate")
@@ -326,11 +336,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def print_tables(affinity: list[AffinityResult], latency: list[LatencyResult]) -> None:
     rr = next(r for r in affinity if r.policy == "round robin")
     print("| policy | requests | prefix-cache hit rate | vs round robin | TTFT p50 ms "
-          "| TTFT p90 ms | seconds |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| TTFT p90 ms | seconds | spilled |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in affinity:
+        spilled = "" if r.spilled is None else r.spilled
         print(f"| {r.policy} | {r.requests} | {r.hit_rate:.1%} | {r.hit_rate / rr.hit_rate:.2f}x "
-              f"| {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | {r.seconds:.1f} |")  # fmt: skip
+              f"| {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | {r.seconds:.1f} "
+              f"| {spilled} |")  # fmt: skip
     print()
     print("| path | requests | rate/s | TTFB p50 ms | TTFB p99 ms | total p50 ms | total p99 ms |")
     print("|---|---|---|---|---|---|---|")
@@ -345,9 +357,11 @@ async def affinity_runs(
     hosts = [u.removeprefix("http://") for u in urls]
     session_port, prefix_port = free_port(), free_port()
     routers = [
-        start_router(hosts, session_port, log_dir / "router-session.log", "--tokenizer", tokenizer),
+        start_router(hosts, session_port, log_dir / "router-session.log", "--tokenizer", tokenizer,
+                     "--load-factor", str(ns.load_factor)),
         start_router(hosts, prefix_port, log_dir / "router-prefix.log", "--tokenizer", tokenizer,
-                     "--prefix-length", str(ns.prefix_length)),
+                     "--prefix-length", str(ns.prefix_length), "--load-factor",
+                     str(ns.load_factor)),
     ]  # fmt: skip
     try:
         session_url, prefix_url = (f"http://127.0.0.1:{p}" for p in (session_port, prefix_port))
@@ -359,15 +373,17 @@ async def affinity_runs(
 
         # Warm-up: the first requests of a process pay one-off costs (allocator, lazy imports).
         await run_conversations(workload(99)[: ns.engines * 2], round_robin(urls), 4)
-        runs: list[tuple[str, Target]] = [
-            ("round robin", round_robin(urls)),
-            ("router, session header", lambda i: (session_url, {"x-session-id": f"conv-{i}"})),
-            (f"router, prefix key ({ns.prefix_length} tokens)", lambda _i: (prefix_url, {})),
-        ]
+        runs: list[tuple[str, Target, str | None]] = [
+            ("round robin", round_robin(urls), None),
+            ("router, session header",
+             lambda i: (session_url, {"x-session-id": f"conv-{i}"}), session_url),
+            (f"router, prefix key ({ns.prefix_length} tokens)",
+             lambda _i: (prefix_url, {}), prefix_url),
+        ]  # fmt: skip
         results = []
-        for seed, (policy, target) in enumerate(runs):
+        for seed, (policy, target, router_url) in enumerate(runs):
             r = await measure_affinity(
-                policy, urls, target, workload(seed), ns.max_tokens, ns.think_time
+                policy, urls, target, workload(seed), ns.max_tokens, ns.think_time, router_url
             )
             logger.info("%s", r)
             results.append(r)

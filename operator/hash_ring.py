@@ -40,6 +40,12 @@ class HashRing:
         total = sum(load.get(ep, 0) for ep in self.endpoints)
         return math.ceil(self.load_factor * (total + 1) / len(self.endpoints))
 
+    def home(self, key: str) -> str | None:
+        """Where key goes when no endpoint is over the bound: the one that caches its prefix."""
+        if not self.endpoints:
+            return None
+        return self._owners[bisect.bisect(self._points, _hash(key)) % len(self._points)]
+
     def choose(self, key: str, load: Mapping[str, int]) -> str | None:
         """The endpoint for key given the current in-flight counts; None with no endpoints.
         The bound guarantees some endpoint qualifies, so the walk always ends."""

@@ -180,6 +180,12 @@ class RouterMetrics:
         )
         self.retries = Counter("kvfleet_router_retries", "Requests retried on another engine.",
                                registry=r)  # fmt: skip
+        self.spilled = Counter(
+            "kvfleet_router_spilled",
+            "Keyed requests sent past their home engine (the one holding their prefix) because "
+            "it was over the load bound; many means a load factor too tight for the traffic.",
+            registry=r,
+        )
         self.held = Gauge(
             "kvfleet_router_held_requests",
             "Requests waiting for a ready engine (scale-from-zero signal).",
@@ -290,6 +296,12 @@ class Router:
         failure: _Failure | None = None
         for attempt in range(2):
             endpoint = self.balancer.choose(rk.key, tried)
+            if (
+                attempt == 0
+                and rk.key is not None
+                and endpoint not in (None, self.balancer.ring.home(rk.key))
+            ):
+                self.metrics.spilled.inc()
             if endpoint is None and not tried:
                 endpoint, held = await self._hold(rk.key, received + self.settings.hold_timeout_s)
                 if endpoint is None:

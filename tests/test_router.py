@@ -517,3 +517,23 @@ async def test_health_and_metrics() -> None:
         "kvfleet_router_held_requests 0.0",
     ):
         assert line in text, line
+
+
+@pytest.mark.asyncio
+async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
+    a, b = FakeEngine("a", gap=0.1), FakeEngine("b", gap=0.1)
+    async with fleet(a, b) as (router, url, addrs), aiohttp.ClientSession() as s:
+        key = key_for(router, addrs[0])
+
+        async def one() -> str:
+            async with s.post(f"{url}/v1/chat/completions", data=chat(("user", "hi")),
+                              headers={"X-Session-Id": key}) as r:  # fmt: skip
+                await r.read()
+                return r.headers["X-Engine"]
+
+        # Alone, the session stays home.
+        assert await one() == "a"
+        # Three at once on two engines: the bound (ceil(1.25 * 3 / 2) = 2) sends the third away.
+        assert sorted(await asyncio.gather(one(), one(), one())) == ["a", "a", "b"]
+        metrics = await (await s.get(f"{url}/metrics")).text()
+    assert "kvfleet_router_spilled_total 1.0" in metrics
