@@ -145,7 +145,8 @@ async def counters(urls: Sequence[str], *names: str) -> list[float]:
         for url in urls:
             async with s.get(f"{url}/metrics") as r:
                 for line in (await r.text()).splitlines():
-                    name, _, value = line.partition(" ")
+                    sample, _, value = line.rpartition(" ")
+                    name = sample.partition("{")[0]  # summed over label sets
                     if name in sums:
                         sums[name] += float(value)
     return [sums[n] for n in names]
