@@ -1,7 +1,8 @@
-"""CUDA graphs for decode steps: the whole forward pass of a batch of one-token sequences is
-captured once per batch size and replayed, so a decode step costs one launch instead of hundreds.
-Batches are padded to the next captured size; padded rows write no KV (slot -1) and attend to
-nothing (sequence length 0)."""
+"""CUDA graphs for decode steps: the whole forward pass of a batch of one-token rows is captured
+once per row count and replayed, so a step costs one launch instead of hundreds. A row is a
+decode token, or a prompt token run as a decode over its own prefix (the runner decides which
+steps qualify: `model_runner.fits_decode_graph`). Batches are padded to the next captured size;
+padded rows write no KV (slot -1) and attend to nothing (sequence length 0)."""
 
 from __future__ import annotations
 
