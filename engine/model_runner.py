@@ -369,7 +369,9 @@ class ModelRunner:
             token_tables = table[np.repeat(rows, num_new), : block_tables.shape[1]]
             with torch.inference_mode():
                 hidden = graphs.run(ids, positions, slots, token_tables, positions + 1)
-                if num_tokens == num_seqs:  # pure decode: every row samples
+                # Every row samples in a pure decode step; a one-token chunk of a longer prompt
+                # (a budget's last token) makes a row that does not.
+                if len(plan.sampling) == num_tokens:
                     return self.model.compute_logits(hidden)
                 if not len(plan.sampling):
                     return None

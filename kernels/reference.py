@@ -15,11 +15,14 @@ def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens], slot = block_id * block_size + offset
+    slot_mapping: torch.Tensor,  # [num_tokens], slot = block_id * block_size + offset; < 0: skip
 ) -> None:
     block_size = kv_cache.shape[2]
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
     assert flat.shape[1] == kv_cache.shape[1] * block_size
+    keep = slot_mapping >= 0  # padding rows of a CUDA-graph batch write nothing
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 

@@ -80,10 +80,14 @@ def test_write_kv_cache_matches_reference_and_skips_negative_slots(dtype: torch.
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     cache = cache.to(dtype)
     expected = cache.clone()
-    keep = slots >= 0
-    reference.write_kv_cache(key[keep], value[keep], expected, slots[keep])
+    untouched = cache.clone()
+    reference.write_kv_cache(key, value, expected, slots)
     write_kv_cache(key, value, cache, slots)
     assert torch.equal(cache, expected)
+    # Exactly the five kept slots changed, in both.
+    per_slot = (cache != untouched).view(2, num_blocks * BLOCK_SIZE, -1)
+    changed = per_slot.any(-1).any(0).nonzero().flatten()
+    assert changed.tolist() == [0, 5, 16, 33, 63]
 
 
 # -- decode ----------------------------------------------------------------------------------
