@@ -121,7 +121,7 @@ for step in "$@"; do
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.
-        timeout 240 $py -m pytest -q -p no:cacheprovider tests/test_gpu_tensor_parallel.py 2>&1 |
+        timeout 540 $py -m pytest -q -p no:cacheprovider tests/test_gpu_tensor_parallel.py 2>&1 |
             tee "$out/tp_tests.txt"
         ;;
     tp-llama8b)
