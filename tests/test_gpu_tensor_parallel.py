@@ -43,7 +43,7 @@ def test_two_gpus_greedy_equals_one_gpu_and_hf_in_fp32(arch, model_dirs, prompts
     batch = [{"prompt_token_ids": p} for p in prompts]
     outs = {
         tp: [o.outputs[0].token_ids for o in _generate(str(model_dirs[arch]), tp, batch, sp,
-                                                       dtype="float32")]
+                                                       dtype="float32", max_num_seqs=16)]
         for tp in (1, 2)
     }  # fmt: skip
     assert outs[2] == outs[1] == hf_reference[arch]
