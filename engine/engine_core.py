@@ -74,7 +74,12 @@ class EngineCore:
         if args.tensor_parallel_size > 1:
             self.workers = TensorParallelWorkers(args)
         try:
-            self.runner = ModelRunner(args, self.model_config, self.device)
+            self.runner = ModelRunner(
+                args,
+                self.model_config,
+                self.device,
+                on_loaded=self.workers.wait_loaded if self.workers is not None else None,
+            )
         except BaseException:
             self.shutdown()
             raise

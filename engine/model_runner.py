@@ -61,7 +61,15 @@ class StepPlan:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        device: torch.device,
+        on_loaded: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_loaded` runs once the weights are in, before the first collective: the
+        tensor-parallel ranks check each other there."""
         self.args = args
         self.model_config = model_config
         self.device = device
@@ -72,6 +80,8 @@ class ModelRunner:
 
         torch.manual_seed(args.seed)
         self.model = self._load_model()
+        if on_loaded is not None:
+            on_loaded()
         self.backend = get_attention_backend(args.resolved_backend(), model_config.max_model_len)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)

@@ -25,6 +25,8 @@ from kvfleet.engine.model_runner import ModelRunner, StepPlan
 logger = logging.getLogger(__name__)
 
 _HELLO = b"up"
+_LOADED = b"loaded"
+_FAILED = b"failed: "
 _STOP = b""
 # How long a freshly spawned worker may take to import torch and say it is up.
 _START_TIMEOUT_S = 300.0
@@ -48,7 +50,15 @@ def _worker_main(
     args = EngineArgs.model_validate_json(args_json)
     device = rank_device(args.resolved_device(), rank)
     init_tensor_parallel(rank, world_size, port, device)
-    runner = ModelRunner(args, ModelConfig.from_args(args, device), device)
+    try:
+        model_config = ModelConfig.from_args(args, device)
+        runner = ModelRunner(args, model_config, device, on_loaded=lambda: conn.send_bytes(_LOADED))
+    except BaseException as e:
+        # Rank 0 reads this while it waits for the weights, before any collective that this
+        # rank would never join; after that point it can only see the process exit.
+        with contextlib.suppress(OSError):
+            conn.send_bytes(_FAILED + f"{type(e).__name__}: {e}".encode())
+        raise
     while True:
         try:
             msg = conn.recv_bytes()
@@ -102,6 +112,16 @@ class TensorParallelWorkers:
                     f"tensor-parallel worker rank {rank} did not start (exit code "
                     f"{proc.exitcode}); see its log lines above"
                 )
+
+    def wait_loaded(self) -> None:
+        """Rank 0, its own weights loaded: every worker must have loaded its shard before the
+        first collective, or say why not."""
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
+            ready = wait([conn, proc.sentinel])
+            msg = conn.recv_bytes() if conn in ready else b""
+            if msg != _LOADED:
+                why = msg.removeprefix(_FAILED).decode() or f"exit code {proc.exitcode}"
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to load: {why}")
 
     def send(self, plan: StepPlan) -> None:
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)

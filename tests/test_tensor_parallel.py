@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -145,3 +146,23 @@ async def test_a_dead_worker_fails_health_and_requests(model_dirs):
     finally:
         await engine.stop()
     assert not dist.is_initialized()
+
+
+def test_a_worker_that_cannot_load_its_shard_is_reported_not_waited_for(model_dirs, tmp_path):
+    """A checkpoint whose o_proj is one column short: rank 0's half is intact, rank 1's is not.
+    Rank 0 must say so before its first collective (on NCCL it would wait there for good)."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dirs["llama"]
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    (weights,) = dst.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"worker rank 1 failed to load: RuntimeError: .*"):
+        EngineCore(EngineArgs(model=str(dst), tensor_parallel_size=2, device="cpu",
+                              skip_tokenizer_init=True))  # fmt: skip
+    assert not dist.is_initialized()
+    assert not mp.active_children()
