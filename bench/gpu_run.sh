@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh OUTDIR check    # kernels at real sizes + GPU tests
 #   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
+#   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
