@@ -366,17 +366,16 @@ class ModelRunner:
         num_tokens = int(qsl[-1])
         positions = np.arange(num_tokens) + np.repeat(computed - qsl[:-1], num_new)
         seq_lens = computed + num_new
-        slots = table[np.repeat(rows, num_new), positions // bs].astype(np.int64) * bs + (
-            positions % bs
-        )
+        token_rows = np.repeat(rows, num_new)
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         max_seq_len = int(seq_lens.max())
-        block_tables = table[rows, : cdiv(max_seq_len, bs)]
+        width = cdiv(max_seq_len, bs)
 
         dev = self.device
         ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
         graphs = self.graphs
         if graphs is not None and fits_decode_graph(positions, seq_lens, graphs.max_size):
-            token_tables = table[np.repeat(rows, num_new), : block_tables.shape[1]]
+            token_tables = table[token_rows, :width]
             with torch.inference_mode():
                 hidden = graphs.run(ids, positions, slots, token_tables, positions + 1)
                 # Every row samples in a pure decode step; a one-token chunk of a longer prompt
@@ -389,7 +388,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table[rows, :width]).to(dev, non_blocking=True),
             seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
             seq_lens_cpu=seq_lens.tolist(),

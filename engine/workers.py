@@ -13,7 +13,7 @@ import pickle
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 
 import torch.distributed as dist
@@ -104,23 +104,28 @@ class TensorParallelWorkers:
         logger.info("tensor parallel: %d ranks (rank 0 here, workers %s)", world,
                     [p.pid for p in self._procs])  # fmt: skip
 
-    def _await_hello(self) -> None:
+    def _receive_each(self, timeout_s: float | None = None) -> Iterator[tuple[int, bytes, str]]:
+        """Each worker's next message (empty if it exited or stayed silent past the timeout),
+        with its rank and what its process says."""
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
-            ready = wait([conn, proc.sentinel], timeout=_START_TIMEOUT_S)
-            if conn not in ready or conn.recv_bytes() != _HELLO:
+            ready = wait([conn, proc.sentinel], timeout=timeout_s)
+            msg = conn.recv_bytes() if conn in ready else b""
+            yield rank, msg, f"exit code {proc.exitcode}"
+
+    def _await_hello(self) -> None:
+        for rank, msg, status in self._receive_each(_START_TIMEOUT_S):
+            if msg != _HELLO:
                 raise RuntimeError(
-                    f"tensor-parallel worker rank {rank} did not start (exit code "
-                    f"{proc.exitcode}); see its log lines above"
+                    f"tensor-parallel worker rank {rank} did not start ({status}); see its log "
+                    "lines above"
                 )
 
     def wait_loaded(self) -> None:
         """Rank 0, its own weights loaded: every worker must have loaded its shard before the
         first collective, or say why not."""
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
-            ready = wait([conn, proc.sentinel])
-            msg = conn.recv_bytes() if conn in ready else b""
+        for rank, msg, status in self._receive_each():
             if msg != _LOADED:
-                why = msg.removeprefix(_FAILED).decode() or f"exit code {proc.exitcode}"
+                why = msg.removeprefix(_FAILED).decode() or status
                 raise RuntimeError(f"tensor-parallel worker rank {rank} failed to load: {why}")
 
     def send(self, plan: StepPlan) -> None:

@@ -86,3 +86,23 @@ def assert_no_leak(llm) -> None:
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
     assert not llm.engine.kv_cache_manager.req_blocks
     assert not llm.engine.runner.rows
+
+
+def long_random_prompts(vocab: int = 150000) -> list[dict[str, list[int]]]:
+    """Token-id prompts of 1, 17, 300 and 1000 tokens for real-size models (bf16 checks)."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        {"prompt_token_ids": torch.randint(10, vocab, (n,), generator=g).tolist()}
+        for n in (1, 17, 300, 1000)
+    ]
+
+
+def first_token_logprob_gaps(outs: list, ref: list) -> list[tuple[int, float]]:
+    """Per prompt: how many of the reference's top first-token logprobs the other run also
+    returned, and the largest difference among those."""
+    gaps = []
+    for a, b in zip(outs, ref, strict=True):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        shared = [t for t in first_b if t in first_a]
+        gaps.append((len(shared), max((abs(first_a[t] - first_b[t]) for t in shared), default=0.0)))
+    return gaps

@@ -10,7 +10,12 @@ import torch
 
 from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.tiny_model import ALL_ARCHITECTURES
-from tests.conftest import MAX_TOKENS, assert_no_leak
+from tests.conftest import (
+    MAX_TOKENS,
+    assert_no_leak,
+    first_token_logprob_gaps,
+    long_random_prompts,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,21 +64,12 @@ def test_bf16_triton_logprobs_close_to_reference_on_a_real_size_model():
         max_num_seqs=16,
         gpu_memory_utilization=0.3,
     )
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(10, 150000, (n,), generator=g).tolist()}
-        for n in (1, 17, 300, 1000)
-    ]
+    prompts = long_random_prompts()
     sp = SamplingParams(temperature=0, max_tokens=4, logprobs=20, ignore_eos=True)
     fast = LLM(**common).generate(prompts, sp)
     torch.cuda.empty_cache()
     ref = LLM(**common, attention_backend="torch", enforce_eager=True).generate(prompts, sp)
-    worst = 0.0
-    for a, b in zip(fast, ref, strict=True):
-        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        for token, lp in first_b.items():
-            if token in first_a:
-                worst = max(worst, abs(first_a[token] - lp))
+    worst = max(gap for _, gap in first_token_logprob_gaps(fast, ref))
     assert worst < 0.05, worst
 
 

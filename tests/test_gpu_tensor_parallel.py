@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from kvfleet.engine import LLM, SamplingParams
-from tests.conftest import MAX_TOKENS, assert_no_leak
+from tests.conftest import (
+    MAX_TOKENS,
+    assert_no_leak,
+    first_token_logprob_gaps,
+    long_random_prompts,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -60,21 +65,13 @@ def test_two_gpus_bf16_logprobs_close_to_one_gpu_on_a_real_size_model():
         max_model_len=2048,
         max_num_seqs=16,
     )
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(10, 150000, (n,), generator=g).tolist()}
-        for n in (1, 17, 300, 1000)
-    ]
+    prompts = long_random_prompts()
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=20, ignore_eos=True)
     model = str(BENCH_MODELS / "Qwen3-0.6B")
     outs = {tp: _generate(model, tp, prompts, sp, **common) for tp in (1, 2)}
-    worst = 0.0
-    for a, b in zip(outs[2], outs[1], strict=True):
-        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        assert set(first_a) & set(first_b)
-        for token, lp in first_b.items():
-            if token in first_a:
-                worst = max(worst, abs(first_a[token] - lp))
+    gaps = first_token_logprob_gaps(outs[2], outs[1])
+    assert all(shared for shared, _ in gaps)
+    worst = max(gap for _, gap in gaps)
     assert worst < 0.05, worst
 
 

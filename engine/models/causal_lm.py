@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kvfleet.engine.distributed import tp_size
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.embedding import ParallelLMHead
 
@@ -35,8 +34,6 @@ class CausalLM(nn.Module):
         final_logit_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        if config.num_attention_heads % tp_size():
-            raise ValueError("attention heads must divide evenly over tensor-parallel ranks")
         self.config = config
         self.model = model
         self.final_logit_soft_cap = final_logit_soft_cap
