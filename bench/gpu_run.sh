@@ -70,6 +70,13 @@ for step in "$@"; do
         timeout 300 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
             --input-len 100 1024 --output-len 100 1024 --step-stats 2>&1 | tee "$out/steps.txt"
         ;;
+    gemma-profile)
+        # Where a gemma-2-2b decode step's time goes at the chat workload's batch sizes.
+        for batch in 1 32; do
+            timeout 200 $py bench/profile_step.py --model bench/models/gemma-2-2b-it --batch $batch \
+                --context 128 2>&1 | tee "$out/gemma_profile_b${batch}.txt"
+        done
+        ;;
     llama8b)
         timeout 550 $py bench/throughput.py --model bench/models/Llama-3.1-8B --num-prompts 256 \
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static \

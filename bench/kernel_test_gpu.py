@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.engine.layers.layernorm import RMSNorm
 from kvfleet.kernels import reference
+from kvfleet.kernels.activation import act_and_mul
 from kvfleet.kernels.cache_write import write_kv_cache
 from kvfleet.kernels.paged_attention import (
     choose_num_splits,
@@ -266,18 +266,29 @@ def report_ulps(name: str, out: torch.Tensor, ref: torch.Tensor) -> bool:
     return ok
 
 
-def check_rms_norm(dev: torch.device, dtype: torch.dtype, hidden: int) -> bool:
-    module = RMSNorm(hidden, eps=1e-6).to(device=dev, dtype=dtype)
-    module.weight.data.normal_()
+def check_rms_norm(
+    dev: torch.device, dtype: torch.dtype, hidden: int, zero_centred: bool = False
+) -> bool:
+    # The oracle is the PyTorch twin: the module itself would run this very kernel on the GPU.
+    weight = torch.randn(hidden, device=dev, dtype=dtype)
     x = torch.randn(4096, hidden, device=dev, dtype=dtype)
     residual = torch.randn_like(x)
-    tag = f"{tuple(x.shape)} {str(dtype)[6:]}"
-    ok = report_ulps(f"rms_norm {tag}", rms_norm(x, module.weight, module.eps), module(x))
-    out, new_res = rms_norm(x, module.weight, module.eps, residual)
-    want_out, want_res = module(x, residual)
+    tag = f"{tuple(x.shape)} {str(dtype)[6:]}{' zero-centred' if zero_centred else ''}"
+    want = reference.rms_norm(x, weight, 1e-6, None, zero_centred)
+    ok = report_ulps(f"rms_norm {tag}", rms_norm(x, weight, 1e-6, None, zero_centred), want)
+    out, new_res = rms_norm(x, weight, 1e-6, residual, zero_centred)
+    want_out, want_res = reference.rms_norm(x, weight, 1e-6, residual, zero_centred)
     ok &= report_ulps(f"rms_norm+residual {tag}", out, want_out)
     ok &= report(f"rms_norm+residual new residual {tag}", new_res, want_res, 0.0, 0.0)
     return ok
+
+
+def check_act_and_mul(dev: torch.device, activation: str) -> bool:
+    # The kernel rounds once; the twin rounds act(gate) and the product: within a bf16 ulp or two.
+    x = torch.randn(512, 2 * 9216, device=dev, dtype=torch.bfloat16) * 4
+    got = act_and_mul(x, activation)
+    want = reference.act_and_mul(x.float(), activation)
+    return report(f"act_and_mul {activation} {tuple(x.shape)} bf16", got, want, 1e-2, 1.6e-2)
 
 
 def run_checks(dev: torch.device) -> bool:
@@ -311,6 +322,9 @@ def run_checks(dev: torch.device) -> bool:
         lambda: check_rms_norm(dev, bf16, 4096),
         lambda: check_rms_norm(dev, torch.float16, 5120),
         lambda: check_rms_norm(dev, torch.float32, 3584),
+        lambda: check_rms_norm(dev, bf16, 2304, zero_centred=True),
+        lambda: check_act_and_mul(dev, "silu"),
+        lambda: check_act_and_mul(dev, "gelu_pytorch_tanh"),
     ]
     return all([check() for check in checks])
 

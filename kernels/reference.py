@@ -6,6 +6,7 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -77,16 +78,18 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    zero_centred: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``norm(x)``, or ``(norm(x + residual), x + residual)``; statistics in fp32, rounded to
-    the input dtype before the weight multiply, as HF's Llama-family norms do."""
+    """``norm(x)``, or ``(norm(x + residual), x + residual)``; statistics in fp32. Llama-family
+    norms round to the input dtype before the weight multiply, as HF's do; Gemma's zero-centred
+    ones scale by ``1 + weight`` in fp32 and round once, as HF's Gemma2RMSNorm does."""
     if residual is not None:
         x = x + residual
         residual = x
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    out = (h * (1.0 + weight.float())).to(dtype) if zero_centred else weight * h.to(dtype)
     return out if residual is None else (out, residual)
 
 
@@ -108,6 +111,14 @@ def apply_rotary(
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+# Gated MLP activations that have a fused Triton twin (kernels.activation), by HF hidden_act.
+GATED_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for an input holding gate and up side by side, in the input dtype."""
     gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return GATED_ACTIVATIONS[activation](gate) * up

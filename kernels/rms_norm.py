@@ -1,10 +1,12 @@
-"""Triton RMSNorm with the residual add fused in (twin of ``engine.layers.layernorm.RMSNorm``).
+"""Triton RMSNorm with the residual add fused in (twin of ``reference.rms_norm`` and of the
+``engine.layers.layernorm`` RMSNorms).
 
-Rounding follows the PyTorch module step by step, so results agree to the last bit up to the
-order of the fp32 sum of squares: ``x + residual`` is rounded to the input dtype (it is also the
-new residual), the normalised row is rounded to the input dtype before the weight multiply, and the
-output dtype is ``promote_types(weight.dtype, x.dtype)``. Inputs are never written; outputs are
-new tensors.
+Rounding follows the PyTorch twin step by step, so results agree to the last bit up to the order
+of the fp32 sum of squares: ``x + residual`` is rounded to the input dtype (it is also the new
+residual). Llama style: the normalised row is rounded to the input dtype before the weight
+multiply and the output dtype is ``promote_types(weight.dtype, x.dtype)``. Gemma style
+(``zero_centred``): the row is scaled by ``1 + weight`` in fp32 and rounded once, to the input
+dtype. Inputs are never written; outputs are new tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTRED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -41,8 +44,12 @@ def _rms_norm_kernel(
         tl.store(new_residual_ptr + row * stride_nr + cols, x, mask=mask)
         x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    x = (x * inv_rms).to(in_dtype).to(tl.float32)
+    x = x * inv_rms
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        w = w + 1.0
+    else:
+        x = x.to(in_dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -51,6 +58,7 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # like x
+    zero_centred: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given."""
     hidden = x.shape[-1]
@@ -59,9 +67,8 @@ def rms_norm(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    out = torch.empty(
-        (rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
-    )
+    out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
         r2 = residual.reshape(-1, hidden)
@@ -87,6 +94,7 @@ def rms_norm(
             eps,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            ZERO_CENTRED=zero_centred,
             num_warps=min(max(block // 256, 1), 16),
         )
     out = out.view(x.shape)

@@ -1,4 +1,4 @@
-"""Fused elementwise Triton kernels (rotary, SiLU-and-mul) against their PyTorch twins, on the
+"""Fused elementwise Triton kernels (rotary, gated activations) against their PyTorch twins, on the
 CPU through Triton's interpreter (compute in fp32: the interpreter's bf16 arithmetic is wrong)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from kvfleet.engine.layers.rotary import RotaryEmbedding
 from kvfleet.kernels import reference
-from kvfleet.kernels.activation import silu_and_mul
+from kvfleet.kernels.activation import act_and_mul
 from kvfleet.kernels.rotary import apply_rotary
 
 
@@ -37,7 +37,16 @@ def test_rotary_in_place_matches_reference(num_q, num_k, head_dim):
     assert torch.equal(qkv[:, (num_q + num_k) * head_dim :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("activation", sorted(reference.GATED_ACTIVATIONS))
 @pytest.mark.parametrize("shape", [(1, 2 * 7), (5, 2 * 64), (3, 2 * 1500)])
-def test_silu_and_mul_matches_reference(shape):
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 4
-    torch.testing.assert_close(silu_and_mul(x), reference.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+def test_gated_activation_matches_reference(shape, activation):
+    # Scaled so both tails (exp overflow, act -> 0 or -> identity) are exercised.
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 12
+    got = act_and_mul(x, activation)
+    torch.testing.assert_close(got, reference.act_and_mul(x, activation), atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_gated_activation_refuses_an_unfused_name():
+    with pytest.raises(ValueError, match="no fused kernel for 'relu'"):
+        act_and_mul(torch.ones(2, 4), "relu")

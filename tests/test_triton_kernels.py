@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from kvfleet.engine.attention_backend import TorchAttentionBackend
 from kvfleet.engine.attention_metadata import AttentionMetadata
-from kvfleet.engine.layers.layernorm import RMSNorm
+from kvfleet.engine.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kvfleet.kernels import reference
 from kvfleet.kernels.cache_write import write_kv_cache
 from kvfleet.kernels.paged_attention import (
@@ -293,15 +293,18 @@ def test_backend_writes_then_attends_like_the_torch_backend() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_module(dtype: torch.dtype, with_residual: bool) -> None:
+@pytest.mark.parametrize("norm_class", [RMSNorm, GemmaRMSNorm])
+def test_rms_norm_matches_module(
+    dtype: torch.dtype, with_residual: bool, norm_class: type[RMSNorm]
+) -> None:
     hidden = 96  # not a power of two: masked columns must not enter the mean
     gen = torch.Generator().manual_seed(10)
-    module = RMSNorm(hidden, eps=1e-5).to(dtype)
+    module = norm_class(hidden, eps=1e-5).to(dtype)
     module.weight.data.copy_(torch.randn(hidden, generator=gen))
     x = torch.randn(3, 5, hidden, generator=gen).to(dtype)
     residual = torch.randn(3, 5, hidden, generator=gen).to(dtype) if with_residual else None
     x_before = x.clone()
-    got = rms_norm(x, module.weight, module.eps, residual)
+    got = rms_norm(x, module.weight, module.eps, residual, module.zero_centred)
     want = module(x, residual)
     if not with_residual:
         got, want = (got,), (want,)
@@ -311,3 +314,11 @@ def test_rms_norm_matches_module(dtype: torch.dtype, with_residual: bool) -> Non
         assert g.dtype == w.dtype and g.shape == w.shape
         torch.testing.assert_close(g.float(), w.float(), atol=tol[0], rtol=tol[1])
     assert torch.equal(x, x_before)
+
+
+def test_gemma_rms_norm_scales_by_one_plus_weight() -> None:
+    # A zero weight is Gemma's identity scale: the output is the plain normalised row.
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(rms_norm(x, torch.zeros(64), 1e-6, zero_centred=True), want)
+    torch.testing.assert_close(GemmaRMSNorm(64)(x), want)

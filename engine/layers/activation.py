@@ -39,11 +39,11 @@ class GatedActivation(nn.Module):
         self.act = get_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.hidden_act == "silu":
+        if self.hidden_act in reference.GATED_ACTIVATIONS:
             if x.is_cuda and triton_available():
-                from kvfleet.kernels.activation import silu_and_mul
+                from kvfleet.kernels.activation import act_and_mul
 
-                return silu_and_mul(x)
-            return reference.silu_and_mul(x)
+                return act_and_mul(x, self.hidden_act)
+            return reference.act_and_mul(x, self.hidden_act)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -10,10 +10,14 @@ from kvfleet.kernels import reference, triton_available
 
 
 class RMSNorm(nn.Module):
+    # Gemma stores the weight zero-centred and applies it as (1 + weight).
+    zero_centred = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        init = torch.zeros if self.zero_centred else torch.ones
+        self.weight = nn.Parameter(init(hidden_size), requires_grad=False)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -21,29 +25,15 @@ class RMSNorm(nn.Module):
         if x.is_cuda and triton_available():
             from kvfleet.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
-        return reference.rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
+        return reference.rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored zero-centred and applied as (1 + weight), and the
     multiply happens in fp32 before rounding (Llama rounds first), as HF's Gemma2RMSNorm does."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (h * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
+    zero_centred = True
 
 
 class LayerNorm(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvfleet.engine.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
+from kvfleet.engine.layers.layernorm import LayerNorm, RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +96,10 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     a sane scale through deep models."""
     identity: dict[int, float] = {}
     for module in model.modules():
-        if isinstance(module, RMSNorm | LayerNorm):
-            identity[id(module.weight)] = 1.0
-        if isinstance(module, GemmaRMSNorm):
-            identity[id(module.weight)] = 0.0
+        if isinstance(module, RMSNorm):
+            identity[id(module.weight)] = 0.0 if module.zero_centred else 1.0
         if isinstance(module, LayerNorm):
+            identity[id(module.weight)] = 1.0
             identity[id(module.bias)] = 0.0
     for name, param in model.named_parameters():
         if id(param) in identity:
