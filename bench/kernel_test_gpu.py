@@ -364,10 +364,20 @@ def copy_bandwidth(dev: torch.device, iters: int, warmup: int) -> float:
 
 
 def bench_decode(
-    dev: torch.device, batch: int, ctx_len: int, splits: int, iters: int, warmup: int
+    dev: torch.device,
+    batch: int,
+    ctx_len: int,
+    splits: int,
+    iters: int,
+    warmup: int,
+    heads: tuple[int, int] = (32, 8),
+    shared_prefix: int = 0,
 ) -> tuple[float, float]:
-    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    """Time and logical KV bandwidth (every sequence's bytes counted, shared or not)."""
+    (num_heads, num_kv_heads), head_dim, dtype = heads, 128, torch.bfloat16
     ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev)
+    # A prompt prefix every sequence shares: the same physical blocks head every block table.
+    ctx.tables[:, : shared_prefix // BLOCK_SIZE] = ctx.tables[0, : shared_prefix // BLOCK_SIZE]
     query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
     seq_lens = torch.full((batch,), ctx_len, device=dev)
     out = torch.empty_like(query)
@@ -424,6 +434,14 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
             out.write(
                 f"{f'{batch} x {ctx_len}':>13} {tag:>12} {ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
             )
+    out.write("\ndecode, Llama-2-13B heads (40 q / 40 kv), chosen splits\n")
+    for batch, ctx_len, shared in ((96, 640, 0), (96, 2560, 0), (96, 2560, 2000)):
+        splits = choose_num_splits(4096, batch, 40, num_sms)
+        ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, (40, 40), shared)
+        out.write(
+            f"{batch} x {ctx_len}, {shared} shared: {ms * 1e3:9.1f} us, {gbs:6.0f} logical KV "
+            f"GB/s ({100 * gbs / copy_gbs:.0f}% of copy)\n"
+        )
     out.write(f"\nprefill (causal FLOPs / time)\n{'batch':>42} {'us':>9} {'TFLOP/s':>9}\n")
     for name, seqs in (
         ("4 x 4096 prompts", [(4096, 4096)] * 4),

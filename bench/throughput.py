@@ -117,6 +117,7 @@ def _record_steps(llm: LLM) -> None:
         return result
 
     def report() -> None:
+        logger.info("preemptions: %d", core.scheduler.stats.num_preemptions)
         for kind, t in times.items():
             if t:
                 logger.info(
