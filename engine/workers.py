@@ -156,6 +156,14 @@ class TensorParallelWorkers:
 
         threading.Thread(target=run, name="kvfleet-tp-watch", daemon=True).start()
 
+    @staticmethod
+    def _destroy_process_group(timeout_s: float) -> None:
+        teardown = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        teardown.start()
+        teardown.join(timeout_s)
+        if teardown.is_alive():
+            logger.warning("the process group did not tear down in %.0f s", timeout_s)
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         if self._stopping:
             return
@@ -166,18 +174,19 @@ class TensorParallelWorkers:
                 conn.send_bytes(_STOP)
         # NCCL's teardown waits for every rank, so rank 0 tears down while the workers do (they
         # do on _STOP), not after they exit. With a rank dead it would wait forever: the
-        # process's exit frees the communicator instead. Gloo's teardown is local.
-        if dist.is_initialized() and (healthy or dist.get_backend() == "gloo"):
-            teardown = threading.Thread(target=dist.destroy_process_group, daemon=True)
-            teardown.start()
-            teardown.join(timeout_s)
-            if teardown.is_alive():
-                logger.warning("the process group did not tear down in %.0f s", timeout_s)
+        # process's exit frees the communicator instead. Gloo's teardown is local, but rank 0
+        # hosts the group's TCP store: closed under a worker still tearing down, it aborts that
+        # worker (std::terminate), so with gloo the workers go first.
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        if dist.is_initialized() and healthy and not gloo:
+            self._destroy_process_group(timeout_s)
         for proc in self._procs:
             proc.join(timeout_s)
             if proc.is_alive():
                 logger.warning("tensor-parallel worker %s did not stop; killing it", proc.name)
                 proc.kill()
                 proc.join()
+        if gloo:
+            self._destroy_process_group(timeout_s)
         for conn in self._conns:
             conn.close()
