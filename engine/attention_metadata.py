@@ -21,6 +21,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Decode steps only: [1] tokens every sequence's context starts with in the same blocks, to
+    # be attended once for the whole batch (cascade attention); None when not worth it.
+    cascade_prefix_len: torch.Tensor | None = None
 
 
 _current: AttentionMetadata | None = None

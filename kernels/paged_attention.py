@@ -10,6 +10,13 @@ Two kernels:
   size and the caller's ``num_splits`` (CUDA-graph safe) and short and long sequences in one batch
   both spread over all splits. With several splits, per-split partials (running max, sum and
   unnormalised output, fp32) go to scratch and a second kernel merges them.
+* Cascade decoding (``prefix_len`` given): when every sequence of a decode batch starts with the
+  same physical blocks (a shared system prompt served from the prefix cache), a third kernel
+  attends all the batch's queries to that shared prefix at once, as the rows of one tile, so each
+  prefix K/V tile is read once per step instead of once per sequence; the split kernel then covers
+  only each sequence's own suffix, and the merge takes the prefix's partials beside the splits'.
+  The prefix length is read on the device, so a CUDA graph captured with the cascade serves any
+  prefix, including none (0).
 * ``paged_prefill_attention``: flash attention over variable-length query chunks, each chunk the
   newest ``q_len`` tokens of its sequence, attending causally to its whole paged context. The
   rows of one program are ``BLOCK_Q`` query tokens times the (padded) GQA group, so each K/V tile
@@ -40,6 +47,8 @@ _NO_WINDOW = 1 << 30
 # A decode split's fixed costs (a program slot, a partial written and read back) only pay off once
 # it reads at least this many tokens.
 _MIN_TOKENS_PER_SPLIT = 256
+# Query rows (sequence x query head) per program of the cascade kernel's shared-prefix pass.
+_PREFIX_BLOCK_M = 64
 # Prefill's big tile by element size and head_dim: (BLOCK_M rows, BLOCK_N keys, num_warps,
 # num_stages). 16-bit: the fastest of a small sweep on an H200 (bf16, 32/8 heads, 4 x 4096
 # prompts and a chunk beside 64 decodes); up to ~220 KB of shared memory, Hopper-sized. fp32
@@ -135,6 +144,7 @@ def _decode_split_kernel(
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
+    prefix_len_ptr,
     scale,
     soft_cap,
     window,
@@ -153,6 +163,8 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
@@ -164,6 +176,9 @@ def _decode_split_kernel(
     # The query is position seq_len - 1; keys visible iff k_pos > seq_len - 1 - window.
     lo = tl.maximum(seq_len - window, 0)
     first_tok = (lo // PAGE_SIZE) * PAGE_SIZE
+    if HAS_PREFIX:
+        # The shared prefix (whole pages, no window) is the prefix kernel's part.
+        first_tok = tl.maximum(first_tok, tl.load(prefix_len_ptr).to(tl.int32))
     # Split the visible range in whole tiles, so consecutive splits never share a tile.
     num_tiles = tl.cdiv(seq_len - first_tok, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -194,7 +209,7 @@ def _decode_split_kernel(
             MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
         )  # fmt: skip
 
-    if NUM_SPLITS == 1:
+    if NUM_PARTS == 1:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -202,11 +217,86 @@ def _decode_split_kernel(
             mask=g_ok[:, None],
         )
     else:
-        # Partials are [num_seqs, num_heads, NUM_SPLITS] (+ [HEAD_DIM]), contiguous.
-        part = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + part, m_i, mask=g_ok)
-        tl.store(part_l_ptr + part, l_i, mask=g_ok)
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_ok[:, None])
+        # Partials are [num_seqs, num_heads, NUM_PARTS] (+ [HEAD_DIM]), contiguous: the splits'
+        # first, then the prefix kernel's.
+        part = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_PARTS + split
+        _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, g_ok, HEAD_DIM)
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, ok, HEAD_DIM):
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(part_m_ptr + part, m_i, mask=ok)
+    tl.store(part_l_ptr + part, l_i, mask=ok)
+    tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=ok[:, None])
+
+
+@triton.jit
+def _decode_prefix_kernel(
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    prefix_len_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_seqs,
+    scale,
+    soft_cap,
+    stride_qb,
+    stride_qh,
+    stride_ckv,
+    stride_cblk,
+    stride_ctok,
+    stride_chead,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Grid (row tiles, num_kv_heads, PREFIX_SPLITS). A row is one (sequence, query head of this
+    KV head); every row sees the whole prefix [0, prefix_len), whose pages are block-table row
+    0's. Padding rows (seq_len 0 < prefix_len) store an empty partial, so they come out zero."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    prefix_len = tl.load(prefix_len_ptr).to(tl.int32)
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    seq = r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    in_batch = r < num_seqs * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq, mask=in_batch, other=0).to(tl.int32)
+    ok = in_batch & (seq_len >= prefix_len)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh + dims[None, :],
+        mask=ok[:, None],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    num_tiles = tl.cdiv(prefix_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
+    tok_start = split * tiles_per_split * BLOCK_N
+    tok_end = tl.minimum(tok_start + tiles_per_split * BLOCK_N, prefix_len)
+    k_base = kv_ptr + kv_head * stride_chead
+    m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in tl.range(tok_start, tok_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_base, k_base + stride_ckv, block_tables_ptr, start, 0, tok_end,
+            0, 0, scale, soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+        )  # fmt: skip
+    acc = tl.where(ok[:, None], acc, 0.0)  # a padding row's zero query still scores keys
+    num_heads = tl.num_programs(1) * GROUP
+    part = (seq.to(tl.int64) * num_heads + head) * (NUM_SPLITS + PREFIX_SPLITS) + NUM_SPLITS + split
+    _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, in_batch, HEAD_DIM)
 
 
 @triton.jit
@@ -218,15 +308,15 @@ def _decode_reduce_kernel(
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
-    s_ok = splits < NUM_SPLITS
-    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    s_ok = splits < NUM_PARTS
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_PARTS + splits
     m = tl.load(part_m_ptr + base, mask=s_ok, other=_NEG_INIT)
     l_s = tl.load(part_l_ptr + base, mask=s_ok, other=0.0)
     o = tl.load(
@@ -373,6 +463,18 @@ def choose_num_splits(
     return max(1, min(want, cap))
 
 
+def choose_prefix_splits(
+    max_model_len: int, batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int = 132
+) -> int:
+    """Slices of a shared prefix for the cascade kernel: its row tiles times KV heads times
+    slices should give about two programs per SM, and no slice be shorter than
+    _MIN_TOKENS_PER_SPLIT tokens at max_model_len. Static sizes only (CUDA-graph safe)."""
+    row_tiles = triton.cdiv(batch_size * (num_heads // num_kv_heads), _PREFIX_BLOCK_M)
+    want = triton.next_power_of_2(triton.cdiv(2 * num_sms, max(row_tiles * num_kv_heads, 1)))
+    cap = triton.cdiv(max_model_len, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap))
+
+
 def _kv_tile_tokens(head_dim: int, itemsize: int) -> int:
     # Keys per K/V tile of the memory-bound loops: one tile at most 16 KB (64 keys of bf16 x 128),
     # which with three pipeline stages of K and V still fits beside other programs on an SM.
@@ -417,7 +519,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int,
+    prefix_len: torch.Tensor | None = None,  # [1] int: tokens every sequence shares (cascade)
+    prefix_splits: int = 1,
 ) -> torch.Tensor:
+    """With ``prefix_len``, the caller guarantees that block-table row 0's first
+    ``prefix_len // block_size`` blocks head every row's table, that ``prefix_len`` is a whole
+    number of blocks no longer than any real row's length, and that no sliding window applies."""
+    if prefix_len is not None and sliding_window is not None:
+        raise ValueError("cascade decoding (prefix_len) does not support a sliding window")
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_seqs = query.shape[0]
@@ -430,16 +539,52 @@ def paged_decode_attention(
     # bound by reading K/V.
     block_g = max(16, triton.next_power_of_2(group))
     block_n = _kv_tile_tokens(head_dim, max(query.element_size(), kv_cache.element_size()))
-    if num_splits > 1:
+    if prefix_len is None:
+        prefix_splits = 0
+    num_parts = num_splits + prefix_splits
+    if num_parts > 1:
         part_o = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=query.device
         )
         part_m = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_parts), dtype=torch.float32, device=query.device
         )
         part_l = torch.empty_like(part_m)
     else:
         part_o = part_m = part_l = out  # unused: the split kernel writes `out` directly
+    if prefix_len is not None:
+        block_m = _PREFIX_BLOCK_M if head_dim <= 128 else _PREFIX_BLOCK_M // 2
+        grid = (triton.cdiv(num_seqs * group, block_m), num_kv_heads, prefix_splits)
+        _decode_prefix_kernel[grid](
+            query,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            prefix_len,
+            part_o,
+            part_m,
+            part_l,
+            num_seqs,
+            scale,
+            logits_soft_cap or 0.0,
+            query.stride(0),
+            query.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            PAGE_SIZE=kv_cache.shape[2],
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            PREFIX_SPLITS=prefix_splits,
+            HAS_SOFT_CAP=logits_soft_cap is not None,
+            DOT_DTYPE=_dot_dtype(query),
+            num_warps=4,
+            num_stages=2,
+        )
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         kv_cache,
@@ -449,6 +594,7 @@ def paged_decode_attention(
         part_o,
         part_m,
         part_l,
+        seq_lens if prefix_len is None else prefix_len,  # read only with HAS_PREFIX
         scale,
         logits_soft_cap or 0.0,
         sliding_window or _NO_WINDOW,
@@ -467,12 +613,14 @@ def paged_decode_attention(
         PAGE_SIZE=kv_cache.shape[2],
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        NUM_PARTS=num_parts,
+        HAS_PREFIX=prefix_len is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=_dot_dtype(query),
         num_warps=4,
         num_stages=3,
     )
-    if num_splits > 1:
+    if num_parts > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_o,
             part_m,
@@ -481,8 +629,8 @@ def paged_decode_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            NUM_PARTS=num_parts,
+            BLOCK_S=triton.next_power_of_2(num_parts),
             num_warps=4,
         )
     return out

@@ -1,6 +1,8 @@
 """The ``triton`` attention backend: the GPU fast path behind ``engine.attention_backend``'s
 Protocol. Decode-only steps use the split-KV decode kernel; any step with a longer query chunk
-(prefill, chunked prefill, prefix-cache hits, mixed batches) uses the prefill kernel."""
+(prefill, chunked prefill, prefix-cache hits, mixed batches) uses the prefill kernel. Decode
+steps whose sequences share a cached prompt prefix attend to it once for the batch (cascade), in
+layers without a sliding window."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from kvfleet.engine.attention_metadata import AttentionMetadata
 from kvfleet.kernels.cache_write import write_kv_cache
 from kvfleet.kernels.paged_attention import (
     choose_num_splits,
+    choose_prefix_splits,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -55,6 +58,8 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None,
     ) -> torch.Tensor:
         if meta.max_query_len == 1:
+            batch, num_heads, num_kv_heads = query.shape[0], query.shape[1], kv_cache.shape[3]
+            prefix = meta.cascade_prefix_len if sliding_window is None else None
             return paged_decode_attention(
                 query,
                 kv_cache,
@@ -63,7 +68,11 @@ class TritonAttentionBackend:
                 scale,
                 sliding_window,
                 logits_soft_cap,
-                num_splits=self.num_splits(query.shape[0], kv_cache.shape[3]),
+                num_splits=self.num_splits(batch, num_kv_heads),
+                prefix_len=prefix,
+                prefix_splits=choose_prefix_splits(
+                    self.max_model_len, batch, num_heads, num_kv_heads, self.num_sms
+                ),
             )
         return paged_prefill_attention(
             query,

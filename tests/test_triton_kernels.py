@@ -147,6 +147,60 @@ def test_paged_decode_padding_rows_are_zero(num_splits: int) -> None:
     _assert_close(out[1:2], expected, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "num_heads", "num_kv_heads", "head_dim", "cap", "lens", "shared", "splits"),
+    [
+        # MHA; the prefix's last KV tile is partial (48 of 64 keys); a padding row.
+        (torch.float32, 2, 2, 64, None, [50, 120, 49, 0], 48, ((1, 1), (3, 2))),
+        # GQA of 4 over 20 sequences: 80 rows, two row tiles; soft-capped scores.
+        (torch.float32, 8, 2, 64, 30.0, [33 + 7 * i for i in range(20)], 32, ((1, 4), (2, 1))),
+        # A row whose whole context is the prefix (length == prefix: an empty suffix).
+        (torch.bfloat16, 4, 1, 128, None, [64, 64, 90], 64, ((1, 2),)),
+        # No shared prefix this step: the cascade graph replays with prefix_len 0.
+        (torch.float32, 4, 2, 64, None, [20, 70, 3], 0, ((2, 2),)),
+    ],
+)
+def test_cascade_decode_matches_reference(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cap: float | None,
+    lens: list[int],
+    shared: int,
+    splits: tuple[tuple[int, int], ...],
+) -> None:
+    cache, tables = _paged_context(lens, num_kv_heads, head_dim, dtype, seed=5)
+    real = [i for i, n in enumerate(lens) if n]
+    # Every real row starts with row 0's first blocks, as prefix-cache hits make them.
+    tables[real, : shared // BLOCK_SIZE] = tables[0, : shared // BLOCK_SIZE]
+    tables[[i for i, n in enumerate(lens) if not n]] = 10_000  # padding: never read
+    query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(6))
+    query = query.to(dtype)
+    scale = head_dim**-0.5
+    expected = reference.paged_attention(
+        query[real], cache, tables[real], [lens[i] for i in real], list(range(len(real) + 1)),
+        scale, None, cap,
+    )  # fmt: skip
+    for num_splits, prefix_splits in splits:
+        out = torch.full_like(query, float("nan"))
+        paged_decode_attention(
+            query, cache, tables, torch.tensor(lens), scale, None, cap, out,
+            num_splits=num_splits, prefix_len=torch.tensor([shared]), prefix_splits=prefix_splits,
+        )  # fmt: skip
+        _assert_close(out[real], expected, dtype)
+        assert not out[[i for i, n in enumerate(lens) if not n]].any()
+
+
+def test_cascade_decode_refuses_a_sliding_window() -> None:
+    cache, tables = _paged_context([32], 1, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="sliding window"):
+        paged_decode_attention(
+            torch.zeros(1, 1, 64), cache, tables, torch.tensor([32]), 1.0, 16,
+            num_splits=1, prefix_len=torch.tensor([16]),
+        )  # fmt: skip
+
+
 def test_choose_num_splits() -> None:
     # Small batches split long contexts across the machine; big batches need no splitting.
     assert choose_num_splits(32768, 1, 8) == 64
