@@ -2,7 +2,9 @@
 once per row count and replayed, so a step costs one launch instead of hundreds. A row is a
 decode token, or a prompt token run as a decode over its own prefix (the runner decides which
 steps qualify: `model_runner.fits_decode_graph`). Batches are padded to the next captured size;
-padded rows write no KV (slot -1) and attend to nothing (sequence length 0)."""
+padded rows write no KV (slot -1) and attend to nothing (sequence length 0). Sizes from
+`cascade_min_rows` up get a second graph that splits off a prefix all rows share (cascade
+attention, `kernels.paged_attention`); its length is a device buffer set before each replay."""
 
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_model_len: int,
         device: torch.device,
+        cascade_min_rows: int | None = None,
     ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
+        self.cascade_min_rows = cascade_min_rows
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
         n = self.max_size
@@ -46,10 +50,18 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.prefix_len = torch.zeros(1, dtype=torch.long, device=device)
+        # Keyed by (rows, cascade).
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def variants(self) -> list[tuple[int, bool]]:
+        plain = [(bs, False) for bs in self.sizes]
+        if self.cascade_min_rows is None:
+            return plain
+        return plain + [(bs, True) for bs in self.sizes if bs >= self.cascade_min_rows]
+
+    def _meta(self, bs: int, cascade: bool) -> AttentionMetadata:
         # Host-side lengths are not available inside a graph; the graph-safe backend reads only
         # the device tensors.
         return AttentionMetadata(
@@ -61,22 +73,28 @@ class DecodeGraphs:
             query_start_loc_cpu=[],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            cascade_prefix_len=self.prefix_len if cascade else None,
         )
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: later, smaller graphs reuse the memory pool of the largest.
-        for bs in reversed(self.sizes):
-            meta = self._meta(bs)
-            with attention_context(meta):
+        for key in sorted(self.variants(), reverse=True):
+            bs = key[0]
+            with attention_context(self._meta(*key)):
                 self.model(self.input_ids[:bs], self.positions[:bs])  # warm up kernels
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs])
-            self.graphs[bs] = graph
+                    self.outputs[key] = self.model(self.input_ids[:bs], self.positions[:bs])
+            self.graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        cascade = [bs for bs, c in self.variants() if c]
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s (with a shared-prefix pass: %s)",
+            self.sizes,
+            f"{cascade[0]} and up" if cascade else "none",
+        )
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_size
@@ -88,9 +106,15 @@ class DecodeGraphs:
         slots: np.ndarray,
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
+        prefix_len: int = 0,
     ) -> torch.Tensor:
+        """`prefix_len` > 0: every row's context starts with that many tokens in the same blocks
+        (the runner checked), and the step is at least `cascade_min_rows` rows."""
         n = len(positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        key = (bs, prefix_len > 0)
+        if prefix_len:
+            self.prefix_len.fill_(prefix_len)
         width = block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
@@ -102,5 +126,5 @@ class DecodeGraphs:
             self.seq_lens[n:bs].zero_()
             self.input_ids[n:bs].zero_()
             self.positions[n:bs].zero_()
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.graphs[key].replay()
+        return self.outputs[key][:n]

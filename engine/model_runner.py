@@ -47,6 +47,23 @@ def fits_decode_graph(positions: np.ndarray, seq_lens: np.ndarray, max_rows: int
     return extra_reads <= _GRAPH_EXTRA_KV_READS
 
 
+# Cascade attention (a shared prefix attended once per decode step, not once per sequence) pays
+# for its extra kernel and merge only from a prefix of this many tokens and this many rows.
+CASCADE_MIN_PREFIX = 256
+CASCADE_MIN_ROWS = 8
+
+
+def shared_prefix_len(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """Tokens at the start of every row's context held in the same physical blocks (prefix-cache
+    hits on one prompt, or rows of one prompt), in whole blocks no longer than the shortest row,
+    so each block is full and was written no later than this step's K/V."""
+    full = int(seq_lens.min()) // block_size if len(seq_lens) else 0
+    if full == 0:
+        return 0
+    same = (tables[:, :full] == tables[0, :full]).all(axis=0)
+    return (full if same.all() else int(same.argmin())) * block_size
+
+
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step, as every rank needs it: small (O(batch) plus the block ids the scheduler just
@@ -91,6 +108,10 @@ class ModelRunner:
         self.sampler = Sampler(vocab, device, args.seed) if tp_rank() == 0 else None
         if device.type == "cuda" and self.backend.name == "triton":
             self._warm_up()
+        # Only the Triton backend has the cascade kernel, and only layers without a window use it.
+        self.cascade = self.backend.name == "triton" and any(
+            layer.sliding_window is None for layer in self.model.attention_layers()
+        )
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.backend.name == "triton" and not args.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -99,6 +120,7 @@ class ModelRunner:
                 self.max_blocks_per_seq,
                 model_config.max_model_len,
                 device,
+                CASCADE_MIN_ROWS if self.cascade else None,
             )
             self.graphs.capture()
 
@@ -352,6 +374,13 @@ class ModelRunner:
             sampling=np.array(sampling, dtype=np.int64),
         )
 
+    def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
+        """The shared prefix a decode step should attend once for all its rows; 0 for none."""
+        if not self.cascade or len(seq_lens) < CASCADE_MIN_ROWS:
+            return 0
+        prefix = shared_prefix_len(tables, seq_lens, self.block_size)
+        return prefix if prefix >= CASCADE_MIN_PREFIX else 0
+
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Run a plan through this rank's model; the logits of the sampling sequences (None
         when none samples)."""
@@ -376,8 +405,10 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and fits_decode_graph(positions, seq_lens, graphs.max_size):
             token_tables = table[token_rows, :width]
+            row_lens = positions + 1
+            prefix = self._cascade_prefix(token_tables, row_lens)
             with torch.inference_mode():
-                hidden = graphs.run(ids, positions, slots, token_tables, positions + 1)
+                hidden = graphs.run(ids, positions, slots, token_tables, row_lens, prefix)
                 # Every row samples in a pure decode step; a one-token chunk of a longer prompt
                 # (a budget's last token) makes a row that does not.
                 if len(plan.sampling) == num_tokens:
@@ -386,15 +417,19 @@ class ModelRunner:
                     return None
                 return self.model.compute_logits(hidden[qsl[1:][plan.sampling] - 1])
 
+        seq_tables = table[rows, :width]
+        # Only a pure decode step runs the decode kernel, which has the cascade pass.
+        prefix = self._cascade_prefix(seq_tables, seq_lens) if num_tokens == num_seqs else 0
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table[rows, :width]).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(seq_tables).to(dev, non_blocking=True),
             seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
             query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
             seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=qsl.tolist(),
             max_query_len=int(num_new.max()),
             max_seq_len=max_seq_len,
+            cascade_prefix_len=torch.tensor([prefix], device=dev) if prefix else None,
         )
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         with torch.inference_mode(), attention_context(meta):

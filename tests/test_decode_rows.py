@@ -19,7 +19,7 @@ from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.attention_backend import TorchAttentionBackend
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
 from kvfleet.engine.cuda_graphs import DecodeGraphs
-from kvfleet.engine.model_runner import fits_decode_graph
+from kvfleet.engine.model_runner import fits_decode_graph, shared_prefix_len
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import load_weights
 from tests.conftest import MAX_TOKENS, assert_no_leak
@@ -131,11 +131,11 @@ class _EagerReplay:
     """Stands in for one captured CUDA graph on the CPU: runs the model on the graph's static
     buffers (with host-side lengths, which the reference backend needs) into its output."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int, log: list[int]) -> None:
-        self.graphs, self.bs, self.log = graphs, bs, log
+    def __init__(self, graphs: DecodeGraphs, key: tuple[int, bool], log: list[int]) -> None:
+        self.graphs, self.key, self.log = graphs, key, log
 
     def replay(self) -> None:
-        g, bs = self.graphs, self.bs
+        g, (bs, cascade) = self.graphs, self.key
         lens = g.seq_lens[:bs].tolist()
         meta = AttentionMetadata(
             slot_mapping=g.slot_mapping[:bs],
@@ -146,12 +146,19 @@ class _EagerReplay:
             query_start_loc_cpu=list(range(bs + 1)),
             max_query_len=1,
             max_seq_len=max(max(lens), 1),
+            cascade_prefix_len=g.prefix_len.clone() if cascade else None,
         )
         with attention_context(meta):
-            g.outputs[bs].copy_(g.model(g.input_ids[:bs], g.positions[:bs]))
+            g.outputs[self.key].copy_(g.model(g.input_ids[:bs], g.positions[:bs]))
         rows = [i for i, n in enumerate(lens) if n]
         # Rows sharing a first block belong to one sequence: a prompt chunk ran as rows.
         self.log.append(len(rows) - len({int(g.block_tables[i, 0]) for i in rows}))
+
+
+def _fake_capture(graphs: DecodeGraphs, runner, log: list[int]) -> None:
+    for key in graphs.variants():
+        graphs.outputs[key] = torch.empty(key[0], runner.model_config.hf_config.hidden_size)
+        graphs.graphs[key] = _EagerReplay(graphs, key, log)
 
 
 @pytest.mark.parametrize("budget", [48, 5])
@@ -166,9 +173,7 @@ def test_engine_through_the_graph_path_equals_hf(model_dirs, prompts, hf_referen
     graphs = DecodeGraphs(runner.model, runner.args.max_num_seqs, runner.max_blocks_per_seq,
                           runner.model_config.max_model_len, runner.device)  # fmt: skip
     shared_rows: list[int] = []
-    for bs in graphs.sizes:
-        graphs.outputs[bs] = torch.empty(bs, runner.model_config.hf_config.hidden_size)
-        graphs.graphs[bs] = _EagerReplay(graphs, bs, shared_rows)
+    _fake_capture(graphs, runner, shared_rows)
     runner.graphs = graphs
     one_token_chunks = 0
     forward = runner.forward
@@ -190,3 +195,50 @@ def test_engine_through_the_graph_path_equals_hf(model_dirs, prompts, hf_referen
     # Prompt chunks did go through the graphs, not only decodes.
     assert max(shared_rows) > 0
     assert one_token_chunks > 0 or budget != 5
+
+
+def test_shared_prefix_len():
+    tables = np.array([[7, 8, 9, 4], [7, 8, 9, 5], [7, 8, 2, 6]])
+    assert shared_prefix_len(tables, np.array([64, 64, 64]), 16) == 32  # row 2 parts at block 2
+    assert shared_prefix_len(tables[:2], np.array([64, 64]), 16) == 48  # whole blocks only
+    assert shared_prefix_len(tables[:2], np.array([40, 64]), 16) == 32  # the shortest row bounds
+    assert shared_prefix_len(tables[:2], np.array([15, 64]), 16) == 0
+    assert shared_prefix_len(tables[:1], np.array([64]), 16) == 64  # one row shares it all
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cascade_decode_steps_equal_hf(model_dirs, monkeypatch, graphs):
+    """Sequences on one cached system prompt decode with the shared-prefix pass (Triton, through
+    its interpreter), eagerly and through the graph path (replays done eagerly): greedy output
+    equals HF's, and the pass did run."""
+    from kvfleet.engine import model_runner
+    from tests.conftest import hf_greedy
+
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_PREFIX", 32)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_ROWS", 4)
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, 500, 40).tolist()
+    prompts = [system + rng.integers(3, 500, n).tolist() for n in (1, 5, 9, 17, 30)]
+    llm = LLM(str(model_dirs["llama"]), device="cpu", dtype="float32", skip_tokenizer_init=True,
+              attention_backend="triton", max_num_seqs=8)  # fmt: skip
+    runner = llm.engine.runner
+    if graphs:
+        max_len = runner.model_config.max_model_len
+        runner.graphs = DecodeGraphs(
+            runner.model, 8, runner.max_blocks_per_seq, max_len, runner.device, 4
+        )
+        _fake_capture(runner.graphs, runner, [])
+    prefixes: list[int] = []
+    cascade_prefix = runner._cascade_prefix
+
+    def spy(tables, seq_lens):
+        prefixes.append(cascade_prefix(tables, seq_lens))
+        return prefixes[-1]
+
+    runner._cascade_prefix = spy
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    llm.generate({"prompt_token_ids": system}, SamplingParams(temperature=0, max_tokens=1))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs["llama"], prompts, 8)
+    assert 32 in prefixes  # the system prompt's two whole blocks, attended once per step
+    assert_no_leak(llm)

@@ -52,6 +52,39 @@ def test_triton_path_under_preemption_and_chunking(model_dirs, prompts, hf_refer
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_shared_prefix_decode_steps_equal_hf(arch, model_dirs):
+    """Twelve requests on one cached 300-token system prompt: decode steps attend to it once
+    per step (cascade pass, in CUDA graphs and eagerly); Gemma 2's sliding-window layers keep
+    the plain kernel. Greedy output equals HF's."""
+    from kvfleet.engine import model_runner
+    from tests.conftest import hf_greedy
+
+    rng = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 500, (300,), generator=rng).tolist()
+    prompts = [system + torch.randint(3, 500, (n,), generator=rng).tolist() for n in range(1, 13)]
+    for eager in (False, True):
+        llm = LLM(str(model_dirs[arch]), dtype="float32", device="cuda", enforce_eager=eager)
+        runner = llm.engine.runner
+        prefixes: list[int] = []
+        cascade_prefix = runner._cascade_prefix
+
+        def spy(tables, seq_lens, cascade_prefix=cascade_prefix, prefixes=prefixes):
+            prefixes.append(cascade_prefix(tables, seq_lens))
+            return prefixes[-1]
+
+        runner._cascade_prefix = spy
+        llm.generate({"prompt_token_ids": system}, SamplingParams(temperature=0, max_tokens=1))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16)
+        )
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs[arch], prompts, 16)
+        assert max(prefixes) >= model_runner.CASCADE_MIN_PREFIX
+        assert_no_leak(llm)
+        del llm
+        torch.cuda.empty_cache()
+
+
 def test_bf16_triton_logprobs_close_to_reference_on_a_real_size_model():
     """Qwen3-0.6B architecture, dummy weights, bf16: the first token's top-20 logprobs from the
     Triton path (CUDA graphs on) against the PyTorch reference path (eager)."""
