@@ -30,6 +30,7 @@ from kvfleet.kernels.activation import act_and_mul
 from kvfleet.kernels.cache_write import write_kv_cache
 from kvfleet.kernels.paged_attention import (
     choose_num_splits,
+    choose_prefix_splits,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -125,10 +126,17 @@ def check_decode(
     window: int | None,
     cap: float | None,
     splits: list[int],
+    shared: int = 0,
+    prefix_splits: int = 1,
 ) -> bool:
-    lens = torch.randint(1, max_len + 1, (batch,)).tolist()
-    lens[0], lens[1], lens[-1] = max_len, 1, 0  # longest, shortest, a CUDA-graph padding row
+    """With `shared`, every real row starts with row 0's first `shared` tokens (whole blocks)
+    and the kernel runs its cascade pass over them."""
+    lens = torch.randint(shared + 1, max_len + 1, (batch,)).tolist()
+    # Longest, shortest, a CUDA-graph padding row.
+    lens[0], lens[1], lens[-1] = max_len, max(shared, 1), 0
     ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    ctx.tables[:-1, : shared // BLOCK_SIZE] = ctx.tables[0, : shared // BLOCK_SIZE]
+    prefix_len = torch.tensor([shared], device=dev) if shared else None
     query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
     scale = head_dim**-0.5
     real = batch - 1
@@ -148,12 +156,14 @@ def check_decode(
     for num_splits in splits:
         out = torch.full_like(query, float("nan"))
         paged_decode_attention(
-            query, ctx.cache, ctx.tables, seq_lens, scale, window, cap, out, num_splits=num_splits
-        )
+            query, ctx.cache, ctx.tables, seq_lens, scale, window, cap, out,
+            num_splits=num_splits, prefix_len=prefix_len, prefix_splits=prefix_splits,
+        )  # fmt: skip
         torch.cuda.synchronize()
         name = (
             f"decode B={batch} ctx<={max_len} H={num_heads}/{num_kv_heads} D={head_dim} "
             f"win={window} cap={cap} S={num_splits} {str(dtype)[6:]}"
+            + (f" shared={shared} PS={prefix_splits}" if shared else "")
         )
         ok &= report(name, out[:real], ref, atol, rtol)
         ok &= report(name + " pad row", out[real:], torch.zeros_like(out[real:]), 0.0, 0.0)
@@ -308,6 +318,9 @@ def run_checks(dev: torch.device) -> bool:
         lambda: check_decode(dev, bf16, 16, 1000, 16, 16, 128, None, None, [2]),
         lambda: check_decode(dev, torch.float16, 16, 1000, 32, 8, 128, None, None, [1, 4]),
         lambda: check_decode(dev, torch.float32, 16, 1000, 32, 8, 128, None, None, [1, 4]),
+        lambda: check_decode(dev, bf16, 96, 2500, 40, 40, 128, None, None, [1, 2], 2000, 4),
+        lambda: check_decode(dev, bf16, 64, 1500, 32, 8, 128, None, None, [1], 512, 1),
+        lambda: check_decode(dev, bf16, 24, 900, 8, 4, 256, None, 50.0, [2], 320, 2),
         lambda: check_prefill(dev, bf16, mixed, 32, 8, 128, None, None),
         lambda: check_prefill(dev, bf16, mixed, 32, 8, 128, 1024, 30.0),
         lambda: check_prefill(dev, bf16, [(1500, 1500), (700, 300)], 28, 4, 64, None, None),
@@ -372,8 +385,10 @@ def bench_decode(
     warmup: int,
     heads: tuple[int, int] = (32, 8),
     shared_prefix: int = 0,
+    cascade: bool = False,
 ) -> tuple[float, float]:
-    """Time and logical KV bandwidth (every sequence's bytes counted, shared or not)."""
+    """Time and logical KV bandwidth (every sequence's bytes counted, shared or not); with
+    `cascade`, the shared prefix goes through the kernel's shared-prefix pass."""
     (num_heads, num_kv_heads), head_dim, dtype = heads, 128, torch.bfloat16
     ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev)
     # A prompt prefix every sequence shares: the same physical blocks head every block table.
@@ -381,9 +396,19 @@ def bench_decode(
     query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
     seq_lens = torch.full((batch,), ctx_len, device=dev)
     out = torch.empty_like(query)
+    prefix_len = torch.tensor([shared_prefix], device=dev) if cascade else None
+    prefix_splits = choose_prefix_splits(4096, batch, num_heads, num_kv_heads)
     ms = median_ms(
         lambda: paged_decode_attention(
-            query, ctx.cache, ctx.tables, seq_lens, head_dim**-0.5, out=out, num_splits=splits
+            query,
+            ctx.cache,
+            ctx.tables,
+            seq_lens,
+            head_dim**-0.5,
+            out=out,
+            num_splits=splits,
+            prefix_len=prefix_len,
+            prefix_splits=prefix_splits,
         ),
         iters,
         warmup,
@@ -435,12 +460,21 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
                 f"{f'{batch} x {ctx_len}':>13} {tag:>12} {ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
             )
     out.write("\ndecode, Llama-2-13B heads (40 q / 40 kv), chosen splits\n")
-    for batch, ctx_len, shared in ((96, 640, 0), (96, 2560, 0), (96, 2560, 2000)):
+    for batch, ctx_len, shared, cascade in (
+        (96, 640, 0, False),
+        (96, 2560, 0, False),
+        (96, 2560, 2000, False),
+        (96, 2560, 2000, True),
+        (96, 640, 0, True),
+    ):
         splits = choose_num_splits(4096, batch, 40, num_sms)
-        ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, (40, 40), shared)
+        ms, gbs = bench_decode(
+            dev, batch, ctx_len, splits, iters, warmup, (40, 40), shared, cascade
+        )
         out.write(
-            f"{batch} x {ctx_len}, {shared} shared: {ms * 1e3:9.1f} us, {gbs:6.0f} logical KV "
-            f"GB/s ({100 * gbs / copy_gbs:.0f}% of copy)\n"
+            f"{batch} x {ctx_len}, {shared} shared{', cascade' if cascade else ''}: "
+            f"{ms * 1e3:9.1f} us, {gbs:6.0f} logical KV GB/s ({100 * gbs / copy_gbs:.0f}% of "
+            "copy)\n"
         )
     out.write(f"\nprefill (causal FLOPs / time)\n{'batch':>42} {'us':>9} {'TFLOP/s':>9}\n")
     for name, seqs in (
