@@ -18,6 +18,7 @@ import gc
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,10 +65,11 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
     ]
     llm.generate([{"prompt_token_ids": p} for p in work.prompts[:4]], params[:4])  # warm-up
-    if args.step_stats:
-        _record_steps(llm)
+    report_steps = _record_steps(llm) if args.step_stats else None
     with Timer() as t:
         outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params)
+    if report_steps is not None:
+        report_steps()
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != work.output_tokens:
         raise RuntimeError(f"asked for {work.output_tokens} output tokens, got {produced}")
@@ -91,11 +93,11 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
     )
 
 
-def _record_steps(llm: LLM) -> None:
-    """Log, at exit, where step time went: pure decode steps (CUDA graphs) versus steps that
-    carry prefill tokens, with their counts and mean sizes."""
-    import atexit
-
+def _record_steps(llm: LLM) -> Callable[[], None]:
+    """Spy on the engine's steps; the returned function logs where step time went (pure decode
+    steps, CUDA graphs, versus steps that carry prefill tokens, with their counts and mean
+    sizes) and removes the spies, which would otherwise keep the engine and its GPU memory
+    alive into the baselines."""
     core = llm.engine
     schedule, step = core.scheduler.schedule, core.step
     times: dict[str, list[float]] = {"decode": [], "prefill": []}
@@ -117,6 +119,7 @@ def _record_steps(llm: LLM) -> None:
         return result
 
     def report() -> None:
+        del core.scheduler.schedule, core.step
         logger.info("preemptions: %d", core.scheduler.stats.num_preemptions)
         for kind, t in times.items():
             if t:
@@ -127,7 +130,7 @@ def _record_steps(llm: LLM) -> None:
 
     core.scheduler.schedule = schedule_spy
     core.step = step_spy
-    atexit.register(report)
+    return report
 
 
 @torch.inference_mode()
