@@ -117,8 +117,8 @@ for step in "$@"; do
         ;;
     llama2-13b)
         # 256 requests, input and output uniform in [128, 512]; HF baselines on the first 8.
-        # Then the same requests behind one shared 2,000-token prefix. Engine defaults (prefix
-        # caching on) in both.
+        # Then the same requests behind one shared 2,000-token prefix, with prefix caching (the
+        # default) and without.
         timeout 330 $py bench/throughput.py --model bench/models/Llama-2-13b-hf --num-prompts 256 \
             --input-len 128 512 --output-len 128 512 --step-stats \
             --baselines hf-static --hf-batch-size 1 8 --baseline-num-prompts 8 \
@@ -127,6 +127,10 @@ for step in "$@"; do
         timeout 200 $py bench/throughput.py --model bench/models/Llama-2-13b-hf --num-prompts 256 \
             --input-len 128 512 --output-len 128 512 --prefix-len 2000 --step-stats \
             --result-json "$out/llama2_13b_prefix.json" 2>&1 | tee "$out/llama2_13b_prefix.txt"
+        timeout 300 $py bench/throughput.py --model bench/models/Llama-2-13b-hf --num-prompts 256 \
+            --input-len 128 512 --output-len 128 512 --prefix-len 2000 --step-stats \
+            --no-enable-prefix-caching --result-json "$out/llama2_13b_prefix_uncached.json" 2>&1 |
+            tee "$out/llama2_13b_prefix_uncached.txt"
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.
