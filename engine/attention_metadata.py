@@ -21,10 +21,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # The leading sequences that add one token this step (all of them in a decode step).
-    num_decodes: int = 0
-    # [1] tokens every one of those sequences' contexts starts with in the same blocks, to be
-    # attended once for all of them (cascade attention); None when not worth it.
+    # Decode steps only: [1] tokens every sequence's context starts with in the same blocks, to
+    # be attended once for the whole batch (cascade attention); None when not worth it.
     cascade_prefix_len: torch.Tensor | None = None
 
 

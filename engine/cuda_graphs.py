@@ -73,7 +73,6 @@ class DecodeGraphs:
             query_start_loc_cpu=[],
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            num_decodes=bs,
             cascade_prefix_len=self.prefix_len if cascade else None,
         )
 

@@ -418,9 +418,8 @@ class ModelRunner:
                 return self.model.compute_logits(hidden[qsl[1:][plan.sampling] - 1])
 
         seq_tables = table[rows, :width]
-        one = num_new == 1  # the scheduler puts the one-token rows first
-        num_decodes = num_seqs if one.all() else int(np.argmin(one))
-        prefix = self._cascade_prefix(seq_tables[:num_decodes], seq_lens[:num_decodes])
+        # Only a pure decode step runs the decode kernel, which has the cascade pass.
+        prefix = self._cascade_prefix(seq_tables, seq_lens) if num_tokens == num_seqs else 0
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(seq_tables).to(dev, non_blocking=True),
@@ -430,7 +429,6 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(),
             max_query_len=int(num_new.max()),
             max_seq_len=max_seq_len,
-            num_decodes=num_decodes,
             cascade_prefix_len=torch.tensor([prefix], device=dev) if prefix else None,
         )
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)

@@ -18,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerOutput:
-    # (request, number of its tokens computed this step): one-token rows (decodes) first, then
-    # longer chunks, each group in scheduling order (running requests before new ones).
+    # (request, number of its tokens computed this step), running requests first.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     # Block ids appended to each scheduled request's block table in this step.
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -149,9 +148,6 @@ class Scheduler:
             out.new_block_ids[req.request_id] = block_ids
             out.started.add(req.request_id)
             budget -= num_new
-        # One-token rows lead, so the attention backend can run them apart from the prefill
-        # chunks, through the decode kernel and its shared-prefix pass.
-        out.scheduled.sort(key=lambda s: s[1] != 1)
         return out
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

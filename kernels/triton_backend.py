@@ -6,8 +6,6 @@ layers without a sliding window."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from kvfleet.engine.attention_metadata import AttentionMetadata
@@ -60,73 +58,22 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None,
     ) -> torch.Tensor:
         if meta.max_query_len == 1:
-            return self._decode(query, kv_cache, meta, scale, sliding_window, logits_soft_cap)
-        d = meta.num_decodes
-        if meta.cascade_prefix_len is None or sliding_window is not None or d == 0:
-            return self._prefill(query, kv_cache, meta, scale, sliding_window, logits_soft_cap)
-        # A mixed step whose decodes share a cached prefix: they take the decode kernel and its
-        # shared-prefix pass; the prefill chunks after them take the prefill kernel.
-        out = torch.empty_like(query)
-        decodes = replace(
-            meta,
-            block_tables=meta.block_tables[:d],
-            seq_lens=meta.seq_lens[:d],
-            query_start_loc=meta.query_start_loc[: d + 1],
-            seq_lens_cpu=meta.seq_lens_cpu[:d],
-            query_start_loc_cpu=meta.query_start_loc_cpu[: d + 1],
-            max_query_len=1,
-        )
-        self._decode(query[:d], kv_cache, decodes, scale, None, logits_soft_cap, out[:d])
-        chunks = replace(
-            meta,
-            block_tables=meta.block_tables[d:],
-            seq_lens=meta.seq_lens[d:],
-            query_start_loc=meta.query_start_loc[d:] - d,
-            seq_lens_cpu=meta.seq_lens_cpu[d:],
-            query_start_loc_cpu=[q - d for q in meta.query_start_loc_cpu[d:]],
-            num_decodes=0,
-            cascade_prefix_len=None,
-        )
-        self._prefill(query[d:], kv_cache, chunks, scale, None, logits_soft_cap, out[d:])
-        return out
-
-    def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        batch, num_heads, num_kv_heads = query.shape[0], query.shape[1], kv_cache.shape[3]
-        return paged_decode_attention(
-            query,
-            kv_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            scale,
-            sliding_window,
-            logits_soft_cap,
-            out,
-            num_splits=self.num_splits(batch, num_kv_heads),
-            prefix_len=meta.cascade_prefix_len if sliding_window is None else None,
-            prefix_splits=choose_prefix_splits(
-                self.max_model_len, batch, num_heads, num_kv_heads, self.num_sms
-            ),
-        )
-
-    @staticmethod
-    def _prefill(
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+            batch, num_heads, num_kv_heads = query.shape[0], query.shape[1], kv_cache.shape[3]
+            prefix = meta.cascade_prefix_len if sliding_window is None else None
+            return paged_decode_attention(
+                query,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                sliding_window,
+                logits_soft_cap,
+                num_splits=self.num_splits(batch, num_kv_heads),
+                prefix_len=prefix,
+                prefix_splits=choose_prefix_splits(
+                    self.max_model_len, batch, num_heads, num_kv_heads, self.num_sms
+                ),
+            )
         return paged_prefill_attention(
             query,
             kv_cache,
@@ -137,5 +84,4 @@ class TritonAttentionBackend:
             scale,
             sliding_window,
             logits_soft_cap,
-            out,
         )
