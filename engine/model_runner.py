@@ -58,7 +58,8 @@ def shared_prefix_len(tables: np.ndarray, seq_lens: np.ndarray, block_size: int)
     hits on one prompt, or rows of one prompt), in whole blocks no longer than the shortest row,
     so each block is full and was written no later than this step's K/V."""
     full = int(seq_lens.min()) // block_size if len(seq_lens) else 0
-    if full == 0:
+    # Most batches share nothing: one column settles that without comparing whole tables.
+    if full == 0 or not (tables[:, 0] == tables[0, 0]).all():
         return 0
     same = (tables[:, :full] == tables[0, :full]).all(axis=0)
     return (full if same.all() else int(same.argmin())) * block_size

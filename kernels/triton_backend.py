@@ -70,7 +70,9 @@ class TritonAttentionBackend:
                 logits_soft_cap,
                 num_splits=self.num_splits(batch, num_kv_heads),
                 prefix_len=prefix,
-                prefix_splits=choose_prefix_splits(
+                prefix_splits=1
+                if prefix is None
+                else choose_prefix_splits(
                     self.max_model_len, batch, num_heads, num_kv_heads, self.num_sms
                 ),
             )

@@ -25,6 +25,7 @@ APIError = errors.APIError
 APINotFoundError = errors.APINotFoundError
 
 FIELD_MANAGER = "kvfleet-operator"
+Key = tuple[str, str]  # (namespace, name) of an object
 logger = logging.getLogger("kvfleet.operator.kube")
 
 

@@ -56,7 +56,6 @@ from kvfleet.operator.status import (
 
 logger = logging.getLogger("kvfleet.operator")
 
-Key = tuple[str, str]  # (namespace, name)
 
 # (group, version, plural) of every kind of child, watched to restore edits and follow status.
 CHILD_RESOURCES = (
@@ -82,7 +81,7 @@ class WorkQueue:
 
     def __init__(
         self,
-        work: Callable[[Key], Awaitable[None]],
+        work: Callable[[k.Key], Awaitable[None]],
         *,
         debounce: float = 0.1,
         backoff: float = 1.0,
@@ -92,10 +91,10 @@ class WorkQueue:
         self._debounce = debounce
         self._backoff = backoff
         self._max_backoff = max_backoff
-        self._dirty: dict[Key, asyncio.Event] = {}
-        self._tasks: dict[Key, asyncio.Task[None]] = {}
+        self._dirty: dict[k.Key, asyncio.Event] = {}
+        self._tasks: dict[k.Key, asyncio.Task[None]] = {}
 
-    def enqueue(self, key: Key) -> None:
+    def enqueue(self, key: k.Key) -> None:
         if key in self._tasks:
             self._dirty[key].set()
             return
@@ -103,7 +102,7 @@ class WorkQueue:
         self._dirty[key].set()
         self._tasks[key] = asyncio.create_task(self._run(key), name=f"reconcile {key[0]}/{key[1]}")
 
-    async def _run(self, key: Key) -> None:
+    async def _run(self, key: k.Key) -> None:
         dirty = self._dirty[key]
         failures = 0
         try:
@@ -163,7 +162,7 @@ class Reconciler:
         self._config = config
         self._clock = clock
 
-    async def reconcile(self, key: Key) -> None:
+    async def reconcile(self, key: k.Key) -> None:
         namespace, name = key
         url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         isvc = await self._api.get(url)

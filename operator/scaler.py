@@ -49,7 +49,6 @@ from kvfleet.operator.status import timestamp
 
 logger = logging.getLogger("kvfleet.operator.autoscaler")
 
-Key = tuple[str, str]  # (namespace, name)
 Memory = tuple[tuple[Recommendation, ...], float | None]  # (history, last active)
 
 REFRESH_SECONDS = 60.0
@@ -167,11 +166,11 @@ class Autoscaler:
         self._interval = interval
         self._scrape_timeout = scrape_timeout
         self._clock = clock
-        self._tasks: dict[Key, asyncio.Task[None]] = {}
+        self._tasks: dict[k.Key, asyncio.Task[None]] = {}
         self._memory: dict[str, Memory] = {}  # by uid: a recreated object starts afresh
         self._session: aiohttp.ClientSession | None = None
 
-    def track(self, key: Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
+    def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
         """Follow an InferenceService's watch event: a loop runs while it exists in builtin
         mode."""
         meta = body.get("metadata") or {}
@@ -185,7 +184,7 @@ class Autoscaler:
             task.cancel()
             self._memory.pop(meta.get("uid", ""), None)
 
-    async def _loop(self, key: Key) -> None:
+    async def _loop(self, key: k.Key) -> None:
         while True:
             await asyncio.sleep(self._interval)
             try:
@@ -193,7 +192,7 @@ class Autoscaler:
             except Exception:
                 logger.exception("%s/%s: autoscaling step failed", *key)
 
-    async def step(self, key: Key) -> ScaleDecision | None:
+    async def step(self, key: k.Key) -> ScaleDecision | None:
         """One scrape and decision; None when there is nothing to scale."""
         namespace, name = key
         url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)

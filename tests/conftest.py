@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -106,3 +108,22 @@ def first_token_logprob_gaps(outs: list, ref: list) -> list[tuple[int, float]]:
         shared = [t for t in first_b if t in first_a]
         gaps.append((len(shared), max((abs(first_a[t] - first_b[t]) for t in shared), default=0.0)))
     return gaps
+
+
+@contextmanager
+def recorded_cascade_prefixes(runner) -> Iterator[list[int]]:
+    """The shared-prefix length the runner picks for each graph or decode step, while inside.
+    The spy is removed on the way out: it holds the runner, and the cycle would keep its (GPU)
+    memory past the engine's end."""
+    prefixes: list[int] = []
+    choose = runner._cascade_prefix
+
+    def spy(tables, seq_lens):
+        prefixes.append(choose(tables, seq_lens))
+        return prefixes[-1]
+
+    runner._cascade_prefix = spy
+    try:
+        yield prefixes
+    finally:
+        del runner._cascade_prefix

@@ -22,7 +22,7 @@ from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.model_runner import fits_decode_graph, shared_prefix_len
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import load_weights
-from tests.conftest import MAX_TOKENS, assert_no_leak
+from tests.conftest import MAX_TOKENS, assert_no_leak, recorded_cascade_prefixes
 
 BS = 16
 
@@ -228,17 +228,10 @@ def test_cascade_decode_steps_equal_hf(model_dirs, monkeypatch, graphs):
             runner.model, 8, runner.max_blocks_per_seq, max_len, runner.device, 4
         )
         _fake_capture(runner.graphs, runner, [])
-    prefixes: list[int] = []
-    cascade_prefix = runner._cascade_prefix
-
-    def spy(tables, seq_lens):
-        prefixes.append(cascade_prefix(tables, seq_lens))
-        return prefixes[-1]
-
-    runner._cascade_prefix = spy
     sp = SamplingParams(temperature=0, max_tokens=8)
-    llm.generate({"prompt_token_ids": system}, SamplingParams(temperature=0, max_tokens=1))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    with recorded_cascade_prefixes(runner) as prefixes:
+        llm.generate({"prompt_token_ids": system}, SamplingParams(temperature=0, max_tokens=1))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs["llama"], prompts, 8)
     assert 32 in prefixes  # the system prompt's two whole blocks, attended once per step
     assert_no_leak(llm)

@@ -16,6 +16,7 @@ from tests.conftest import (
     assert_no_leak,
     first_token_logprob_gaps,
     long_random_prompts,
+    recorded_cascade_prefixes,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -66,24 +67,16 @@ def test_shared_prefix_decode_steps_equal_hf(arch, model_dirs):
     prompts = [system + torch.randint(3, 500, (n,), generator=rng).tolist() for n in range(1, 13)]
     for eager in (False, True):
         llm = LLM(str(model_dirs[arch]), dtype="float32", device="cuda", enforce_eager=eager)
-        runner = llm.engine.runner
-        prefixes: list[int] = []
-        cascade_prefix = runner._cascade_prefix
-
-        def spy(tables, seq_lens, cascade_prefix=cascade_prefix, prefixes=prefixes):
-            prefixes.append(cascade_prefix(tables, seq_lens))
-            return prefixes[-1]
-
-        runner._cascade_prefix = spy
-        llm.generate({"prompt_token_ids": system}, SamplingParams(temperature=0, max_tokens=1))
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16)
-        )
-        del runner._cascade_prefix  # the spy holds the runner: no cycle keeping the GPU's memory
+        with recorded_cascade_prefixes(llm.engine.runner) as prefixes:
+            llm.generate({"prompt_token_ids": system}, SamplingParams(temperature=0, max_tokens=1))
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                SamplingParams(temperature=0, max_tokens=16),
+            )
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs[arch], prompts, 16)
         assert max(prefixes) >= model_runner.CASCADE_MIN_PREFIX
         assert_no_leak(llm)
-        del llm, runner, cascade_prefix, spy
+        del llm
         gc.collect()
         torch.cuda.empty_cache()
 
