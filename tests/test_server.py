@@ -7,22 +7,22 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
 from openai import OpenAI
 
 from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.server.app import EngineServer, ServerSettings
+from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.serving import SERVING
+from tests.support.net import free_port
+from tests.support.servers import engine_server
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -38,15 +38,8 @@ def server(model_dirs):
         max_request_body_bytes=64 * 1024,
         health_stall_timeout=1.0,
     )
-    srv = EngineServer(EngineArgs(model=str(model_dirs["llama"]), dtype="float32"), settings)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(srv.start(), loop).result(120)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{srv.port}", srv=srv, loop=loop)
-    asyncio.run_coroutine_threadsafe(srv.shutdown(), loop).result(60)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with engine_server(EngineArgs(model=str(model_dirs["llama"]), dtype="float32"), settings) as s:
+        yield s
 
 
 @pytest.fixture
@@ -390,14 +383,8 @@ def test_health_reports_a_wedged_engine_loop(server):
 # -- SIGTERM -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_in_flight_streams_then_exits_0(model_dirs):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [

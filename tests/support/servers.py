@@ -1,0 +1,45 @@
+"""Live servers for tests: an EngineServer on its own event loop in a thread, and an aiohttp
+app (the router's) on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from types import SimpleNamespace
+
+from aiohttp import web
+
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.app import EngineServer, ServerSettings
+
+
+@contextmanager
+def engine_server(args: EngineArgs, settings: ServerSettings) -> Iterator[SimpleNamespace]:
+    """The engine's HTTP server on 127.0.0.1 (settings.port 0: a free one); yields url, srv
+    (the EngineServer) and loop (the loop it runs on), and shuts it down gracefully on exit."""
+    srv = EngineServer(args, settings)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(srv.start(), loop).result(120)
+        yield SimpleNamespace(url=f"http://127.0.0.1:{srv.port}", srv=srv, loop=loop)
+        asyncio.run_coroutine_threadsafe(srv.shutdown(), loop).result(120)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """The app on a free port with the router's runner settings; yields host:port."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
