@@ -1,6 +1,11 @@
 """The async front of the engine: EngineCore runs its loop in a thread of its own, off the event
 loop; each request is an async stream of per-step outputs; a stream closed early (a client that
-went away) aborts its request and frees its KV blocks at the next step boundary."""
+went away) aborts its request and frees its KV blocks at the next step boundary.
+
+A request the engine failed alone (an error in its own admission, sampling or detokenization)
+ends its stream with RequestFailedError and the loop goes on; only errors no request can be
+blamed for (the model forward, a batched tensor op, the device, a dead tensor-parallel worker)
+end the loop, and then every stream, with EngineDeadError."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.engine.engine_core import EngineCore
@@ -21,6 +27,38 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (its sampling, detokenization, ...); its blocks are
+    freed and the engine goes on. The message says which stage failed, without a traceback."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted this request (abort_all, e.g. at the shutdown deadline)."""
+
+
+# Commands from the event loop to the engine thread, applied in order between steps.
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAll:
+    request_ids: tuple[str, ...]
+
+
+Command = AddRequest | Abort | AbortAll
 
 
 class AsyncEngine:
@@ -36,9 +74,12 @@ class AsyncEngine:
         self.stall_timeout = stall_timeout
         self._on_step = on_step
         self._on_abort = on_abort
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Sequences sent to the engine thread that it has not added to the scheduler yet.
+        self._pending_lock = threading.Lock()
+        self._pending_sequences = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -71,6 +112,15 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        """Sequences (each of a request's n counts) waiting in the scheduler, plus those sent to
+        the engine thread and not added yet. Read from any thread: it may count a sequence
+        twice for an instant while it moves into the scheduler, never miss one."""
+        with self._pending_lock:
+            pending = self._pending_sequences
+        return self.core.scheduler.num_waiting + pending
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
@@ -114,14 +164,37 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, rid, ids, params, prompt, arrival = cmd
-                try:
-                    self.core.add_request(rid, ids, params, prompt=prompt, arrival_time=arrival)
-                except ValueError as e:
-                    self._post(self._deliver_error, rid, e)
-            elif self.core.abort_request(cmd[1]) and self._on_abort is not None:
-                self._on_abort(cmd[1])
+            if isinstance(cmd, AddRequest):
+                self._add(cmd)
+            elif isinstance(cmd, Abort):
+                self._abort(cmd.request_id)
+            else:
+                for request_id in cmd.request_ids:
+                    self._abort(request_id)
+
+    def _add(self, cmd: AddRequest) -> None:
+        try:
+            self.core.add_request(
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                prompt=cmd.prompt,
+                arrival_time=cmd.arrival_time,
+            )
+        except ValueError as e:
+            self._post(self._deliver_error, cmd.request_id, e)
+        except Exception as e:
+            # add_request queues nothing when it raises: the request alone is lost.
+            logger.exception("request %s: admission failed", cmd.request_id)
+            failure = RequestFailedError(f"admission failed: {e or type(e).__name__}")
+            self._post(self._deliver_error, cmd.request_id, failure)
+        finally:
+            with self._pending_lock:
+                self._pending_sequences -= cmd.params.n
+
+    def _abort(self, request_id: str) -> None:
+        if self.core.abort_request(request_id) and self._on_abort is not None:
+            self._on_abort(request_id)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -132,7 +205,7 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put_nowait(out if out.error is None else RequestFailedError(out.error))
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -143,12 +216,23 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
-    def _send(self, *cmd: Any) -> None:
+    def _send(self, cmd: Command) -> None:
         self._commands.put(cmd)
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        self._send(Abort(request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """End every unfinished stream now with RequestAbortedError(reason); the engine frees
+        their KV blocks at its next step boundary. Call on the event-loop thread."""
+        streams, self._streams = self._streams, {}
+        if not streams:
+            return
+        logger.warning("aborting %d requests: %s", len(streams), reason)
+        for stream in streams.values():
+            stream.put_nowait(RequestAbortedError(reason))
+        self._send(AbortAll(tuple(streams)))
 
     async def generate(
         self,
@@ -158,7 +242,9 @@ class AsyncEngine:
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's per-step deltas until it finishes. Raises ValueError before
-        anything is queued if the request could never run, EngineDeadError if the loop dies."""
+        anything is queued if the request could never run; RequestFailedError if the engine
+        failed this request, RequestAbortedError if abort_all ended it, EngineDeadError if the
+        loop dies."""
         if not self.is_alive():
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
@@ -166,7 +252,9 @@ class AsyncEngine:
         self.core.validate_request(prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send("add", request_id, prompt_token_ids, params, prompt, time.monotonic())
+        with self._pending_lock:
+            self._pending_sequences += params.n
+        self._send(AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic()))
         finished = False
         try:
             while True:
@@ -179,6 +267,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            # abort_all may have replaced this stream's entry already: leave a newer one be.
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished:
                 self.abort(request_id)

@@ -14,7 +14,7 @@ class CompletionOutput:
     # Per generated token: {token id: logprob} holding the chosen token and the top-N.
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
     @property
@@ -51,12 +51,15 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     metrics: RequestMetrics | None = None
+    # Set, with finished, when the engine failed this request alone: which stage failed and why.
+    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a step's delta (which lists only the choices that changed) into this output."""
         for d in delta.outputs:
             self.outputs[d.index].add(d)
         self.finished = delta.finished
+        self.error = delta.error
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.metrics is not None:
             self.metrics = delta.metrics
