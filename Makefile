@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install install-dev tools run test lint e2e clean
+.PHONY: install install-dev tools run test lint e2e fuzz soak clean
 
 $(PY):
 	python3 -P -m venv $(VENV)
@@ -50,6 +50,16 @@ test: lint tools
 # End to end on a kind cluster (docker, kind, kubectl needed; skips saying what is missing).
 e2e: install-dev tools
 	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -P -m pytest -q e2e
+
+# The API fuzzer with a long, random example budget (CI runs a small, fixed one).
+FUZZ_EXAMPLES ?= 3000
+fuzz: install-dev
+	KVFLEET_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -P -m pytest -q tests/test_api_fuzz.py
+
+# Ten minutes of good and hostile traffic against two engines behind a router (docs/security.md).
+SOAK_SECONDS ?= 600
+soak: install-dev
+	$(PY) -P bench/soak.py --duration $(SOAK_SECONDS) --out soak.json
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .ruff_cache .hypothesis

@@ -43,3 +43,21 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@contextmanager
+def app_in_thread(app: web.Application) -> Iterator[SimpleNamespace]:
+    """An aiohttp app (the router's) on a free port of 127.0.0.1, on its own event loop in a
+    thread, for blocking clients; yields host, port and url."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cm = serving(app)
+    try:
+        addr = asyncio.run_coroutine_threadsafe(cm.__aenter__(), loop).result(30)
+        host, port = addr.rsplit(":", 1)
+        yield SimpleNamespace(host=host, port=int(port), url=f"http://{addr}")
+        asyncio.run_coroutine_threadsafe(cm.__aexit__(None, None, None), loop).result(30)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

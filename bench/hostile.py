@@ -1,0 +1,327 @@
+"""Hostile HTTP requests as hypothesis strategies, a raw sender, and the rules a response must
+keep. The API fuzzer (tests/test_api_fuzz.py) and the soak (bench/soak.py) both draw from here.
+
+A case starts from a valid request to one of the OpenAI endpoints and breaks it: fields set to
+extreme or wrongly typed values, text with lone surrogates and control characters, deep nesting,
+numbers too long to parse, bodies that are not JSON or not UTF-8, odd Content-Type and
+Content-Encoding headers, Authorization values that are not UTF-8. Whatever is sent, the server
+must answer with a status below 500 and, for errors, OpenAI's JSON error shape without a trace.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+MODEL = "fuzz"
+API_KEY = "fuzz-key"
+
+_INT_EXTREMES = [
+    0, -1, 1, 2, 16, 255, 256, 511, 512, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63,
+    2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30, -(10**30),
+]  # fmt: skip
+_FLOAT_EXTREMES = [
+    0.0, -0.0, 1e-320, 0.5, 1.0, 2.0, 2.0000001, 1e308, -1e308, float("nan"), float("inf"),
+    float("-inf"),
+]  # fmt: skip
+_SPECIAL_TEXT = [
+    "", " ", "\x00", "a\ud800b", "\udfff", "\U0010ffff", "\u202e", "<|im_start|>system\n",
+    "<|im_end|>", "{{ 7 * 7 }}", "{% for x in range(10**9) %}x{% endfor %}", "\r\n\r\n",
+    "\\", '"', "é" * 100, "🙂" * 50,
+]  # fmt: skip
+
+# Sentinels swapped into the serialized body for what json.dumps cannot write.
+_BIG_INT = "__KVFLEET_BIG_INT__"
+_BAD_BYTES = "__KVFLEET_BAD_BYTES__"
+
+_FIELDS = [
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of",
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+    "logprobs", "top_logprobs", "echo", "stream", "stream_options", "user", "logit_bias",
+    "skip_special_tokens", "add_generation_prompt", "chat_template_kwargs", "tools",
+    "tool_choice", "response_format", "suffix", "tokens", "add_special_tokens",
+]  # fmt: skip
+
+_BASES: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"model": MODEL, "prompt": "Hello there", "max_tokens": 4},
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hello"}],
+        "max_tokens": 4,
+    },
+    "/tokenize": {"model": MODEL, "prompt": "Hello there"},
+    "/detokenize": {"model": MODEL, "tokens": [5, 6, 7]},
+}
+
+
+@dataclass
+class Case:
+    method: str
+    path: str
+    headers: list[tuple[str, bytes]]
+    body: bytes = b""
+    note: str = ""
+
+    def describe(self) -> str:
+        body = self.body[:300]
+        more = "..." if len(self.body) > 300 else ""
+        return f"{self.method} {self.path} {self.headers} {body!r}{more}"
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    problems: list[str] = field(default_factory=list)
+
+
+def texts() -> st.SearchStrategy[str]:
+    # Surrogates included: a lone one is valid in a JSON escape but not in UTF-8.
+    return st.one_of(
+        st.sampled_from(_SPECIAL_TEXT),
+        st.text(st.characters(exclude_categories=()), max_size=40),
+    )
+
+
+def scalars() -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from(_INT_EXTREMES),
+        st.integers(min_value=-1000, max_value=1000),
+        st.sampled_from(_FLOAT_EXTREMES),
+        st.floats(allow_nan=True, allow_infinity=True),
+        texts(),
+        st.sampled_from(["16", "yes", "true", "1e3", "0x10", _BIG_INT]),
+    )
+
+
+def values() -> st.SearchStrategy[Any]:
+    return st.recursive(
+        scalars(),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4),
+            st.dictionaries(
+                st.sampled_from(["role", "content", "type", "text", "x"]), inner, max_size=4
+            ),
+        ),
+        max_leaves=8,
+    )
+
+
+def _messages() -> st.SearchStrategy[Any]:
+    message = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "root"]),
+            "content": st.one_of(texts(), values()),
+        },
+        optional={"name": texts(), "x": values()},
+    )
+    return st.lists(message, max_size=5)
+
+
+def _field_value(name: str) -> st.SearchStrategy[Any]:
+    if name == "messages":
+        return st.one_of(_messages(), values())
+    if name in ("prompt", "tokens", "stop_token_ids"):
+        token_lists = st.lists(st.sampled_from(_INT_EXTREMES), max_size=6)
+        return st.one_of(
+            texts(),
+            token_lists,
+            st.lists(token_lists, max_size=4),
+            st.lists(texts(), min_size=0, max_size=300),
+            values(),
+        )
+    if name == "stop":
+        return st.one_of(texts(), st.lists(texts(), max_size=20), values())
+    return values()
+
+
+@st.composite
+def json_case(draw: st.DrawFn) -> Case:
+    path = draw(st.sampled_from(sorted(_BASES)))
+    body = dict(_BASES[path])
+    for name in draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=4, unique=True)):
+        if draw(st.integers(0, 9)) == 0:
+            body.pop(name, None)
+        else:
+            body[name] = draw(_field_value(name))
+    if draw(st.integers(0, 19)) == 0:
+        body[draw(texts())] = draw(values())
+    raw = json.dumps(body, allow_nan=True)  # NaN/Infinity are not JSON: the server must say so
+    raw = raw.replace(json.dumps(_BIG_INT), "9" * draw(st.sampled_from([20, 400, 5000, 50_000])))
+    data = raw.encode("utf-8", "surrogatepass")
+    return Case("POST", path, draw(headers()), data, "json")
+
+
+@st.composite
+def raw_case(draw: st.DrawFn) -> Case:
+    """Bodies broken below the JSON level."""
+    path = draw(st.sampled_from(sorted(_BASES)))
+    kind = draw(
+        st.sampled_from(
+            [
+                "deep_list",
+                "deep_dict",
+                "bad_utf8",
+                "truncated",
+                "not_json",
+                "empty",
+                "not_object",
+                "big_number",
+                "huge_string",
+            ]
+        )
+    )
+    depth = draw(st.sampled_from([64, 65, 1000, 5000, 100_000]))
+    base = json.dumps(_BASES[path]).encode()
+    if kind == "deep_list":
+        body = (
+            b'{"model": "' + MODEL.encode() + b'", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+        )
+    elif kind == "deep_dict":
+        body = b'{"x":' * depth + b"1" + b"}" * depth
+    elif kind == "bad_utf8":
+        cut = draw(st.integers(0, len(base)))
+        body = (
+            base[:cut]
+            + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80"]))
+            + base[cut:]
+        )
+    elif kind == "truncated":
+        body = base[: draw(st.integers(0, len(base) - 1))]
+    elif kind == "not_json":
+        body = draw(st.binary(max_size=64))
+    elif kind == "empty":
+        body = b""
+    elif kind == "not_object":
+        body = draw(st.sampled_from([b"[]", b"null", b"1", b'"x"', b"true", b"[{}]"]))
+    elif kind == "big_number":
+        digits = b"9" * draw(st.sampled_from([4301, 5000, 100_000]))
+        body = base[:-1] + b', "max_tokens": ' + digits + b"}"
+    else:
+        size = draw(st.sampled_from([10_000, 70_000, 2_000_000]))
+        body = base[:-1] + b', "user": "' + b"x" * size + b'"}'
+    return Case("POST", path, draw(headers()), body, kind)
+
+
+def _header_bytes() -> st.SearchStrategy[bytes]:
+    # Any byte but the line breaks that would end the header (http.client refuses those).
+    return st.binary(min_size=1, max_size=40).map(
+        lambda b: b.replace(b"\r", b"").replace(b"\n", b"").replace(b"\x00", b"") or b"\xff"
+    )
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> list[tuple[str, bytes]]:
+    out: list[tuple[str, bytes]] = []
+    auth = draw(st.sampled_from(["good", "good", "good", "lower", "none", "wrong", "bytes"]))
+    if auth == "good":
+        out.append(("Authorization", f"Bearer {API_KEY}".encode()))
+    elif auth == "lower":
+        out.append(("Authorization", f"bearer {API_KEY}".encode()))
+    elif auth == "wrong":
+        out.append(("Authorization", b"Bearer nope"))
+    elif auth == "bytes":
+        out.append(("Authorization", b"Bearer " + draw(_header_bytes())))
+    ctype = draw(
+        st.sampled_from(
+            [
+                "application/json",
+                "application/json",
+                "text/plain",
+                None,
+                "application/json; charset=latin-1",
+                "multipart/form-data",
+            ]
+        )
+    )
+    if ctype is not None:
+        out.append(("Content-Type", ctype.encode()))
+    encoding = draw(st.sampled_from([None, None, None, "gzip", "deflate", "br", "identity", "x"]))
+    if encoding is not None:
+        out.append(("Content-Encoding", encoding.encode()))
+    if draw(st.integers(0, 9)) == 0:
+        name = draw(st.sampled_from(["X-Session-Id", "User-Agent", "traceparent"]))
+        out.append((name, draw(_header_bytes())))
+    return out
+
+
+@st.composite
+def other_case(draw: st.DrawFn) -> Case:
+    """Methods and paths off the beaten track."""
+    method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS"]))
+    path = draw(
+        st.sampled_from(
+            [
+                "/v1/models",
+                "/v1/models/" + MODEL,
+                "/v1/completions",
+                "/x",
+                "/v1/../../etc/passwd",
+                "/v1/%ff",
+                "/tokenize",
+            ]
+        )
+    )
+    return Case(method, path, draw(headers()), b"", "other")
+
+
+def hostile_case() -> st.SearchStrategy[Case]:
+    return st.one_of(json_case(), json_case(), raw_case(), other_case())
+
+
+def send(host: str, port: int, case: Case, timeout: float = 60.0) -> Reply:
+    """The case byte for byte, over a fresh connection; the whole reply, streams included."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.putrequest(case.method, case.path, skip_accept_encoding=True)
+        for name, value in case.headers:
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(len(case.body)))
+        conn.endheaders(case.body)
+        resp = conn.getresponse()
+        return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+def check(reply: Reply) -> list[str]:
+    """What is wrong with a reply: a server error, a trace, an error body not in OpenAI's shape,
+    a stream that breaks off or carries a server-side error."""
+    problems = []
+    text = reply.body.decode("utf-8", "replace")
+    if reply.status >= 500:
+        problems.append(f"server error {reply.status}")
+    if "Traceback" in text or 'File "' in text:
+        problems.append("a traceback in the body")
+    if reply.status >= 400:
+        try:
+            err = json.loads(reply.body)["error"]
+            if not isinstance(err.get("message"), str) or "type" not in err:
+                problems.append("error JSON without message/type")
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"error body is not OpenAI JSON: {text[:200]!r}")
+    elif reply.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
+        if not events or events[-1] != "[DONE]":
+            problems.append("stream did not end with [DONE]")
+        for ev in events[:-1]:
+            payload = json.loads(ev)
+            if "error" in payload:
+                problems.append(f"error event in stream: {payload['error']}")
+    return problems
+
+
+def problems_of(host: str, port: int, case: Case) -> list[str]:
+    try:
+        reply = send(host, port, case)
+    except (OSError, http.client.HTTPException) as e:
+        return [f"no reply: {e!r}"]
+    return check(reply)
