@@ -15,7 +15,7 @@ from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.model_runner import ModelRunner
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.request import Request, RequestStatus
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.workers import TensorParallelWorkers
 
@@ -137,7 +137,7 @@ class EngineCore:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else child_seed(params.seed, i)
                 child_params = params.model_copy(update={"n": 1, "seed": seed})
             children.append(
                 Request(
@@ -166,9 +166,13 @@ class EngineCore:
             len(children),
         )
         self._parents[request_id] = parent
-        for i, child in enumerate(children):
-            self._child_of[child.request_id] = (parent, i)
-            self.scheduler.add_request(child)
+        try:
+            for i, child in enumerate(children):
+                self._child_of[child.request_id] = (parent, i)
+                self.scheduler.add_request(child)
+        except BaseException:
+            self.abort_request(request_id)  # leave nothing of it behind
+            raise
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that could never run. Reads only fixed settings, so
@@ -180,7 +184,21 @@ class EngineCore:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.top_k > self.vocab_size:
+            raise ValueError(
+                f"top_k ({params.top_k}) must not exceed the vocabulary size ({self.vocab_size})"
+            )
         room = self.model_config.max_model_len - len(prompt_token_ids)
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context length "
+                f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt"
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.check_request(len(prompt_token_ids), max_tokens)
 
@@ -210,70 +228,123 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         sample_reqs, sampled = self.runner.execute(out)
-        self.scheduler.update(
-            out, {r.request_id: t for r, t in zip(sample_reqs, sampled.token_ids, strict=True)}
-        )
-        self.generation_tokens_total += len(sample_reqs)
-
         deltas: dict[str, RequestOutput] = {}
+        for i, error in sampled.failed.items():
+            self._fail(sample_reqs[i], "sampling", error, deltas)
+        self.scheduler.update(
+            out,
+            {
+                r.request_id: t
+                for i, (r, t) in enumerate(zip(sample_reqs, sampled.token_ids, strict=True))
+                if i not in sampled.failed
+            },
+        )
+        self.generation_tokens_total += len(sample_reqs) - len(sampled.failed)
+
         finished_parents: list[_Parent] = []
-        for req, token, logprobs in zip(
-            sample_reqs, sampled.token_ids, sampled.logprobs, strict=True
+        for i, (req, token, logprobs) in enumerate(
+            zip(sample_reqs, sampled.token_ids, sampled.logprobs, strict=True)
         ):
-            status = req.status
-            if status is RequestStatus.FINISHED_ABORTED:
-                continue
-            first_token = len(req.output_token_ids) == 1
-            if first_token:
-                self.prompt_tokens_total += req.num_prompt_tokens
-            parent, index = self._child_of[req.request_id]
-            detok = parent.detokenizers[index] if parent.detokenizers else None
-            text = ""
-            if detok is not None:
-                stop = detok.add_token(token)
-                if stop is not None:
-                    if not status.finished:
-                        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                    status = req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = stop
-                text = detok.take_delta(status.finished)
-            completion = CompletionOutput(index, text, [token])
-            if status.finished:
-                completion.finish_reason = status.finish_reason
-                completion.stop_reason = req.stop_reason
-                parent.num_unfinished -= 1
-                if not parent.num_unfinished:
+            entry = self._child_of.get(req.request_id)
+            if entry is None or i in sampled.failed:
+                continue  # aborted, or failed with its parent (this step or before)
+            parent, index = entry
+            try:
+                if self._emit(parent, index, req, token, logprobs, deltas):
                     finished_parents.append(parent)
-            if logprobs is not None:
-                chosen, top = logprobs
-                parent.cumulative_logprobs[index] += chosen
-                completion.logprobs = [{token: chosen, **dict(top)}]
-                completion.cumulative_logprob = parent.cumulative_logprobs[index]
-            delta = deltas.get(parent.request_id)
-            if delta is None:
-                first = parent.children[0]
-                delta = deltas[parent.request_id] = RequestOutput(
-                    parent.request_id,
-                    parent.prompt_token_ids,
-                    [],
-                    num_cached_tokens=max(first.num_cached_tokens, 0),
-                    prompt=parent.prompt,
-                )
-            if first_token or status.finished:
-                # Latency metrics need the timestamps only at the first token and at the end.
-                first = parent.children[0]
-                delta.metrics = RequestMetrics(
-                    first.arrival_time, first.first_scheduled_time, first.first_token_time
-                )
-            delta.outputs.append(completion)
+            except Exception as e:
+                self._fail(req, "detokenization", e, deltas)
 
         self._release_finished()
         for parent in finished_parents:
+            if parent.request_id not in self._parents:
+                continue  # a later child of the same step failed it
             deltas[parent.request_id].finished = True
             del self._parents[parent.request_id]
             for child in parent.children:
                 del self._child_of[child.request_id]
         return list(deltas.values())
+
+    def _emit(
+        self,
+        parent: _Parent,
+        index: int,
+        req: Request,
+        token: int,
+        logprobs: tuple[float, list[tuple[int, float]]] | None,
+        deltas: dict[str, RequestOutput],
+    ) -> bool:
+        """Detokenize one child's new token, apply stop strings, add it to its parent's delta.
+        True when this token finished the parent's last unfinished child."""
+        status = req.status
+        first_token = len(req.output_token_ids) == 1
+        detok = parent.detokenizers[index] if parent.detokenizers else None
+        text = ""
+        if detok is not None:
+            stop = detok.add_token(token)
+            if stop is not None:
+                if not status.finished:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                status = req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+            text = detok.take_delta(status.finished)
+        completion = CompletionOutput(index, text, [token])
+        if status.finished:
+            completion.finish_reason = status.finish_reason
+            completion.stop_reason = req.stop_reason
+        if logprobs is not None:
+            chosen, top = logprobs
+            parent.cumulative_logprobs[index] += chosen
+            completion.logprobs = [{token: chosen, **dict(top)}]
+            completion.cumulative_logprob = parent.cumulative_logprobs[index]
+        delta = deltas.get(parent.request_id)
+        if delta is None:
+            first = parent.children[0]
+            delta = deltas[parent.request_id] = RequestOutput(
+                parent.request_id,
+                parent.prompt_token_ids,
+                [],
+                num_cached_tokens=max(first.num_cached_tokens, 0),
+                prompt=parent.prompt,
+            )
+        if first_token:
+            self.prompt_tokens_total += req.num_prompt_tokens
+        if first_token or status.finished:
+            # Latency metrics need the timestamps only at the first token and at the end.
+            first = parent.children[0]
+            delta.metrics = RequestMetrics(
+                first.arrival_time, first.first_scheduled_time, first.first_token_time
+            )
+        delta.outputs.append(completion)
+        if not status.finished:
+            return False
+        parent.num_unfinished -= 1
+        return not parent.num_unfinished
+
+    def _fail(
+        self, req: Request, stage: str, error: Exception, deltas: dict[str, RequestOutput]
+    ) -> None:
+        """Fail the user request `req` belongs to (all its n children) and free its blocks;
+        the engine goes on. Its delta this step becomes the failure."""
+        entry = self._child_of.get(req.request_id)
+        if entry is None:
+            return  # already failed through a sibling
+        parent = entry[0]
+        message = f"{stage} failed: {str(error) or type(error).__name__}"
+        logger.error("request %s: %s", parent.request_id, message, exc_info=error)
+        for child in parent.children:
+            # Blocks go back now; the runner and sampler forget it at the step's end.
+            self.scheduler.finish_request(child, RequestStatus.FINISHED_ERROR)
+            del self._child_of[child.request_id]
+        del self._parents[parent.request_id]
+        deltas[parent.request_id] = RequestOutput(
+            parent.request_id,
+            parent.prompt_token_ids,
+            [CompletionOutput(i, finish_reason="error") for i in range(len(parent.children))],
+            finished=True,
+            prompt=parent.prompt,
+            error=message,
+        )
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler.stats

@@ -49,7 +49,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        """Run every prompt to completion; one RequestOutput per prompt, in order. A request the
+        engine failed alone (an error in its own sampling or detokenization, logged) comes back
+        finished with `error` saying what failed and finish_reason "error" on each choice; the
+        others complete as if it had not been there."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:

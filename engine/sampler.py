@@ -1,9 +1,15 @@
 """Next-token choice for a batch of requests: penalties, temperature, top-k / top-p / min-p,
-greedy or seeded random sampling, and logprobs of the raw model distribution."""
+greedy or seeded random sampling, and logprobs of the raw model distribution.
+
+Each request's own preparation (its penalty state, its seeded generator, its banned tokens, the
+scalars it feeds into the batched ops) runs on its own, guarded: a request whose preparation
+fails is reported in SamplerOutput.failed and takes part in the batched ops as a neutral greedy
+row whose token is discarded, so one bad request cannot fail the batch. Errors in the batched
+ops themselves belong to no request and propagate."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +22,8 @@ class SamplerOutput:
     # Per request: (logprob of the chosen token, top-N (token id, logprob)), or None when the
     # request did not ask for logprobs.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Row index -> the error that failed that request's own sampling; its token is meaningless.
+    failed: dict[int, Exception] = field(default_factory=dict)
 
 
 class PenaltyState:
@@ -31,6 +39,19 @@ class PenaltyState:
     def add(self, token_id: int) -> None:
         self.output_counts[token_id] += 1
         self.seen[token_id] = True
+
+
+@dataclass
+class _Row:
+    """What the batched ops need from one request, prepared and checked on its own."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # the vocabulary size when unrestricted
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    generator: torch.Generator | None = None
 
 
 class Sampler:
@@ -59,75 +80,107 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in reqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties_and_bans(logits, reqs)
-        token_ids = self._choose(logits, reqs)
-        for req, tok in zip(reqs, token_ids, strict=True):
-            self.record(req, tok)
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, reqs))
-
-    def _apply_penalties_and_bans(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        failed: dict[int, Exception] = {}
+        rows: list[_Row] = []
         for i, req in enumerate(reqs):
-            sp = req.sampling_params
-            row = logits[i]
-            if sp.uses_penalties:
-                state = self._penalty_state(req)
-                if sp.repetition_penalty != 1.0:
-                    # As in HF/vLLM: positive logits shrink, negative ones grow more negative.
-                    rep = row[state.seen]
-                    row[state.seen] = torch.where(
-                        rep > 0, rep / sp.repetition_penalty, rep * sp.repetition_penalty
-                    )
-                counts = state.output_counts.to(row.dtype)
-                row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
-            if req.num_output_tokens < sp.min_tokens:
-                banned = list(sp.stop_token_ids)
-                if not sp.ignore_eos:
-                    banned.extend(req.eos_token_ids)
-                banned = [t for t in banned if 0 <= t < row.shape[0]]
-                if banned:
-                    row[banned] = float("-inf")
-        return logits
+            try:
+                rows.append(self._prepare(req, logits[i]))
+            except Exception as e:
+                failed[i] = e
+                rows.append(_Row())
+        raw_logprobs = None
+        if any(r.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, req in enumerate(reqs):
+            if i in failed:
+                continue
+            try:
+                self._apply_penalties_and_bans(logits[i], req)
+            except Exception as e:
+                failed[i] = e
+                rows[i] = _Row()
+        for i in failed:
+            # A half-penalized row may hold NaNs; the batched ops must not see them.
+            logits[i] = 0.0
+        token_ids = self._choose(logits, rows)
+        for i, (req, tok) in enumerate(zip(reqs, token_ids, strict=True)):
+            if i in failed:
+                continue
+            try:
+                self.record(req, tok)
+            except Exception as e:
+                failed[i] = e
+        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, rows), failed)
 
-    def _choose(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        flags = [r.sampling_params.greedy for r in reqs]
+    def _prepare(self, req: Request, row: torch.Tensor) -> _Row:
+        """This request's part of the batch, checked so the batched ops cannot fail on it."""
+        sp = req.sampling_params
+        vocab = row.shape[-1]
+        prepared = _Row(
+            greedy=sp.greedy,
+            temperature=max(float(sp.temperature), 1e-5),
+            top_k=sp.top_k if 0 < sp.top_k < vocab else vocab,
+            top_p=float(sp.top_p),
+            min_p=float(sp.min_p),
+            logprobs=None if sp.logprobs is None else min(sp.logprobs, vocab),
+        )
+        if sp.seed is not None and not sp.greedy:
+            if req.generator is None:
+                req.generator = torch.Generator(device=row.device).manual_seed(sp.seed)
+            prepared.generator = req.generator
+        if sp.uses_penalties:
+            self._penalty_state(req)
+        return prepared
+
+    def _apply_penalties_and_bans(self, row: torch.Tensor, req: Request) -> None:
+        """Penalize and ban in place one request's row of logits."""
+        sp = req.sampling_params
+        if sp.uses_penalties:
+            state = self._penalty_state(req)
+            if sp.repetition_penalty != 1.0:
+                # As in HF/vLLM: positive logits shrink, negative ones grow more negative.
+                rep = row[state.seen]
+                row[state.seen] = torch.where(
+                    rep > 0, rep / sp.repetition_penalty, rep * sp.repetition_penalty
+                )
+            counts = state.output_counts.to(row.dtype)
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
+        if req.num_output_tokens < sp.min_tokens:
+            banned = list(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                banned.extend(req.eos_token_ids)
+            banned = [t for t in banned if 0 <= t < row.shape[0]]
+            if banned:
+                row[banned] = float("-inf")
+
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        flags = [r.greedy for r in rows]
         chosen = logits.argmax(dim=-1)
         if not all(flags):
             greedy = torch.tensor(flags, device=logits.device)
-            probs = self._filtered_probs(logits, reqs)
+            probs = self._filtered_probs(logits, rows)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets
             # seeded requests draw their noise from their own generator, independent of batch.
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            for i, req in enumerate(reqs):
-                if req.sampling_params.seed is not None and not req.sampling_params.greedy:
-                    if req.generator is None:
-                        req.generator = torch.Generator(device=logits.device).manual_seed(
-                            req.sampling_params.seed
-                        )
-                    noise[i].exponential_(generator=req.generator)
+            for i, row in enumerate(rows):
+                if row.generator is not None:
+                    noise[i].exponential_(generator=row.generator)
             sampled = (probs / noise).argmax(dim=-1)
             chosen = torch.where(greedy, chosen, sampled)
         return chosen.tolist()
 
-    def _filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _filtered_probs(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor(
-            [max(r.sampling_params.temperature, 1e-5) for r in reqs], device=dev
-        ).unsqueeze(1)
+        temps = torch.tensor([r.temperature for r in rows], device=dev).unsqueeze(1)
         logits = logits / temps
         vocab = logits.shape[-1]
-        top_k = torch.tensor(
-            [r.sampling_params.top_k if r.sampling_params.top_k > 0 else vocab for r in reqs],
-            device=dev,
-        )
-        top_p = torch.tensor([r.sampling_params.top_p for r in reqs], device=dev)
-        min_p = torch.tensor([r.sampling_params.min_p for r in reqs], device=dev)
+        top_k = torch.tensor([r.top_k for r in rows], device=dev)
+        top_p = torch.tensor([r.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.min_p for r in rows], device=dev)
         if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-            drop = ranks >= top_k.clamp(max=vocab).unsqueeze(1)
+            drop = ranks >= top_k.unsqueeze(1)
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
@@ -141,17 +194,17 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor | None, token_ids: list[int], reqs: list[Request]
+        raw: torch.Tensor | None, token_ids: list[int], rows: list[_Row]
     ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         if raw is None:
-            return [None] * len(reqs)
+            return [None] * len(rows)
         out: list[tuple[float, list[tuple[int, float]]] | None] = []
         chosen = raw.gather(1, torch.tensor(token_ids, device=raw.device).unsqueeze(1)).squeeze(1)
-        max_n = max(r.sampling_params.logprobs or 0 for r in reqs)
+        max_n = max(r.logprobs or 0 for r in rows)
         top_vals, top_ids = raw.topk(max(max_n, 1), dim=-1)
         chosen_l, top_vals_l, top_ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        for i, req in enumerate(reqs):
-            n = req.sampling_params.logprobs
+        for i, row in enumerate(rows):
+            n = row.logprobs
             if n is None:
                 out.append(None)
                 continue

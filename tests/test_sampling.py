@@ -205,7 +205,8 @@ def test_presence_and_frequency_penalties():
     for t in (2, 2, 3):
         req.append_token(t)
     logits = torch.tensor([[1.0, 1.0, 2.0, 1.4]])
-    penalized = sampler._apply_penalties_and_bans(logits.clone(), [req])
+    penalized = logits.clone()
+    sampler._apply_penalties_and_bans(penalized[0], req)
     # token 2: 2 - 0.5*2 - 0.25 = 0.75; token 3: 1.4 - 0.5 - 0.25 = 0.65; prompt tokens untouched.
     assert torch.allclose(penalized, torch.tensor([[1.0, 1.0, 0.75, 0.65]]))
     assert sampler(logits.clone(), [req]).token_ids == [0]
