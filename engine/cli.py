@@ -6,11 +6,14 @@ import argparse
 import logging
 import sys
 import types
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from kvfleet.engine.config import EngineArgs
+
+if TYPE_CHECKING:
+    from kvfleet.engine.server.app import ServerSettings
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -97,9 +100,9 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from kvfleet.engine.server.app import ServerSettings, serve
+    from kvfleet.engine.server.app import serve
 
-    settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
+    settings = server_settings_from(ns)
     args = engine_args_from(ns)
     if settings.served_model_name is None and ns.model is None:
         from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
@@ -108,12 +111,26 @@ def _serve(ns: argparse.Namespace) -> int:
     return asyncio.run(serve(args, settings))
 
 
+def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
+    """The server's settings from `serve` flags, the API key resolved (flag, file, environment)
+    so that a missing or empty key file fails at startup."""
+    from kvfleet.engine.server.app import ServerSettings, resolve_api_key
+
+    settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
+    settings.api_key = resolve_api_key(settings)
+    return settings
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__)
+    # allow_abbrev=False everywhere: "--por 9999" must not be taken for "--port", or a prefix
+    # could slip a managed flag past a check that looks for the full name (the operator's).
+    parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__, allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete prompts offline and print the results")
+    gen = sub.add_parser(
+        "generate", help="complete prompts offline and print the results", allow_abbrev=False
+    )
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeatable")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -124,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
     srv.add_argument("model_tag", nargs="?", default=None, help="same as --model")
     add_engine_args(srv)
     from kvfleet.engine.server.app import ServerSettings
@@ -144,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return ns.func(ns)
-    except (ValidationError, ValueError, FileNotFoundError) as e:
+    except (ValidationError, ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
 

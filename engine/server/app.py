@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
 import time
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,7 +23,7 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
-from kvfleet.engine.server.validation import check_model, parse_body
+from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,10 @@ STARTED = web.AppKey("started", int)
 
 # Served even while draining or unauthenticated: probes and scrapers must keep working.
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+API_KEY_ENV = "KVFLEET_API_KEY"
+# After the shutdown deadline has aborted what was left, how long its handlers get to send their
+# error events before their connections are closed.
+_ABORT_GRACE = 1.0
 
 
 class ServerSettings(BaseModel):
@@ -38,11 +44,50 @@ class ServerSettings(BaseModel):
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     served_model_name: list[str] | None = None
-    api_key: str | None = None
-    max_waiting_requests: int | None = Field(default=None, ge=1)
-    shutdown_timeout: float = Field(default=30.0, ge=0)
+    api_key: str | None = Field(
+        default=None,
+        description="the API key clients must send as a bearer token (visible in the process "
+        f"table: prefer --api-key-file or the {API_KEY_ENV} environment variable)",
+    )
+    api_key_file: str | None = Field(
+        default=None, description="a file holding the API key (used when --api-key is not given)"
+    )
+    max_waiting_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description="sequences (prompts x n) allowed to wait for the engine; more get 429",
+    )
+    shutdown_timeout: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds in-flight requests get to finish after SIGTERM before they are "
+        "aborted (default: 30)",
+    )
     max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
     health_stall_timeout: float = Field(default=60.0, gt=0)
+    header_timeout: float = Field(
+        default=15.0,
+        gt=0,
+        description="seconds a connection may go without a complete request head, when new or "
+        "idle between keep-alive requests; then it is closed (default: 15)",
+    )
+    body_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds a client has to send a request body; then 408 (default: 30)",
+    )
+
+
+def resolve_api_key(settings: ServerSettings) -> str | None:
+    """The API key from --api-key, else the file --api-key-file names, else the environment."""
+    if settings.api_key:
+        return settings.api_key
+    if settings.api_key_file:
+        key = Path(settings.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"the API key file {settings.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 @web.middleware
@@ -73,21 +118,39 @@ def _allow_header(e: web.HTTPException) -> dict[str, str] | None:
     return {"Allow": allow} if allow else None
 
 
-def _gatekeeper(settings: ServerSettings):
-    expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+def _bearer_token(request: web.Request) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, as raw bytes (a header that is
+    not UTF-8 is just a wrong key). The scheme is case-insensitive (RFC 7235)."""
+    for name, value in request.raw_headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer":
+                return token.strip()
+            return None
+    return None
+
+
+def _gatekeeper(api_key: str | None):
+    expected = api_key.encode() if api_key else None
 
     @web.middleware
     async def gate(request: web.Request, handler) -> web.StreamResponse:
         if request.path in _OPEN_PATHS:
             return await handler(request)
         if expected is not None:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            given = _bearer_token(request)
+            if given is None or not hmac.compare_digest(given, expected):
                 return error_response(401, "invalid or missing API key", "authentication_error",
-                                      code="invalid_api_key")  # fmt: skip
+                                      code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         if request.app[SERVING].draining:
             return error_response(503, "the server is shutting down", "service_unavailable",
-                                  headers={"Retry-After": "5"})  # fmt: skip
+                                  code="draining", headers={"Retry-After": "5"})  # fmt: skip
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            return error_response(415, "request bodies must not be compressed (Content-Encoding "
+                                  "other than identity)", param="Content-Encoding",
+                                  code="unsupported_content_encoding")  # fmt: skip
         return await handler(request)
 
     return gate
@@ -121,15 +184,15 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     ctx: ServingContext = request.app[SERVING]
-    root = str(ctx.engine.core.model_config.path)
     created = request.app[STARTED]
+    # The root is the served name, never the model's path on the server's disk.
     data = [
         {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "kvfleet",
-            "root": root,
+            "root": ctx.model_name,
             "max_model_len": ctx.max_model_len,
         }
         for name in ctx.served_model_names
@@ -142,9 +205,9 @@ async def _tokenize(request: web.Request) -> web.Response:
     req = await parse_body(request, TokenizeRequest)
     check_model(req.model, ctx.served_model_names)
     if req.messages is not None:
-        ids = render_chat(ctx.tokenizer, req.messages, req.add_generation_prompt)
+        ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
     else:
-        ids = ctx.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        ids = await ctx.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
     return web.json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
 
@@ -157,7 +220,9 @@ async def _detokenize(request: web.Request) -> web.Response:
     if bad:
         raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                        param="tokens")  # fmt: skip
-    return web.json_response({"prompt": ctx.tokenizer.decode(req.tokens)})
+    if ctx.tokenizer is None:
+        raise APIError(400, "this server runs without a tokenizer")
+    return web.json_response({"prompt": await ctx.decode(req.tokens)})
 
 
 def build_app(
@@ -165,12 +230,13 @@ def build_app(
 ) -> web.Application:
     names = settings.served_model_name or [str(engine.core.model_config.path)]
     app = web.Application(
-        middlewares=[_errors, _gatekeeper(settings)],
+        middlewares=[_errors, _gatekeeper(resolve_api_key(settings))],
         client_max_size=settings.max_request_body_bytes,
     )
     app[SERVING] = ServingContext(engine, names, settings.max_waiting_requests)
     app[METRICS] = metrics
     app[STARTED] = now()
+    app[BODY_TIMEOUT] = settings.body_timeout
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
@@ -210,7 +276,20 @@ class EngineServer:
         self.app = build_app(self.engine, metrics, self.settings)
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its
         # request and frees its KV blocks, even before the first byte was due.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout: aiohttp arms it when a connection opens and after each response,
+        # and closes the connection if no complete request head has arrived by then; so it
+        # bounds both a client that trickles (or never finishes) its headers and idle
+        # keep-alive connections. Compressed bodies are refused, never inflated.
+        # shutdown_timeout: what the runner waits for handlers at cleanup; our own shutdown
+        # has already enforced the deadline by then.
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.settings.header_timeout,
+            auto_decompress=False,
+            shutdown_timeout=_ABORT_GRACE,
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
         self.engine.start()
@@ -225,7 +304,8 @@ class EngineServer:
 
     async def shutdown(self) -> None:
         """New requests get 503 while the ones in flight finish, up to shutdown_timeout; what
-        is still running then is aborted."""
+        is still running then is aborted (streams end with an error event, the others get 503
+        "draining"), and the connections are closed soon after."""
         assert self.app is not None and self.engine is not None and self._runner is not None
         self.app[SERVING].draining = True
         deadline = time.monotonic() + self.settings.shutdown_timeout
@@ -234,7 +314,9 @@ class EngineServer:
             await asyncio.sleep(0.05)
         if self.engine.num_unfinished:
             logger.warning("shutdown timeout: aborting %d requests", self.engine.num_unfinished)
-        await self._runner.shutdown()
+            self.engine.abort_all("the server is shutting down")
+            # Let the handlers write their error events and responses.
+            await asyncio.sleep(0.1)
         await self._runner.cleanup()
         await self.engine.stop()
         logger.info("stopped")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
+from functools import partial
 from typing import Any
 
 import jinja2
@@ -16,9 +19,11 @@ from kvfleet.engine.server.protocol import (
     now,
     random_id,
 )
-from kvfleet.engine.server.serving import SERVING, ServingContext
+from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext
 from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body
+
+logger = logging.getLogger(__name__)
 
 # For checkpoints without a template of their own: ChatML, which most chat models were tuned on.
 DEFAULT_CHAT_TEMPLATE = (
@@ -29,34 +34,76 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def render_chat(
+def _template_kwargs_reserved(tokenizer: Any) -> frozenset[str]:
+    """apply_chat_template's own arguments: a client may not set them through
+    chat_template_kwargs (they would clash with ours or change what it returns)."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD)
+
+
+def _render_text(
     tokenizer: Any,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    if tokenizer is None:
-        raise bad_request("this server runs without a tokenizer: chat is unavailable")
-    conversation = []
-    for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.name:
-            entry["name"] = m.name
-        conversation.append(entry)
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any],
+) -> str:
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation,
             chat_template=tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            **(template_kwargs or {}),
+            **template_kwargs,
         )
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise bad_request(
-            f"the chat template rejected the messages: {e}", param="messages"
-        ) from None
+    except jinja2.TemplateError as e:
+        # The template's own raise_exception(...) says what the messages break; any other
+        # template error (an undefined name, a type clash inside the template) speaks of the
+        # template's internals and is only logged.
+        if type(e) is jinja2.TemplateError and e.message:
+            raise bad_request(f"the chat template rejected the messages: {e.message}",
+                              param="messages") from None  # fmt: skip
+        logger.info("chat template failed: %r", e)
+    except Exception as e:  # a template is code: anything may come out of it
+        logger.info("chat template failed: %r", e)
+    raise bad_request(
+        "the chat template could not render these messages (check roles, their order and the "
+        "content types the model expects)",
+        param="messages",
+    )
+
+
+async def render_chat(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of the rendered conversation; large ones are rendered and tokenized off the
+    event loop, and a text too long to fit the context is refused before tokenizing."""
+    tokenizer = ctx.tokenizer
+    if tokenizer is None:
+        raise bad_request("this server runs without a tokenizer: chat is unavailable")
+    clash = sorted(set(template_kwargs or {}) & _template_kwargs_reserved(tokenizer))
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}",
+                          param="chat_template_kwargs")  # fmt: skip
+    conversation = []
+    size = 0
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            entry["name"] = m.name
+        size += len(entry["content"])
+        conversation.append(entry)
+    ctx.check_prompt_chars(size, "messages")
+    text = await ctx.off_loop(
+        size, OFF_LOOP_CHARS, _render_text, tokenizer, conversation, add_generation_prompt,
+        template_kwargs or {},
+    )  # fmt: skip
+    ctx.check_prompt_chars(len(text), "messages")
     # The template writes the special tokens (BOS included) itself.
-    return tokenizer(text, add_special_tokens=False).input_ids
+    encode = partial(tokenizer, add_special_tokens=False)
+    return (await ctx.off_loop(len(text), OFF_LOOP_CHARS, encode, text)).input_ids
 
 
 def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int) -> list[dict]:
@@ -81,15 +128,14 @@ def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int)
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
-    ctx.admit(req.model)
-    ids = render_chat(
-        ctx.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs
-    )
+    ctx.admit(req.model, req.n)
+    ids = await render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     params = ctx.prepare([ids], req.requested_max_tokens, req.sampling_params)
     request_id = random_id("chatcmpl")
     created = now()
     model = req.model or ctx.model_name
     top_n = req.top_logprobs or 0
+    ctx.admit(req.model, req.n)
     outputs = ctx.run(request_id, [ids], params)
 
     def logprobs(choice: CompletionOutput) -> dict[str, Any] | None:

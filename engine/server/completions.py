@@ -53,21 +53,28 @@ def _usage(results: list[RequestOutput], completion_tokens: int) -> Usage:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, CompletionRequest)
-    ctx.admit(req.model)
     raw_prompts = req.prompts()
-    prompts = [ctx.tokenize(p) for p in raw_prompts]
+    num_sequences = len(raw_prompts) * req.n
+    ctx.admit(req.model, num_sequences)
+    for p in raw_prompts:
+        if isinstance(p, str):
+            ctx.check_prompt_chars(len(p), "prompt")
+    prompts = [await ctx.tokenize(p) for p in raw_prompts]
     texts = [p if isinstance(p, str) else None for p in raw_prompts]
     params = ctx.prepare(prompts, req.max_tokens, req.sampling_params)
+    echoes = [
+        (t if t is not None else await ctx.decode(ids)) if req.echo else ""
+        for t, ids in zip(texts, prompts, strict=True)
+    ]
     request_id = random_id("cmpl")
     created = now()
     n = req.n
     model = req.model or ctx.model_name
+    ctx.admit(req.model, num_sequences)
     outputs = ctx.run(request_id, prompts, params, texts)
 
     def echo_text(i: int) -> str:
-        if not req.echo:
-            return ""
-        return texts[i] if texts[i] is not None else ctx.tokenizer.decode(prompts[i])
+        return echoes[i]
 
     if not req.stream:
         results = await ctx.collect(outputs, prompts, params)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError
+
+# What a request's output stream may raise once the engine has it.
+ENGINE_ERRORS = (EngineDeadError, RequestFailedError, RequestAbortedError)
+
 
 def error_response(
     status: int,
@@ -53,3 +58,15 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def engine_error(e: Exception) -> APIError:
+    """The HTTP error for a request the engine could not finish (one of ENGINE_ERRORS)."""
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), "server_error", code="request_failed")
+    if isinstance(e, RequestAbortedError):
+        # Aborted by a shutting-down server; a non-streamed one sent nothing to the client yet,
+        # so another engine may serve it.
+        return APIError(503, str(e), "service_unavailable", code="draining",
+                        headers={"Retry-After": "5"})  # fmt: skip
+    return APIError(503, str(e), "service_unavailable", code="engine_dead")

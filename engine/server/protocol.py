@@ -1,6 +1,11 @@
 """OpenAI request and response schemas, validated with pydantic. Unknown fields are rejected as
 OpenAI rejects them; vLLM's sampling extensions (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, ...) are accepted, so clients written for vLLM work unchanged."""
+min_tokens, stop_token_ids, ...) are accepted, so clients written for vLLM work unchanged.
+
+Types are strict (no "16" for an integer, no "yes" for a boolean; a JSON integer is still a valid
+float) and every number has bounds, so that nothing a client sends can reach the sampler out of
+the range it accepts. The bounds that depend on the model (token ids and top_k inside the
+vocabulary, the context length) are checked by the serving context and the engine."""
 
 from __future__ import annotations
 
@@ -17,8 +22,26 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# The sampler's generator takes a signed 64-bit seed.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Caps on what one request may ask for; each is said in the error that enforces it.
+MAX_N = 128
+MAX_PROMPTS = 64
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKENS_CAP = 2**31 - 1
+TOP_K_CAP = 2**31 - 1
+TOKEN_ID_MAX = 2**31 - 1
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+TokenIds = list[TokenId]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(_Strict):
@@ -30,19 +53,19 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=TOP_K_CAP)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_CAP)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,8 +75,8 @@ class _SamplingRequest(_Strict):
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError("at most 16 stop sequences are allowed")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         return self
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -83,16 +106,13 @@ class _SamplingRequest(_Strict):
         return SamplingParams(**values)
 
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
-
-
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_CAP)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
@@ -107,6 +127,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -128,7 +150,7 @@ class TextPart(_Strict):
 
 class ChatMessage(BaseModel):
     # Extra keys (tool_calls, refusal, ...) on echoed assistant messages are tolerated.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -144,8 +166,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None

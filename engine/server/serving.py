@@ -3,24 +3,45 @@ control, and running a request's prompts through the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvfleet.engine.async_engine import AsyncEngine, EngineDeadError
+from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.server.errors import APIError, bad_request
+from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
 
 logger = logging.getLogger(__name__)
+
+# Texts up to this many characters are tokenized or decoded on the event loop; longer ones in a
+# thread (the fast tokenizer releases the GIL while it encodes), so that /health keeps answering.
+OFF_LOOP_CHARS = 4096
+OFF_LOOP_TOKENS = 1024
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for, over the whole vocabulary (added
+    tokens included): a text longer than max_model_len times this cannot fit the context."""
+    ids = [[i] for i in range(len(tokenizer))]
+    decoded = tokenizer.batch_decode(ids, skip_special_tokens=False)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max(len(t) for t in [*decoded, *(p for p in pieces if p is not None)])
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # A normalizer may fold several characters into one (composition, stripping), so a token
+    # can cover more input than it decodes to: leave it room.
+    if backend is None or backend.normalizer is not None:
+        longest *= 4
+    return max(longest, 1)
 
 
 @dataclass
@@ -29,6 +50,11 @@ class ServingContext:
     served_model_names: list[str]
     max_waiting_requests: int | None = None
     draining: bool = field(default=False)
+    max_prompt_chars: int | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and self.max_prompt_chars is None:
+            self.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
@@ -42,28 +68,62 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.core.model_config.max_model_len
 
-    def admit(self, requested_model: str | None) -> None:
-        """Reject before any work: unknown model, dead engine, or a full waiting queue."""
+    def admit(self, requested_model: str | None, num_sequences: int) -> None:
+        """Reject before any work: unknown model, dead engine, or a waiting queue that cannot
+        take this request's sequences (prompts x n). Called again right before the request is
+        queued, as other requests may have been admitted while this one was tokenized."""
         check_model(requested_model, self.served_model_names)
         if not self.engine.is_alive():
             raise APIError(503, "the engine is not running", "service_unavailable",
-                           headers={"Retry-After": "5"})  # fmt: skip
+                           code="engine_unavailable", headers={"Retry-After": "5"})  # fmt: skip
         limit = self.max_waiting_requests
-        if limit is not None and self.engine.core.scheduler.num_waiting >= limit:
+        if limit is None:
+            return
+        if num_sequences > limit:
+            raise bad_request(
+                f"this request asks for {num_sequences} sequences (prompts x n), more than the "
+                f"server queues at once ({limit}); split it into smaller requests",
+                param="n",
+                code="too_many_sequences",
+            )
+        if self.engine.num_waiting_sequences + num_sequences > limit:
             raise APIError(
                 429,
-                f"too many requests waiting ({limit}); retry shortly",
+                f"too many sequences waiting (limit {limit}); retry shortly",
                 "rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise bad_request("this server runs without a tokenizer: send token ids")
-            return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        return list(prompt)
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text too long to fit the context whatever it says."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; a prompt "
+                f"of {num_chars} characters cannot fit in it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def off_loop(self, size: int, threshold: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the event loop when small, in a thread when large."""
+        if size > threshold:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise bad_request("this server runs without a tokenizer: send token ids")
+        self.check_prompt_chars(len(prompt), "prompt")
+        encode = partial(self.tokenizer, add_special_tokens=add_special_tokens)
+        encoding = await self.off_loop(len(prompt), OFF_LOOP_CHARS, encode, prompt)
+        return encoding.input_ids
+
+    async def decode(self, token_ids: list[int]) -> str:
+        decode = self.tokenizer.decode
+        return await self.off_loop(len(token_ids), OFF_LOOP_TOKENS, decode, token_ids)
 
     def token_text(self, token_id: int) -> str:
         return _decode_one(self.tokenizer, token_id)
@@ -74,6 +134,7 @@ class ServingContext:
         """Per-prompt sampling params with the completion budget fitted to the context, checked
         against the engine's limits so that every error is raised before a byte is streamed."""
         params = []
+        vocab = self.engine.core.vocab_size
         for ids in prompts:
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
@@ -82,6 +143,17 @@ class ServingContext:
                 sp = make_params(max_tokens)
             except ValidationError as e:
                 raise validation_error(e) from None
+            if sp.top_k > vocab:
+                raise bad_request(
+                    f"top_k ({sp.top_k}) must not exceed the vocabulary size ({vocab})",
+                    param="top_k",
+                )
+            bad = [t for t in sp.stop_token_ids if t >= vocab]
+            if bad:
+                raise bad_request(
+                    f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                    param="stop_token_ids",
+                )
             try:
                 self.engine.core.validate_request(ids, sp)
             except ValueError as e:
@@ -117,8 +189,8 @@ class ServingContext:
             async with aclosing(outputs) as it:
                 async for i, delta in it:
                     results[i].add(delta)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), "service_unavailable") from None
+        except ENGINE_ERRORS as e:
+            raise engine_error(e) from None
         return results
 
 

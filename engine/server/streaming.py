@@ -10,9 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvfleet.engine.async_engine import EngineDeadError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.errors import APIError
+from kvfleet.engine.server.errors import ENGINE_ERRORS, engine_error
 
 _END = object()
 
@@ -97,14 +96,15 @@ async def relay(
     chunk: Callable[[Choices], dict[str, Any]],
 ) -> bool:
     """One event per engine step, carrying the choices `to_choices` makes of its delta (steps
-    that make none send nothing). False, after an error event, when the engine died mid-stream."""
+    that make none send nothing). False, after an error event, when the engine could not finish
+    the request (it failed it, the server aborted it, or the engine died)."""
     try:
         async with aclosing(outputs) as it:
             async for i, delta in it:
                 choices = to_choices(i, delta)
                 if choices:
                     await sse.send(chunk(choices))
-    except EngineDeadError as e:
-        await sse.send(APIError(503, str(e), "service_unavailable").sse_payload())
+    except ENGINE_ERRORS as e:
+        await sse.send(engine_error(e).sse_payload())
         return False
     return True

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import TypeVar
+import re
+from itertools import accumulate
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -12,13 +15,84 @@ from kvfleet.engine.server.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 
+# JSON bounds: deeper nesting than any real request needs would make json.loads recurse until
+# RecursionError; longer integers than 64 bits need cost quadratic time to convert (and Python
+# refuses > 4300 digits outright).
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 20
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of a JSON text, found without recursion: strings are cut out (their
+    brackets do not nest), then the running count of the brackets left. An unterminated string
+    leaves its brackets in, which can only overstate the depth of a text json.loads refuses."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    if len(brackets) <= 2 * MAX_JSON_DEPTH:
+        return len(brackets)  # an upper bound that is already small enough
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"the integer {text[:24]}... is too long (at most 64-bit integers)")
+    return int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json(raw: bytes) -> Any:
+    """Parse a request body strictly: UTF-8 only, no lone surrogates (escaped or not), bounded
+    nesting and integers, no NaN/Infinity. Raises APIError 400 saying what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(
+            f"the request body is not valid UTF-8: {e.reason} at byte {e.start}"
+        ) from None
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        data = json.loads(text, parse_int=_parse_int, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    try:
+        # A "\ud800" escape decodes to a lone surrogate, which no tokenizer can encode.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(
+            "the request body contains invalid Unicode (a lone surrogate escape)"
+        ) from None
+    return data
+
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
-    raw = await request.read()
+    """Read (within the body deadline), decode off the event loop, and validate a JSON body."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
+            raw = await request.read()
+    except TimeoutError:
+        raise APIError(
+            408,
+            "the request body was not received in time",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    # Decoding and validating a body of many megabytes takes long enough to stall every other
+    # connection: large ones go to a thread.
+    if len(raw) > 64 * 1024:
+        return await asyncio.to_thread(_validate, raw, model)
+    return _validate(raw, model)
+
+
+def _validate(raw: bytes, model: type[M]) -> M:
+    data = decode_json(raw)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     try:
