@@ -1,13 +1,15 @@
 """``kvfleet-operator``: run the operator, or print the RBAC it needs.
 
     kvfleet-operator run [-n NAMESPACE]... [--peering NAME] [--health-address HOST:PORT]
-    kvfleet-operator print-rbac
+                         [--allowed-images LIST] [--allowed-secrets LIST]
+    kvfleet-operator print-rbac [-n NAMESPACE]... [--service-account NS/NAME]
 
-With no namespace it serves all of them. Several replicas are safe: every write is idempotent
-(children are created once, 409 from a racing replica is absorbed, applies converge, status is a
-function of the cluster), so two active replicas only duplicate reads and Events. ``--peering``
-(kopf's ClusterKopfPeering/KopfPeering objects, created by the chart) keeps one replica active and
-the others on standby, each with a random priority.
+With no namespace it serves all of them (and needs the ClusterRole that print-rbac prints); with
+namespaces, only those (a Role in each: print-rbac -n). Several replicas are safe: every write is
+idempotent (children are created once, 409 from a racing replica is absorbed, applies converge,
+status is a function of the cluster), so two active replicas only duplicate reads and Events.
+``--peering`` (kopf's ClusterKopfPeering/KopfPeering objects, created by the chart) keeps one
+replica active and the others on standby, each with a random priority.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import kopf
 import yaml
 
 from kvfleet.operator.kube import Kube
-from kvfleet.operator.rbac import cluster_role
+from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import MANAGED_BY, OperatorConfig
 from kvfleet.operator.scaler import Autoscaler
@@ -92,6 +94,8 @@ def _run(ns: argparse.Namespace) -> int:
     config = OperatorConfig(
         engine_image=ns.engine_image or defaults.engine_image,
         router_image=ns.router_image or defaults.router_image,
+        allowed_images=split_list(ns.allowed_images),
+        allowed_secrets=split_list(ns.allowed_secrets),
     )
     settings = build_settings(ns.peering)
     registry = build_registry(
@@ -104,10 +108,13 @@ def _run(ns: argparse.Namespace) -> int:
     given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
     namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
     logger.info(
-        "kvfleet operator: namespaces=%s engine image %s, router image %s",
+        "kvfleet operator: namespaces=%s engine image %s, router image %s, "
+        "allowed images %s, allowed secrets %s",
         ",".join(namespaces) or "all",
         config.engine_image,
         config.router_image,
+        "any" if config.allowed_images is None else ",".join(config.allowed_images) or "defaults",
+        "any" if config.allowed_secrets is None else ",".join(config.allowed_secrets) or "none",
     )
     asyncio.run(
         kopf.operator(
@@ -121,8 +128,25 @@ def _run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _print_rbac(_: argparse.Namespace) -> int:
-    sys.stdout.write(yaml.safe_dump(cluster_role(), sort_keys=False))
+def split_list(value: str | None) -> tuple[str, ...] | None:
+    """A comma-separated allow-list; None (not given) allows anything, "" nothing."""
+    if value is None:
+        return None
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def _print_rbac(ns: argparse.Namespace) -> int:
+    namespaces = [n.strip() for arg in ns.namespace for n in arg.split(",") if n.strip()]
+    if not namespaces:
+        sys.stdout.write(yaml.safe_dump(cluster_role(), sort_keys=False))
+        return 0
+    sa_namespace, _, sa_name = ns.service_account.rpartition("/")
+    docs = [
+        doc
+        for n in namespaces
+        for doc in (namespaced_role(n), namespaced_role_binding(n, sa_name, sa_namespace))
+    ]
+    sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
     return 0
 
 
@@ -176,8 +200,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a pod has to answer /metrics before it counts as unreachable "
         "(env KVFLEET_SCRAPE_TIMEOUT; default: 2)",
     )
+    run.add_argument(
+        "--allowed-images",
+        default=os.environ.get("KVFLEET_ALLOWED_IMAGES"),
+        help="comma-separated images a spec may choose (spec.engine.image, spec.routing.image) "
+        "besides the defaults: 'repo/' allows every repository under it, anything else that "
+        "exact repository, any tag (env KVFLEET_ALLOWED_IMAGES); default: any image",
+    )
+    run.add_argument(
+        "--allowed-secrets",
+        default=os.environ.get("KVFLEET_ALLOWED_SECRETS"),
+        help="comma-separated Secret names a spec may reference (env secretKeyRef, "
+        "apiKeySecretRef, hfTokenSecretRef); '' allows none (env KVFLEET_ALLOWED_SECRETS); "
+        "default: any Secret of the namespace",
+    )
     run.set_defaults(func=_run)
-    rbac = sub.add_parser("print-rbac", help="print the operator's ClusterRole as YAML")
+    rbac = sub.add_parser(
+        "print-rbac",
+        help="print the operator's ClusterRole, or with namespaces its Roles and RoleBindings",
+    )
+    rbac.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="a watched namespace; repeatable or comma-separated",
+    )
+    rbac.add_argument(
+        "--service-account",
+        default="kvfleet-system/kvfleet-operator",
+        help="NAMESPACE/NAME of the operator's ServiceAccount, the subject of the RoleBindings",
+    )
     rbac.set_defaults(func=_print_rbac)
     return parser
 

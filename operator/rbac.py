@@ -1,7 +1,10 @@
 """Every permission the operator and the routers it deploys need, written down once.
 
-``kvfleet-operator print-rbac`` renders OPERATOR_RULES as the ClusterRole the Helm chart installs;
-tests/test_operator_kmock.py checks every API call the operator makes against them.
+``kvfleet-operator print-rbac`` renders OPERATOR_RULES as the ClusterRole the Helm chart installs
+for an operator serving every namespace; ``print-rbac -n NAMESPACE...`` renders
+NAMESPACED_OPERATOR_RULES as the Role (and RoleBinding) per watched namespace of the chart's
+namespaced mode, which grants nothing cluster-wide. tests/test_operator_kmock.py checks every API
+call the operator makes against them.
 
 The router's permissions are a namespaced Role per InferenceService, created by the operator with
 the router's ServiceAccount and a RoleBinding (all owned by the InferenceService). A single
@@ -31,7 +34,8 @@ ROUTER_RULES: tuple[PolicyRule, ...] = (
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
 )
 
-OPERATOR_RULES: tuple[PolicyRule, ...] = (
+# Everything but kopf's peering: namespaced resources only.
+_RULES: tuple[PolicyRule, ...] = (
     {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices"], "verbs": READ},
     {"apiGroups": ["kvfleet.dev"], "resources": ["inferenceservices/status"], "verbs": ["patch"]},
     # Owner references with blockOwnerDeletion need update on the owner's finalizers
@@ -55,12 +59,24 @@ OPERATOR_RULES: tuple[PolicyRule, ...] = (
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Held so that the operator may grant it to routers (see the module docstring).
     *ROUTER_RULES,
-    # Kopf's peering between operator replicas (--peering): one is active, the others wait.
+)
+PEERING_VERBS = ["get", "list", "watch", "patch"]
+
+# Kopf's peering between operator replicas (--peering): one is active, the others wait. Serving
+# all namespaces it uses a ClusterKopfPeering, serving a list a KopfPeering in each.
+OPERATOR_RULES: tuple[PolicyRule, ...] = (
+    *_RULES,
     {
         "apiGroups": ["kopf.dev"],
         "resources": ["clusterkopfpeerings", "kopfpeerings"],
-        "verbs": ["get", "list", "watch", "patch"],
+        "verbs": PEERING_VERBS,
     },
+)
+# An operator run with --namespace: the same, as a Role in each namespace. Nothing cluster-scoped:
+# with CRD scanning off and exact namespace names kopf lists neither CRDs nor namespaces.
+NAMESPACED_OPERATOR_RULES: tuple[PolicyRule, ...] = (
+    *_RULES,
+    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": PEERING_VERBS},
 )
 
 
@@ -83,4 +99,27 @@ def cluster_role(name: str = "kvfleet-operator") -> dict[str, Any]:
         "kind": "ClusterRole",
         "metadata": {"name": name},
         "rules": as_manifest(OPERATOR_RULES),
+    }
+
+
+def namespaced_role(namespace: str, name: str = "kvfleet-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": name, "namespace": namespace},
+        "rules": as_manifest(NAMESPACED_OPERATOR_RULES),
+    }
+
+
+def namespaced_role_binding(
+    namespace: str, service_account: str, sa_namespace: str, name: str = "kvfleet-operator"
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": service_account, "namespace": sa_namespace}
+        ],
     }

@@ -35,6 +35,7 @@ from kvfleet.operator.resources import (
     engine_name,
     engine_selector,
     optional_children,
+    policy_violations,
     router_name,
     service_url,
 )
@@ -179,11 +180,17 @@ class Reconciler:
         except SpecError as e:
             spec, spec_error = None, str(e)
             logger.warning("%s/%s: invalid spec: %s", namespace, name, e)
-        if spec is not None:
+        refused = [
+            Problem(v.reason, v.message)
+            for v in (policy_violations(spec, self._config) if spec is not None else [])
+        ]
+        for problem in refused:
+            logger.warning("%s/%s: not applied: %s", namespace, name, problem.message)
+        if spec is not None and not refused:
             replicas = engine_replicas(spec, previous.get("desiredReplicas"))
             live, problems = await self._converge(owner, spec, replicas)
         else:
-            # Nothing is applied; the children of the last valid spec keep serving.
+            # Nothing is applied; the children of the last applied spec keep serving.
             live = await self._existing(owner)
         pods = [
             pod
@@ -198,6 +205,7 @@ class Reconciler:
             selector=engine_selector(name),
             previous=previous,
             spec_error=spec_error,
+            refused=refused,
             child_problems=problems,
             desired_replicas=replicas,
             model_name=served_model_name(spec) if spec is not None else None,

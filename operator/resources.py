@@ -64,6 +64,9 @@ SERVICE_PORT = 80
 # Seconds between the pod leaving the endpoints and SIGTERM: routers and kube-proxy stop
 # sending new requests before the engine starts refusing them.
 PRESTOP_SLEEP_SECONDS = 5
+# After the engine's --shutdown-timeout: aborting what is left, freeing its blocks, stopping the
+# tensor-parallel workers and exiting, before the kubelet's SIGKILL.
+SHUTDOWN_MARGIN_SECONDS = 15
 
 MODELS_DIR = "/models"
 PVC_MOUNT = "/mnt/model"
@@ -74,10 +77,19 @@ RUN_AS = 1000
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """Operator-wide defaults that an InferenceService may override."""
+    """Operator-wide defaults that an InferenceService may override, and what it may choose.
+
+    allowed_images: None, any image; else the engine and router images a spec may name (the
+    defaults above are always allowed): an entry ending in "/" allows every repository under
+    it, any other entry exactly that repository, with any tag or digest. allowed_secrets: None,
+    any Secret of the namespace; else the only Secret names a spec may reference (env
+    valueFrom.secretKeyRef, apiKeySecretRef, hfTokenSecretRef).
+    """
 
     engine_image: str
     router_image: str
+    allowed_images: tuple[str, ...] | None = None
+    allowed_secrets: tuple[str, ...] | None = None
 
     @classmethod
     def default(cls) -> OperatorConfig:
@@ -207,6 +219,78 @@ def model_download_script() -> str:
     return importlib.resources.files("kvfleet.operator").joinpath("model_download.py").read_text()
 
 
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    """The pods' grace period, from the number the engine gets as --shutdown-timeout: the preStop
+    sleep counts against it, then SIGTERM drains for shutdownTimeoutSeconds, then the margin."""
+    return PRESTOP_SLEEP_SECONDS + spec.engine.shutdown_timeout_seconds + SHUTDOWN_MARGIN_SECONDS
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A spec the operator's allow-lists refuse; reason as in the Degraded condition."""
+
+    reason: str
+    message: str
+
+
+def image_repository(image: str) -> str:
+    """The repository of an image reference: without its digest and tag."""
+    name = image.split("@", 1)[0]
+    colon = name.rfind(":")
+    # A colon before the last slash belongs to a registry's port, not a tag.
+    return name[:colon] if colon > name.rfind("/") else name
+
+
+def image_allowed(image: str, allowed: tuple[str, ...]) -> bool:
+    repo = image_repository(image)
+    return any(repo == a or (a.endswith("/") and repo.startswith(a)) for a in allowed)
+
+
+def referenced_secrets(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
+    """(field, Secret name) for every Secret the spec puts into a pod."""
+    found = []
+    for e in spec.engine.env:
+        ref = (e.value_from or {}).get("secretKeyRef")
+        if ref is not None:
+            name = ref.get("name") if isinstance(ref, dict) else None
+            found.append((f"spec.engine.env[{e.name}].valueFrom.secretKeyRef", str(name)))
+    if spec.api_key_secret_ref is not None:
+        found.append(("spec.apiKeySecretRef", spec.api_key_secret_ref.name))
+    if spec.model.hf_token_secret_ref is not None:
+        found.append(("spec.model.hfTokenSecretRef", spec.model.hf_token_secret_ref.name))
+    return found
+
+
+def policy_violations(spec: InferenceServiceSpec, config: OperatorConfig) -> list[Violation]:
+    """What the operator's allow-lists refuse in a spec; empty when it may be applied."""
+    found = []
+    if config.allowed_images is not None:
+        for field, image, default in (
+            ("spec.engine.image", spec.engine.image, config.engine_image),
+            ("spec.routing.image", spec.routing.image, config.router_image),
+        ):
+            if image in (None, default) or image_allowed(image, config.allowed_images):
+                continue
+            found.append(
+                Violation(
+                    "ImageNotAllowed",
+                    f"{field} {image!r} is not in the operator's allowed images "
+                    f"({', '.join(config.allowed_images) or 'none but the defaults'})",
+                )
+            )
+    if config.allowed_secrets is not None:
+        for field, name in referenced_secrets(spec):
+            if name not in config.allowed_secrets:
+                found.append(
+                    Violation(
+                        "SecretNotAllowed",
+                        f"{field}: Secret {name!r} is not in the operator's allowed secrets "
+                        f"({', '.join(config.allowed_secrets) or 'none'})",
+                    )
+                )
+    return found
+
+
 def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
     """``kvfleet-engine`` arguments for a spec; model_path None serves the built-in demo model."""
     e = spec.engine
@@ -231,9 +315,6 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--max-model-len", str(e.max_model_len)]
     if e.max_waiting_requests is not None:
         args += ["--max-waiting-requests", str(e.max_waiting_requests)]
-    if spec.api_key_secret_ref is not None:
-        # Expanded by the kubelet from the env var below, so the key never sits in the pod spec.
-        args += ["--api-key", "$(KVFLEET_API_KEY)"]
     if e.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
     return args + list(e.extra_args)
@@ -355,6 +436,8 @@ def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
     if (ref := spec.api_key_secret_ref) is not None:
+        # The engine reads its key from this variable: never on the command line, where the
+        # node's process table would show it.
         env.append(
             {
                 "name": "KVFLEET_API_KEY",
@@ -451,8 +534,7 @@ def engine_deployment(
         # The engine never talks to the API server.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        # SIGTERM drains for up to shutdownTimeoutSeconds, after the preStop sleep.
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + e.shutdown_timeout_seconds + 15,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": _restricted_pod_security(),
         **_scheduling(spec),
         "containers": [container],
@@ -550,9 +632,7 @@ def router_deployment(
                         "enableServiceLinks": False,
                         # Streams in flight finish before the router exits; the engines behind
                         # it drain for as long.
-                        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS
-                        + spec.engine.shutdown_timeout_seconds
-                        + 15,
+                        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
                         "securityContext": _restricted_pod_security(),
                         "topologySpreadConstraints": [
                             {

@@ -25,6 +25,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from kvfleet.operator.engine_flags import ExtraArgsError, given_flags
+
 # Served name of the engine's built-in demo model (kvfleet.engine.default_model.DEFAULT_MODEL_NAME;
 # not imported, because importing the engine package pulls in torch, which the operator image
 # does not have).
@@ -51,15 +53,56 @@ MSG_TP_GPUS = "tensorParallelSize > 1 needs resources.gpus equal to it (one GPU 
 MSG_MODEL_CACHE_HF = "modelCache is only used to download hf:// models"
 MSG_HF_TOKEN_HF = "hfTokenSecretRef is only used with hf:// sources"
 MSG_NO_DOTDOT = "source must not contain '..' path segments"
+# The engine flags the operator sets itself, from the spec's fields (probes, routing, auth and the
+# pod's grace period depend on them), and the help switch, which would make the engine exit at
+# once. extraArgs may set none of them, nor an abbreviation: the CRD's rule refuses every prefix,
+# and the operator parses extraArgs as the engine does (engine_flags.py).
+MANAGED_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--api-key",
+    "--api-key-file",
+    "--device",
+    "--dtype",
+    "--block-size",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--max-waiting-requests",
+    "--shutdown-timeout",
+    "--tensor-parallel-size",
+    "-h",
+    "--help",
+)
 MSG_MANAGED_FLAGS = (
-    "extraArgs must not set flags the operator manages (--model, --served-model-name, --host, "
-    "--port, --api-key, --device, --tensor-parallel-size)"
+    "extraArgs must not set, or abbreviate, a flag the operator manages: "
+    + ", ".join(MANAGED_FLAGS)
 )
 
-# Flags the operator sets itself; overriding them would break probes, routing or auth.
-MANAGED_FLAGS_RE = re.compile(
-    r"^--(model|served-model-name|host|port|api-key|device|tensor-parallel-size)(=.*)?$"
-)
+
+def _prefix_alternation(words: list[str]) -> str:
+    # A trie as a regex: "ab|ac" becomes "a(b|c)", each level optional, so it matches every
+    # prefix of every word.
+    parts = []
+    for head in sorted({w[0] for w in words}):
+        tails = [w[1:] for w in words if w[0] == head and len(w) > 1]
+        parts.append(head + (f"({_prefix_alternation(tails)})?" if tails else ""))
+    return "|".join(parts)
+
+
+def managed_flag_pattern() -> str:
+    """RE2, for the CRD's CEL rule: an argument whose option name (the part before any '=') is a
+    managed flag or a prefix of one; "-" alone excepted (argparse reads it as a positional)."""
+    return f"^-({_prefix_alternation([f[1:] for f in MANAGED_FLAGS])})(=|$)"
+
+
+# \Z: Python's $ also matches before a final newline, RE2's does not.
+MANAGED_FLAG_RE = re.compile(managed_flag_pattern().replace("(=|$)", r"(=|\Z)"))
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 HF_SOURCE_RE = re.compile(
     r"^hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)"
@@ -161,8 +204,12 @@ class EngineSpec(_Model):
 
     @model_validator(mode="after")
     def _cel(self) -> EngineSpec:
-        if any(MANAGED_FLAGS_RE.match(arg) for arg in self.extra_args):
-            raise ValueError(MSG_MANAGED_FLAGS)
+        if bad := [arg for arg in self.extra_args if MANAGED_FLAG_RE.match(arg)]:
+            raise ValueError(f"{MSG_MANAGED_FLAGS} (got {', '.join(map(repr, bad))})")
+        try:
+            given_flags(list(self.extra_args))
+        except ExtraArgsError as e:
+            raise ValueError(f"extraArgs are not kvfleet-engine serve arguments: {e}") from None
         names = [e.name for e in self.env]
         if len(names) != len(set(names)):
             # The CRD makes env a map keyed by name, which rejects duplicates.

@@ -4,11 +4,12 @@ Conditions (metav1.Condition shape, each with observedGeneration):
 
 * Ready: the router and at least one engine replica are ready, so requests are served.
 * Progressing: a rollout of the engine or the router is under way.
-* Degraded: something needs a human: an invalid spec, a child the operator cannot write, pods
-  crash-looping, images that cannot be pulled, pods that cannot be scheduled.
+* Degraded: something needs a human: an invalid spec, a spec the operator's allow-lists refuse
+  (an image or a Secret it may not use), a child the operator cannot write, pods crash-looping,
+  images that cannot be pulled, pods that cannot be scheduled.
 
-Ready describes serving, not the spec: when a spec change is invalid the previous children keep
-serving (Ready=True) while Degraded=True says why the change was not applied.
+Ready describes serving, not the spec: when a spec change is invalid or refused the previous
+children keep serving (Ready=True) while Degraded=True says why the change was not applied.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from kvfleet.operator.resources import LABEL_COMPONENT
 # Degraded reasons, most urgent first: the condition shows the first found, its message all.
 SEVERITY = (
     "InvalidSpec",
+    "ImageNotAllowed",
+    "SecretNotAllowed",
     "NameConflict",
     "ApplyFailed",
     "ImagePullError",
@@ -63,6 +66,8 @@ class Observed:
     selector: str
     previous: Mapping[str, Any]  # the live .status
     spec_error: str | None = None
+    # Why the operator's allow-lists keep a valid spec from being applied.
+    refused: Sequence[Problem] = ()
     child_problems: Sequence[Problem] = ()
     desired_replicas: int | None = None
     model_name: str | None = None
@@ -235,6 +240,7 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
     problems: list[Problem] = []
     if obs.spec_error is not None:
         problems.append(Problem("InvalidSpec", obs.spec_error))
+    problems += obs.refused
     problems += obs.child_problems
     problems += _deployment_problems(obs.engine, "engine")
     problems += _deployment_problems(obs.router, "router")
@@ -242,6 +248,14 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
         if not _get(pod, "metadata", "deletionTimestamp"):
             problems += _pod_problems(pod)
 
+    # Why the spec is not applied: the first of these problems, None when it is.
+    not_applied = (
+        "InvalidSpec"
+        if obs.spec_error is not None
+        else obs.refused[0].reason
+        if obs.refused
+        else None
+    )
     engine_ready = _get(obs.engine, "status", "readyReplicas", default=0) or 0
     router_ready = _get(obs.router, "status", "readyReplicas", default=0) or 0
     engine_want = _get(obs.engine, "spec", "replicas", default=0)
@@ -253,7 +267,7 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
     if engine_ready >= 1 and router_ready >= 1:
         ready = _condition("Ready", True, "Serving", counts, obs, now)
     elif obs.engine is None or obs.router is None:
-        reason = "InvalidSpec" if obs.spec_error is not None else "Creating"
+        reason = not_applied or "Creating"
         ready = _condition("Ready", False, reason, "the children do not all exist yet", obs, now)
     elif engine_want == 0:
         ready = _condition(
@@ -264,11 +278,11 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
     else:
         ready = _condition("Ready", False, "RouterNotReady", counts, obs, now)
 
-    if obs.spec_error is not None:
+    if not_applied is not None:
         progressing = _condition(
             "Progressing",
             False,
-            "InvalidSpec",
+            not_applied,
             "the spec is not applied: see the Degraded condition",
             obs,
             now,

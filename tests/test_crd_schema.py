@@ -386,6 +386,44 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("dotdot", "llm", {"model": {"source": "pvc://weights/../etc"}}, M.MSG_NO_DOTDOT),
     ("managed-flag", "llm", {"engine": {"extraArgs": ["--port", "9000"]}}, M.MSG_MANAGED_FLAGS),
     ("managed-flag-eq", "llm", {"engine": {"extraArgs": ["--model=/x"]}}, M.MSG_MANAGED_FLAGS),
+    # argparse abbreviations of managed flags (issue 15): each prefix is refused by both.
+    (
+        "managed-flag-abbreviations",
+        "llm",
+        {"engine": {"extraArgs": ["--api", "k", "--hos", "0.0.0.0", "--por", "9999"]}},
+        M.MSG_MANAGED_FLAGS,
+    ),
+    (
+        "managed-flag-abbrev-eq",
+        "llm",
+        {"engine": {"extraArgs": ["--por=9999"]}},
+        M.MSG_MANAGED_FLAGS,
+    ),
+    (
+        "managed-flag-api-key-file",
+        "llm",
+        {"engine": {"extraArgs": ["--api-key-file=/k"]}},
+        M.MSG_MANAGED_FLAGS,
+    ),
+    (
+        "managed-flag-spec-field",
+        "llm",
+        {"engine": {"extraArgs": ["--shutdown-timeout", "9"]}},
+        M.MSG_MANAGED_FLAGS,
+    ),
+    (
+        "managed-flag-negation",
+        "llm",
+        {"engine": {"extraArgs": ["--no-enable-prefix"]}},
+        M.MSG_MANAGED_FLAGS,
+    ),
+    ("help", "llm", {"engine": {"extraArgs": ["--help"]}}, M.MSG_MANAGED_FLAGS),
+    (
+        "end-of-options",
+        "llm",
+        {"engine": {"extraArgs": ["--", "/other-model"]}},
+        M.MSG_MANAGED_FLAGS,
+    ),
     ("name-format", "Llama_8B", {}, M.MSG_NAME_FORMAT),
     ("name-length", "l" * 57, {}, M.MSG_NAME_LENGTH),
 ]
@@ -419,6 +457,9 @@ def test_valid_edge_cases_pass_both():
         {"model": {"source": "pvc://weights"}},
         {"model": {"source": "hf://Qwen/Qwen2.5-0.5B@v1.0"}, "modelCache": {"claimName": "c"}},
         {"resources": {"cpu": 2, "memory": "1.5Gi"}, "engine": {"extraArgs": ["--seed", "3"]}},
+        # Flags the operator does not manage, negative values, and the negation of a switch.
+        {"engine": {"extraArgs": ["--seed=-1", "--enforce-eager", "--no-skip-tokenizer-init"]}},
+        {"engine": {"extraArgs": ["--num-gpu-blocks-override", "64", "--load-format", "auto"]}},
         {"engine": {"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}},
         {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
         {"engine": {"tensorParallelSize": 8}, "resources": {"gpus": 8, "sharedMemory": "8Gi"}},
