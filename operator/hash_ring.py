@@ -1,7 +1,11 @@
 """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): a key goes to
 the first endpoint clockwise from its hash whose in-flight count stays within
 ceil(load_factor * (total + 1) / n). Keys stay where their KV cache is, until that endpoint is
-overloaded; membership changes move only the keys of the endpoints that came or went."""
+overloaded; membership changes move only the keys of the endpoints that came or went.
+
+Endpoints can be left out of one choice (``exclude``: the engines a request already failed on,
+or those the circuit breaker ejected): the walk passes them by and the bound counts only the
+others, exactly as a ring without them would choose, at no cost of rebuilding one."""
 
 from __future__ import annotations
 
@@ -36,9 +40,10 @@ class HashRing:
         self._owners = [ep for _, ep in ring]
         self.endpoints = eps
 
-    def capacity(self, load: Mapping[str, int]) -> int:
-        total = sum(load.get(ep, 0) for ep in self.endpoints)
-        return math.ceil(self.load_factor * (total + 1) / len(self.endpoints))
+    def capacity(self, load: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> int:
+        included = [ep for ep in self.endpoints if ep not in exclude]
+        total = sum(load.get(ep, 0) for ep in included)
+        return math.ceil(self.load_factor * (total + 1) / len(included))
 
     def home(self, key: str) -> str | None:
         """Where key goes when no endpoint is over the bound: the one that caches its prefix."""
@@ -46,21 +51,26 @@ class HashRing:
             return None
         return self._owners[bisect.bisect(self._points, _hash(key)) % len(self._points)]
 
-    def choose(self, key: str, load: Mapping[str, int]) -> str | None:
-        """The endpoint for key given the current in-flight counts; None with no endpoints.
-        The bound guarantees some endpoint qualifies, so the walk always ends."""
-        if not self.endpoints:
+    def choose(
+        self, key: str, load: Mapping[str, int], exclude: frozenset[str] = frozenset()
+    ) -> str | None:
+        """The endpoint for key given the current in-flight counts; None when no endpoint is
+        left. The bound guarantees some endpoint qualifies, so the walk always ends."""
+        if not any(ep not in exclude for ep in self.endpoints):
             return None
-        cap = self.capacity(load)
+        cap = self.capacity(load, exclude)
         start = bisect.bisect(self._points, _hash(key))
         n = len(self._points)
         for step in range(n):
             owner = self._owners[(start + step) % n]
-            if load.get(owner, 0) + 1 <= cap:
+            if owner not in exclude and load.get(owner, 0) + 1 <= cap:
                 return owner
         raise AssertionError("bounded-load invariant broken")  # unreachable: see capacity()
 
-    def least_loaded(self, load: Mapping[str, int]) -> str | None:
-        if not self.endpoints:
+    def least_loaded(
+        self, load: Mapping[str, int], exclude: frozenset[str] = frozenset()
+    ) -> str | None:
+        candidates = [ep for ep in self.endpoints if ep not in exclude]
+        if not candidates:
             return None
-        return min(self.endpoints, key=lambda ep: (load.get(ep, 0), ep))
+        return min(candidates, key=lambda ep: (load.get(ep, 0), ep))

@@ -14,7 +14,6 @@ a cruder stand-in (about 4 characters a token).
 from __future__ import annotations
 
 import hashlib
-import json
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -137,30 +136,25 @@ def _prefix_key(
 
 def routing_key(
     headers: Mapping[str, str],
-    body: bytes,
+    body: Any,
     policy: KeyPolicy,
     tokenizer: PromptTokenizer | None = None,
 ) -> RoutingKey:
     """The key of a request, in order: session header, ``user`` field, prompt prefix; else
-    none (least-loaded). ``headers`` must look names up case-insensitively (aiohttp's do)."""
+    none (least-loaded). ``body`` is the parsed JSON body (None without one); ``headers`` must
+    look names up case-insensitively (aiohttp's do)."""
     session = headers.get(policy.session_header)
     if session:
         return RoutingKey("session", f"session:{session}")
-    if not body or not (policy.use_user_field or policy.prefix_affinity):
-        return LEAST_LOADED
-    try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return LEAST_LOADED  # the engine answers with the proper 400
-    if not isinstance(parsed, dict):
-        return LEAST_LOADED
-    user = parsed.get("user")
+    if not isinstance(body, dict) or not (policy.use_user_field or policy.prefix_affinity):
+        return LEAST_LOADED  # not an object: the engine answers with the proper 400
+    user = body.get("user")
     if policy.use_user_field and isinstance(user, str) and user:
         return RoutingKey("user", f"user:{user}")
     if not policy.prefix_affinity:
         return LEAST_LOADED
     try:
-        key = _prefix_key(parsed, policy.prefix_length, tokenizer)
+        key = _prefix_key(body, policy.prefix_length, tokenizer)
     except Exception:
         # A request the template or tokenizer rejects is one the engine rejects too, with a
         # proper error; any engine can say so.

@@ -30,14 +30,16 @@ from kvfleet.operator.router import (
     Router,
     RouterSettings,
     build_app,
+    engine_failed,
     forwarded_headers,
     may_retry,
     parse_args,
-    retryable_status,
+    refused,
     settings_from,
 )
 from kvfleet.operator.routing_key import (
     KeyPolicy,
+    PromptTokenizer,
     RoutingKey,
     char_prefix_key,
     routing_key,
@@ -47,6 +49,13 @@ from kvfleet.operator.spec import RoutingSpec
 
 POLICY = KeyPolicy(prefix_length=32)
 SYSTEM = "You are a helpful assistant. " * 20
+
+
+def key_of(
+    headers: Any, body: bytes, policy: KeyPolicy, tokenizer: PromptTokenizer | None = None
+) -> RoutingKey:
+    """The key of a request body as the router parses it."""
+    return routing_key(headers, json.loads(body) if body else None, policy, tokenizer)
 
 
 def chat(*messages: tuple[str, str], **extra: Any) -> bytes:
@@ -63,28 +72,28 @@ def chat(*messages: tuple[str, str], **extra: Any) -> bytes:
 def test_session_header_wins_case_insensitively() -> None:
     headers = CIMultiDict({"X-Session-ID": "abc"})
     body = chat(("user", "hi"), user="u1")
-    assert routing_key(headers, body, POLICY) == RoutingKey("session", "session:abc")
-    assert routing_key(CIMultiDict({"x-session-id": ""}), body, POLICY).reason == "user"
+    assert key_of(headers, body, POLICY) == RoutingKey("session", "session:abc")
+    assert key_of(CIMultiDict({"x-session-id": ""}), body, POLICY).reason == "user"
 
 
 def test_user_field_only_when_enabled() -> None:
     body = chat(("system", SYSTEM), ("user", "hi"), user="u1")
-    assert routing_key({}, body, POLICY) == RoutingKey("user", "user:u1")
+    assert key_of({}, body, POLICY) == RoutingKey("user", "user:u1")
     off = KeyPolicy(use_user_field=False, prefix_length=32)
-    assert routing_key({}, body, off).reason == "prefix"
+    assert key_of({}, body, off).reason == "prefix"
     none = KeyPolicy(use_user_field=False, prefix_affinity=False)
-    assert routing_key({}, body, none).reason == "least_loaded"
+    assert key_of({}, body, none).reason == "least_loaded"
 
 
 def test_character_prefix_follows_the_conversation_start() -> None:
-    turn1 = routing_key({}, chat(("system", SYSTEM), ("user", "first")), POLICY)
-    turn2 = routing_key(
+    turn1 = key_of({}, chat(("system", SYSTEM), ("user", "first")), POLICY)
+    turn2 = key_of(
         {}, chat(("system", SYSTEM), ("user", "first"), ("assistant", "x"), ("user", "y")), POLICY
     )
-    other = routing_key({}, chat(("system", "Another prompt. " * 20), ("user", "first")), POLICY)
+    other = key_of({}, chat(("system", "Another prompt. " * 20), ("user", "first")), POLICY)
     assert turn1.reason == "prefix" and turn1 == turn2 and turn1 != other
     # Shorter than one 64-character block: nothing an engine could reuse.
-    assert routing_key({}, chat(("user", "hi")), POLICY).reason == "least_loaded"
+    assert key_of({}, chat(("user", "hi")), POLICY).reason == "least_loaded"
 
 
 def test_prefix_keys_round_down_to_whole_blocks() -> None:
@@ -113,26 +122,26 @@ class FakeTokenizer:
 
 def test_token_prefix_through_the_tokenizer() -> None:
     tok = FakeTokenizer()
-    key = routing_key({}, chat(("system", "s" * 40), ("user", "q")), POLICY, tok)
+    key = key_of({}, chat(("system", "s" * 40), ("user", "q")), POLICY, tok)
     assert key == RoutingKey("prefix", token_prefix_key([ord("s")] * 32, 32))
     assert tok.calls[0][1] is True
     # What the template rejects, the engine rejects: any engine will do.
-    assert routing_key({}, chat(("bogus", "x" * 40)), POLICY, tok).reason == "least_loaded"
+    assert key_of({}, chat(("bogus", "x" * 40)), POLICY, tok).reason == "least_loaded"
     completion = json.dumps({"prompt": "p" * 40}).encode()
-    assert routing_key({}, completion, POLICY, tok).key == token_prefix_key([ord("p")] * 40, 32)
+    assert key_of({}, completion, POLICY, tok).key == token_prefix_key([ord("p")] * 40, 32)
 
 
 def test_token_id_prompts_need_no_tokenizer() -> None:
     ids = list(range(100, 150))
     for prompt in (ids, [ids, [1, 2, 3]]):
         body = json.dumps({"prompt": prompt}).encode()
-        assert routing_key({}, body, POLICY).key == token_prefix_key(ids, 32)
+        assert key_of({}, body, POLICY).key == token_prefix_key(ids, 32)
     batch = json.dumps({"prompt": ["q" * 70, "z"]}).encode()
-    assert routing_key({}, batch, POLICY).key == char_prefix_key("q" * 70, 32)
+    assert key_of({}, batch, POLICY).key == char_prefix_key("q" * 70, 32)
 
 
-@pytest.mark.parametrize("body", [b"", b"not json", b"[1, 2]", b'{"messages": "x"}'])
-def test_unusable_bodies_go_least_loaded(body: bytes) -> None:
+@pytest.mark.parametrize("body", [None, "prompt", [1, 2], {"messages": "x"}])
+def test_unusable_bodies_go_least_loaded(body: Any) -> None:
     assert routing_key({}, body, POLICY).reason == "least_loaded"
 
 
@@ -157,7 +166,14 @@ def test_hop_by_hop_headers_are_dropped() -> None:
 
 def test_retry_rule() -> None:
     assert may_retry(0, 1) and not may_retry(0, 0) and not may_retry(1, 3)
-    assert retryable_status(500) and retryable_status(503) and not retryable_status(429)
+    ra = {"Retry-After": "1"}
+    # Refusals before any work are retryable; an engine that answered or died is not.
+    assert refused(429, ra) and refused(503, ra)
+    assert not refused(503, {}) and not refused(500, ra) and not refused(429, {})
+    # What counts against the breaker: an engine that died on the request, not one that
+    # refused it or failed it alone.
+    assert engine_failed(503, {}) and engine_failed(502, {}) and engine_failed(504, {})
+    assert not engine_failed(503, ra) and not engine_failed(500, {}) and not engine_failed(400, {})
 
 
 def test_balancer_affinity_bounded_load_and_exclusion() -> None:
@@ -424,19 +440,14 @@ async def test_connection_refused_is_retried_elsewhere() -> None:
 
 
 @pytest.mark.asyncio
-async def test_5xx_before_the_first_byte_is_retried_once() -> None:
+async def test_a_500_is_passed_on_not_retried() -> None:
     bad, good = FakeEngine("bad", mode="500"), FakeEngine("good")
     async with fleet(bad, good) as (router, url, addrs), aiohttp.ClientSession() as s:
         sid = key_for(router, addrs[0])
         async with s.post(f"{url}/v1/chat/completions", data=b"{}",
                           headers={"x-session-id": sid}) as r:  # fmt: skip
-            assert r.status == 200 and await r.read() == expected_body("good")
-        assert (bad.hits, good.hits) == (1, 1)
-        # With nowhere else to go the engine's own error is passed through.
-        router.set_endpoints([addrs[0]])
-        async with s.post(f"{url}/v1/chat/completions", data=b"{}") as r:
             assert r.status == 500 and (await r.json())["error"]["message"] == "boom"
-        assert bad.hits == 2
+        assert (bad.hits, good.hits) == (1, 0)
 
 
 @pytest.mark.asyncio
