@@ -24,8 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator.main import build_parser
-from kvfleet.operator.rbac import OPERATOR_RULES, as_manifest
+from kvfleet.operator.main import build_parser, split_list
+from kvfleet.operator.rbac import NAMESPACED_OPERATOR_RULES, OPERATOR_RULES, as_manifest
 from kvfleet.operator.resources import (
     ENGINE_PORT,
     OperatorConfig,
@@ -61,10 +61,13 @@ NON_DEFAULT = [
     "podAnnotations.example\\.com/team=ml",
     "nodeSelector.kubernetes\\.io/os=linux",
     "priorityClassName=system-cluster-critical",
+    "allowList.images={registry.example.com/ml/,ghcr.io/kvfleet/engine}",
+    "allowList.secrets={hf-token,api-keys}",
 ]
 SCENARIOS: dict[str, list[str]] = {
     "default": [],
     "non-default": NON_DEFAULT,
+    "nothing-allowed": ["allowList.images={}", "allowList.secrets={}"],
     "service-monitors": [
         "monitoring.kind=ServiceMonitor",
         "monitoring.engines.enabled=true",
@@ -178,7 +181,8 @@ def test_every_manifest_validates(scenario: str, kube_version: str):
             _validate_monitor(doc)
         else:
             kubernetes_validate.validate(doc, kube_version, strict=True)
-    assert {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "Deployment"} <= kinds
+    role = "Role" if "watchNamespaces={team-a,team-b}" in SCENARIOS[scenario] else "ClusterRole"
+    assert {"CustomResourceDefinition", "ServiceAccount", role, "Deployment"} <= kinds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +223,7 @@ def test_kopf_peering_crds_match_kopf():
     assert got == want
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", ["default", "service-monitors"])
 def test_cluster_role_is_exactly_operator_rules(scenario: str):
     docs = render(scenario)
     role = one(docs, "ClusterRole")
@@ -235,6 +239,45 @@ def test_cluster_role_is_exactly_operator_rules(scenario: str):
                 "kind": "ClusterRole",
                 "name": role["metadata"]["name"],
             }
+
+
+def test_namespaced_mode_grants_roles_in_the_watched_namespaces_only():
+    """watchNamespaces: a Role (rbac.NAMESPACED_OPERATOR_RULES) and a RoleBinding in each watched
+    namespace; no ClusterRole, no ClusterRoleBinding, nothing cluster-scoped but the CRDs."""
+    docs = render("non-default")
+    cluster_scoped = {"CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+                      "ClusterKopfPeering"}  # fmt: skip
+    assert [d["kind"] for d in docs if d["kind"] in cluster_scoped] == [
+        "CustomResourceDefinition"
+    ] * len(by_kind(docs, "CustomResourceDefinition"))
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role")}
+    assert sorted(roles) == ["team-a", "team-b"]
+    for role in roles.values():
+        assert role["rules"] == as_manifest(NAMESPACED_OPERATOR_RULES)
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+            assert "clusterkopfpeerings" not in rule["resources"]
+    for binding in by_kind(docs, "RoleBinding"):
+        role = roles[binding["metadata"]["namespace"]]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+    # The operator serves exactly those namespaces: what it watches is what it may read.
+    assert operator_args(docs).namespace == ["team-a", "team-b"]
+
+
+def test_print_rbac_prints_what_the_chart_grants(capsys):
+    from kvfleet.operator.main import main
+
+    assert main(["print-rbac", "-n", "team-a,team-b", "--service-account", f"{NAMESPACE}/sa"]) == 0
+    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(d["kind"], d["metadata"]["namespace"]) for d in printed] == [
+        (kind, ns) for ns in ("team-a", "team-b") for kind in ("Role", "RoleBinding")
+    ]
+    chart_roles = by_kind(render("non-default"), "Role")
+    assert all(d["rules"] == chart_roles[0]["rules"] for d in printed if d["kind"] == "Role")
 
 
 def test_bindings_cluster_wide_by_default():
@@ -270,6 +313,8 @@ def test_default_operator_command_line_and_images():
     ns = operator_args(docs)
     defaults = OperatorConfig.default()
     assert ns.command == "run"
+    # No allow-lists unless asked for: any image, any Secret (docs/operations.md says so).
+    assert ns.allowed_images is None and ns.allowed_secrets is None
     assert ns.namespace == [] and ns.peering is None and ns.log_level == "INFO"
     # The chart's appVersion tags are the operator's built-in defaults.
     assert ns.engine_image == defaults.engine_image
@@ -292,10 +337,17 @@ def test_non_default_operator_command_line():
     assert ns.namespace == ["team-a", "team-b"]
     assert ns.engine_image == "registry.example.com/kvfleet/engine:0.1.0-cu128"
     assert ns.router_image == "registry.example.com/kvfleet/operator:0.1.0-router"
+    assert split_list(ns.allowed_images) == ("registry.example.com/ml/", "ghcr.io/kvfleet/engine")
+    assert split_list(ns.allowed_secrets) == ("hf-token", "api-keys")
     assert operator_container(docs)["image"] == "registry.example.com/kvfleet/operator:0.1.0-rc1"
     pod = one(docs, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"] == {"example.com/team": "ml"}
     assert pod["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
+
+
+def test_empty_allow_lists_allow_nothing():
+    ns = operator_args(render("nothing-allowed"))
+    assert split_list(ns.allowed_images) == () and split_list(ns.allowed_secrets) == ()
 
 
 def test_several_replicas_use_kopf_peering_cluster_wide():

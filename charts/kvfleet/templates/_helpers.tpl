@@ -56,3 +56,37 @@ matchNames:
 any: true
 {{- end -}}
 {{- end -}}
+
+{{/* The operator's rules but kopf's peering (kvfleet.operator.rbac._RULES). */}}
+{{- define "kvfleet.operatorRules" -}}
+- apiGroups: [kvfleet.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch]
+- apiGroups: [kvfleet.dev]
+  resources: [inferenceservices/status]
+  verbs: [patch]
+- apiGroups: [kvfleet.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+{{- end -}}
