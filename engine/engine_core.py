@@ -194,13 +194,13 @@ class EngineCore:
                 f"top_k ({params.top_k}) must not exceed the vocabulary size ({self.vocab_size})"
             )
         room = self.model_config.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.check_request(len(prompt_token_ids), max_tokens)
         if params.min_tokens > room:
             raise ValueError(
                 f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context length "
                 f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt"
             )
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.scheduler.check_request(len(prompt_token_ids), max_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. False if it was not running."""
