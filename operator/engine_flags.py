@@ -52,10 +52,13 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--port": None,
     "--served-model-name": "+",
     "--api-key": None,
+    "--api-key-file": None,
     "--max-waiting-requests": None,
     "--shutdown-timeout": None,
     "--max-request-body-bytes": None,
     "--health-stall-timeout": None,
+    "--header-timeout": None,
+    "--body-timeout": None,
 }
 # END GENERATED
 
