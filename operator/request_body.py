@@ -121,7 +121,7 @@ def parse_json_body(body: bytes, limits: BodyLimits) -> Any:
     if not body:
         return None
     if len(body) > limits.max_bytes:
-        raise _too_large(limits.max_bytes)
+        raise too_large(limits.max_bytes)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -169,7 +169,7 @@ def parse_json_body(body: bytes, limits: BodyLimits) -> Any:
     return parsed
 
 
-def _too_large(max_bytes: int) -> BadRequest:
+def too_large(max_bytes: int) -> BadRequest:
     return BadRequest(
         413, f"the request body is larger than {max_bytes} bytes", "request_too_large"
     )
@@ -178,4 +178,4 @@ def _too_large(max_bytes: int) -> BadRequest:
 def check_content_length(value: int | None, limits: BodyLimits) -> None:
     """Refuse a declared oversized body before reading any of it."""
     if value is not None and value > limits.max_bytes:
-        raise _too_large(limits.max_bytes)
+        raise too_large(limits.max_bytes)

@@ -82,6 +82,7 @@ from kvfleet.operator.request_body import (
     check_content_length,
     check_headers,
     parse_json_body,
+    too_large,
 )
 from kvfleet.operator.routing_key import (
     REASONS,
@@ -381,6 +382,8 @@ class Router:
         try:
             async with asyncio.timeout(self.settings.body_timeout_s):
                 return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(limits.max_bytes) from None  # a chunked body past the limit
         except TimeoutError:
             raise BadRequest(
                 408,
@@ -428,6 +431,7 @@ class Router:
             async with self.session.get(
                 f"http://{endpoint}/health",
                 timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s),
+                trace_request_ctx={},
             ) as r:
                 healthy = r.status == 200
         except (aiohttp.ClientError, TimeoutError):
