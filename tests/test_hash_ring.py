@@ -75,3 +75,24 @@ def test_empty_ring_and_least_loaded():
     assert ring.choose("k", {}) is None and ring.least_loaded({}) is None
     ring.set_endpoints(["a", "b"])
     assert ring.least_loaded({"a": 3, "b": 1}) == "b"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(2, 6),
+    st.sets(st.integers(0, 5), max_size=5),
+    st.dictionaries(st.integers(0, 5), st.integers(0, 4)),
+    st.lists(st.integers(0, 500), min_size=1, max_size=20),
+)
+def test_excluding_endpoints_chooses_as_a_ring_without_them(n, out, loads, key_ids):
+    """Retries and ejected engines: the walk passes the excluded endpoints by, under the bound
+    of the others, exactly as a ring built without them would choose."""
+    eps = [f"e{i}" for i in range(n)]
+    exclude = frozenset(f"e{i}" for i in out if i < n)
+    load = {f"e{i}": v for i, v in loads.items() if i < n}
+    full, smaller = HashRing(vnodes=40), HashRing(vnodes=40)
+    full.set_endpoints(eps)
+    smaller.set_endpoints(set(eps) - exclude)
+    for k in key_ids:
+        assert full.choose(f"k{k}", load, exclude) == smaller.choose(f"k{k}", load)
+    assert full.least_loaded(load, exclude) == smaller.least_loaded(load)
