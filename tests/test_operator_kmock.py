@@ -28,7 +28,7 @@ import pytest_asyncio
 import yaml
 
 from kvfleet.operator.main import build_registry, build_settings
-from kvfleet.operator.rbac import OPERATOR_RULES, allows
+from kvfleet.operator.rbac import NAMESPACED_OPERATOR_RULES, OPERATOR_RULES, PolicyRule, allows
 from kvfleet.operator.resources import OperatorConfig
 
 pytestmark = pytest.mark.asyncio
@@ -142,7 +142,10 @@ async def cluster() -> AsyncIterator[APIServer]:
 
 @contextlib.asynccontextmanager
 async def run_operator(
-    registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings, url: str
+    registry: kopf.OperatorRegistry,
+    settings: kopf.OperatorSettings,
+    url: str,
+    namespaces: list[str] | None = None,
 ) -> AsyncIterator[None]:
     """The operator in a thread of its own, with its own event loop, as in its own process: on
     exit kopf waits for and cancels every task of its loop, which must not include kmock's."""
@@ -160,7 +163,8 @@ async def run_operator(
                 kopf.operator(
                     registry=registry,
                     settings=settings,
-                    clusterwide=True,
+                    clusterwide=not namespaces,
+                    namespaces=namespaces or [],
                     stop_flag=stop,
                     ready_flag=ready,
                 )
@@ -180,10 +184,12 @@ async def run_operator(
 
 
 @contextlib.asynccontextmanager
-async def operator(k: APIServer) -> AsyncIterator[None]:
+async def operator(
+    k: APIServer, config: OperatorConfig = CONFIG, namespaces: list[str] | None = None
+) -> AsyncIterator[None]:
     settings = build_settings()
-    registry = build_registry(settings, CONFIG, debounce=0.02, backoff=0.2)
-    async with run_operator(registry, settings, str(k.url)):
+    registry = build_registry(settings, config, debounce=0.02, backoff=0.2)
+    async with run_operator(registry, settings, str(k.url), namespaces):
         yield
 
 
@@ -259,7 +265,7 @@ def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
     return {}
 
 
-def assert_rbac_covers(k: APIServer) -> None:
+def assert_rbac_covers(k: APIServer, rules: tuple[PolicyRule, ...] = OPERATOR_RULES) -> None:
     """Every API call the operator made is permitted by the ClusterRole of rbac.py."""
     verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
     for r in by_operator(k):
@@ -270,7 +276,7 @@ def assert_rbac_covers(k: APIServer) -> None:
             verb = "watch" if r.params.get("watch") == "true" else "get" if r.name else "list"
         else:
             verb = verbs[r.method.value]
-        assert allows(OPERATOR_RULES, r.resource.group, resource, verb), (r.method, r.url.path)
+        assert allows(rules, r.resource.group, resource, verb), (r.method, r.url.path)
 
 
 async def create(k: APIServer, isvc: dict[str, Any], name: str | None = None) -> dict[str, Any]:
@@ -640,3 +646,79 @@ async def test_a_restarted_operator_adopts_what_exists_without_writing(cluster):
     assert len(k.objects) == objects
     assert {name: children_of(k, name) for name in ("llama", "demo")} == before
     assert_rbac_covers(k)
+
+
+async def test_allow_lists_keep_a_violating_service_from_rolling_out(cluster):
+    """Issue 15: with allow-lists configured, a spec naming another image or Secret gets
+    Degraded with the reason and a Warning Event, and nothing of it is applied."""
+    k = cluster
+    config = OperatorConfig(
+        engine_image="registry/engine:1",
+        router_image="registry/operator:1",
+        allowed_images=("registry/",),
+        allowed_secrets=("api-keys",),
+    )
+    bad_image = copy.deepcopy(DEMO)
+    bad_image["spec"].setdefault("engine", {})["image"] = "docker.io/attacker/engine:1"
+    bad_secret = copy.deepcopy(DEMO)
+    bad_secret["spec"].setdefault("engine", {})["env"] = [
+        {"name": "DB", "valueFrom": {"secretKeyRef": {"name": "db-password", "key": "p"}}}
+    ]
+
+    def degraded(name: str) -> dict[str, Any]:
+        cond = condition(k.live(ISVCS, NS, name), "Degraded")
+        return cond if cond.get("status") == "True" else {}
+
+    def warnings(reason: str) -> set[str]:
+        return {
+            e["involvedObject"]["name"]
+            for e in k.every(EVENTS)
+            if e["reason"] == reason and e["type"] == "Warning"
+        }
+
+    async with operator(k, config):
+        await create(k, bad_image, "bad-image")
+        await create(k, bad_secret, "bad-secret")
+        image = await eventually(lambda: degraded("bad-image"))
+        secret = await eventually(lambda: degraded("bad-secret"))
+        assert image["reason"] == "ImageNotAllowed" and "docker.io/attacker" in image["message"]
+        assert secret["reason"] == "SecretNotAllowed" and "'db-password'" in secret["message"]
+        await eventually(lambda: warnings("ImageNotAllowed") == {"bad-image"})
+        await eventually(lambda: warnings("SecretNotAllowed") == {"bad-secret"})
+        assert children_of(k, "bad-image") == {} and children_of(k, "bad-secret") == {}
+        assert k.live(DEPLOYMENTS, NS, "bad-image-engine") is None
+
+        # An allowed spec is served; changed to a forbidden image, it keeps what it has.
+        good = copy.deepcopy(DEMO)
+        good["spec"].setdefault("engine", {})["image"] = "registry/engine:2"
+        await create(k, good, "good")
+        await eventually(lambda: len(children_of(k, "good")) == 7)
+        await settled(k)
+        mark = len(k)
+        patch = {"spec": {"routing": {"image": "docker.io/attacker/router:1"}}}
+        await api(k, "patch", url(ISVCS, "good"), patch)
+        cond = await eventually(lambda: degraded("good"))
+        assert cond["reason"] == "ImageNotAllowed" and "spec.routing.image" in cond["message"]
+        await settled(k)
+        assert set(writes(k, mark)) == {
+            f"PATCH {url(ISVCS, 'good', 'status')}",
+            f"POST {url(EVENTS)}",
+        }
+        router = k.live(DEPLOYMENTS, NS, "good-router")
+        assert router["spec"]["template"]["spec"]["containers"][0]["image"] == "registry/operator:1"
+    assert_rbac_covers(k)
+
+
+async def test_a_namespaced_operator_needs_only_its_namespaced_roles(cluster):
+    """The chart's namespaced mode: the operator run with --namespace makes no cluster-scoped
+    call and nothing beyond the Role of rbac.NAMESPACED_OPERATOR_RULES."""
+    k = cluster
+    async with operator(k, namespaces=[NS]):
+        await create(k, DEMO, "demo")
+        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: condition(k.live(ISVCS, NS, "demo"), "Progressing"))
+        await settled(k)
+    assert_rbac_covers(k, NAMESPACED_OPERATOR_RULES)
+    for r in by_operator(k):
+        if r.resource is not None and r.resource.plural is not None:
+            assert r.namespace == NS, (r.method, r.url.path)
