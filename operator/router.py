@@ -632,11 +632,13 @@ class EngineTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        from kvfleet.engine.server.chat import render_chat
+        from kvfleet.engine.server.chat import _render_text
         from kvfleet.engine.server.protocol import ChatMessage
 
         self._tok = AutoTokenizer.from_pretrained(path)
-        self._render = render_chat
+        # The engine's synchronous rendering step: its render_chat is a coroutine that moves
+        # large inputs off the server's loop, and here we already are off the router's loop.
+        self._render = _render_text
         self._message = ChatMessage
 
     def chat(
@@ -645,8 +647,15 @@ class EngineTokenizer:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
     ) -> list[int]:
-        parsed = [self._message.model_validate(m) for m in messages]
-        return self._render(self._tok, parsed, add_generation_prompt, template_kwargs)
+        conversation = []
+        for m in (self._message.model_validate(m) for m in messages):
+            entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                entry["name"] = m.name
+            conversation.append(entry)
+        text = self._render(self._tok, conversation, add_generation_prompt, template_kwargs or {})
+        # The template writes the special tokens (BOS included) itself, as in the engine.
+        return self._tok(text, add_special_tokens=False).input_ids
 
     def text(self, prompt: str) -> list[int]:
         return self._tok(prompt).input_ids

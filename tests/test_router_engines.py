@@ -19,7 +19,7 @@ import pytest
 
 from kvfleet.operator.router import EngineTokenizer, Router, RouterSettings, build_app
 from tests.conftest import load_bench_script
-from tests.test_router import serving
+from tests.support.servers import serving
 
 bench = load_bench_script("router_bench")
 
@@ -135,7 +135,8 @@ async def test_held_requests_complete_when_an_engine_appears(fleet: dict[str, An
 @pytest.mark.asyncio
 async def test_an_engine_killed_mid_run(fleet: dict[str, Any]) -> None:
     """Streams that had begun on the victim fail visibly; requests it had accepted but not
-    answered, and requests sent after its death, succeed on the others; nothing hangs."""
+    answered fail with 502 and are not replayed (it may have died of them); requests sent after
+    its death succeed on the others; its breaker ejects it; nothing hangs."""
     victim_proc, victim = fleet["procs"][2], fleet["hosts"][2]
     # A loose load bound so that the chosen keys really land on the victim.
     async with router_for(fleet, fleet["hosts"], load_factor=10.0) as (router, url):
@@ -178,11 +179,14 @@ async def test_an_engine_killed_mid_run(fleet: dict[str, Any]) -> None:
             outcomes = await asyncio.wait_for(asyncio.gather(*streams), 60)
             statuses = await asyncio.wait_for(asyncio.gather(*pending, *after), 60)
         assert outcomes == ["broken", "broken", "completed", "completed"]
-        assert statuses == [200] * 6
+        assert statuses == [502, 502] + [200] * 4
 
-        def errors(kind: str) -> float | None:
-            return router.metrics.registry.get_sample_value(
-                "kvfleet_router_upstream_errors_total", {"endpoint": victim, "kind": kind}
-            )
+        def sample(name: str, **labels: str) -> float | None:
+            return router.metrics.registry.get_sample_value(name, {"endpoint": victim, **labels})
 
-        assert (errors("stream"), errors("connect")) == (2, 6)
+        errors = "kvfleet_router_upstream_errors_total"
+        assert (sample(errors, kind="stream"), sample(errors, kind="no_response")) == (2, 2)
+        # Two broken streams and two requests left unanswered: three failures in a row eject
+        # it, whatever their order; a request that raced the ejection was refused and retried.
+        assert sample("kvfleet_router_engine_ejections_total") == 1
+        assert router.breakers.ejected() == {victim}
