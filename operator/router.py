@@ -615,13 +615,16 @@ def build_runner(router: Router) -> web.AppRunner:
     """The app with the router's connection settings: handler_cancellation, so that a client
     hanging up cancels its handler, which drops the upstream connection, which aborts the
     generation on the engine; the keep-alive timeout, which also bounds how long a request
-    head may take; no decompression (compressed bodies are refused before reading)."""
+    head may take; no decompression (compressed bodies are refused before reading); a short
+    lingering_time, the time the unread rest of a refused body (408, 413) is drained before the
+    close: aiohttp's 10 s would let a slow client hold the connection on."""
     return web.AppRunner(
         build_app(router),
         handler_cancellation=True,
         access_log=None,
         keepalive_timeout=router.settings.keepalive_timeout_s,
         auto_decompress=False,
+        lingering_time=1.0,
     )
 
 
