@@ -252,6 +252,13 @@ def test_breaker_jitter_shortens_the_backoff_and_departed_endpoints_are_forgotte
         BreakerPolicy(jitter=1.0)
 
 
+async def probed(router: Router, endpoint: str) -> None:
+    """Wait for the health probe a request started to finish."""
+    deadline = time.monotonic() + 10
+    while router.breakers.state(endpoint) is State.PROBING and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.asyncio
 async def test_a_failing_engine_is_ejected_then_probed_back() -> None:
     failing, spare = Engine("dead"), Engine()
@@ -279,13 +286,13 @@ async def test_a_failing_engine_is_ejected_then_probed_back() -> None:
         failing.healthy = False
         await asyncio.sleep(0.35)
         assert await post() == 200
-        await asyncio.sleep(0.1)
+        await probed(router, addrs[0])
         assert failing.health_checks == 1 and router.breakers.ejected() == {addrs[0]}
         # Recovered: the next probe (after a doubled backoff) lets it back in.
         failing.mode, failing.healthy = "ok", True
         await asyncio.sleep(0.65)
         await post()
-        await asyncio.sleep(0.1)
+        await probed(router, addrs[0])
         assert failing.health_checks == 2 and router.breakers.ejected() == frozenset()
         hits = failing.hits
         assert await post() == 200 and failing.hits == hits + 1
