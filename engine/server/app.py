@@ -280,6 +280,8 @@ class EngineServer:
         # and closes the connection if no complete request head has arrived by then; so it
         # bounds both a client that trickles (or never finishes) its headers and idle
         # keep-alive connections. Compressed bodies are refused, never inflated.
+        # lingering_time: how long the unread rest of a refused body (408, 413) is drained
+        # before the close; aiohttp's 10 s would let a slow client hold the connection.
         # shutdown_timeout: what the runner waits for handlers at cleanup; our own shutdown
         # has already enforced the deadline by then.
         self._runner = web.AppRunner(
@@ -288,6 +290,7 @@ class EngineServer:
             access_log=None,
             keepalive_timeout=self.settings.header_timeout,
             auto_decompress=False,
+            lingering_time=1.0,
             shutdown_timeout=_ABORT_GRACE,
         )
         await self._runner.setup()

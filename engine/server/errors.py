@@ -31,6 +31,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -39,11 +40,15 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.close_connection = close_connection
 
     def response(self) -> web.Response:
-        return error_response(
+        resp = error_response(
             self.status, self.message, self.err_type, self.param, self.code, self.headers
         )
+        if self.close_connection:
+            resp.force_close()
+        return resp
 
     def sse_payload(self) -> dict:
         return {

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
 MAX_PROMPTS = 64
 MAX_STOP = 16
-MAX_STOP_CHARS = 256
+MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKENS_CAP = 2**31 - 1
 TOP_K_CAP = 2**31 - 1
@@ -106,8 +106,30 @@ class _SamplingRequest(_Strict):
         return SamplingParams(**values)
 
 
+def _prompt_shape(value: Any) -> str:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "texts"
+        if isinstance(value[0], list):
+            return "token_lists"
+    return "tokens"
+
+
+# The shape picks the one schema to validate against: trying each member of a plain union would
+# build an error for every element of a long token list that the other members reject.
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[TokenIds, Tag("tokens")]
+    | Annotated[list[TokenIds], Tag("token_lists")],
+    Discriminator(_prompt_shape),
+]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Prompt
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_CAP)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False

@@ -113,7 +113,7 @@ class ServingContext:
 
     async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if not isinstance(prompt, str):
-            return list(prompt)
+            return prompt  # validated into a list of its own already
         if self.tokenizer is None:
             raise bad_request("this server runs without a tokenizer: send token ids")
         self.check_prompt_chars(len(prompt), "prompt")
