@@ -21,6 +21,7 @@ from http.client import HTTPResponse
 import aiohttp
 import pytest
 
+from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError
 from kvfleet.engine.cli import build_parser, server_settings_from
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
@@ -531,3 +532,35 @@ def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
         assert time.monotonic() - sent_at < 10
         log = server.proc.stdout.read().decode()
         assert "aborting 10 requests" in log and "Traceback" not in log
+
+
+# -- errors from the engine ----------------------------------------------------------------
+
+ENGINE_FAILURES = [
+    # (exception, status, code, Retry-After expected)
+    (RequestFailedError("sampling failed for this request"), 500, "request_failed", False),
+    (RequestAbortedError("the server is shutting down"), 503, "draining", True),
+    (EngineDeadError("the engine loop died: device lost"), 503, "engine_dead", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code", "retry"), ENGINE_FAILURES, ids=[c[2] for c in ENGINE_FAILURES]
+)
+def test_engine_errors_map_to_their_codes(server, monkeypatch, error, status, code, retry):
+    async def failing(*args, **kwargs):
+        raise error
+        yield  # an async generator, as AsyncEngine.generate is
+
+    monkeypatch.setattr(server.srv.engine, "generate", failing)
+    for path, body in ((COMP, {"prompt": "x"}), (CHAT, {"messages": MSG})):
+        got, headers, raw = http(server.url + path, body)
+        assert assert_openai_error(got, raw, status)["code"] == code
+        assert ("Retry-After" in headers) == retry
+        got, _, raw = http(server.url + path, {**body, "stream": True})
+        assert got == 200
+        events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+        error_event = json.loads(next(e for e in events if e.startswith('{"error"')))["error"]
+        assert error_event["code"] == code and "Traceback" not in error_event["message"]
+    monkeypatch.undo()
+    assert_still_serving(server)
