@@ -24,7 +24,9 @@ from kvfleet.engine.server.validation import check_model, resolve_max_tokens, va
 logger = logging.getLogger(__name__)
 
 # Texts up to this many characters are tokenized or decoded on the event loop; longer ones in a
-# thread (the fast tokenizer releases the GIL while it encodes), so that /health keeps answering.
+# thread, so that /health keeps answering. A thread is not enough alone: the fast tokenizer holds
+# the GIL for part of its work (building the id list: 5 M characters stalled the loop 175 ms),
+# so texts that cannot fit the context are refused by their length before (check_prompt_chars).
 OFF_LOOP_CHARS = 4096
 OFF_LOOP_TOKENS = 1024
 
