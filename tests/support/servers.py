@@ -46,18 +46,23 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 
 
 @contextmanager
-def app_in_thread(app: web.Application) -> Iterator[SimpleNamespace]:
-    """An aiohttp app (the router's) on a free port of 127.0.0.1, on its own event loop in a
-    thread, for blocking clients; yields host, port and url."""
+def runner_in_thread(runner: web.AppRunner) -> Iterator[SimpleNamespace]:
+    """An aiohttp runner (the router's, with its connection settings) on a free port of
+    127.0.0.1, on its own event loop in a thread, for blocking clients; yields host, port, url."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    cm = serving(app)
+
+    async def start() -> int:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner.addresses[0][1]
+
     try:
-        addr = asyncio.run_coroutine_threadsafe(cm.__aenter__(), loop).result(30)
-        host, port = addr.rsplit(":", 1)
-        yield SimpleNamespace(host=host, port=int(port), url=f"http://{addr}")
-        asyncio.run_coroutine_threadsafe(cm.__aexit__(None, None, None), loop).result(30)
+        port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+        yield SimpleNamespace(host="127.0.0.1", port=port, url=f"http://127.0.0.1:{port}")
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
