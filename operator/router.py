@@ -635,13 +635,11 @@ class EngineTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        from kvfleet.engine.server.chat import _render_text
+        from kvfleet.engine.server.chat import render_chat
         from kvfleet.engine.server.protocol import ChatMessage
 
         self._tok = AutoTokenizer.from_pretrained(path)
-        # The engine's synchronous rendering step: its render_chat is a coroutine that moves
-        # large inputs off the server's loop, and here we already are off the router's loop.
-        self._render = _render_text
+        self._render = render_chat
         self._message = ChatMessage
 
     def chat(
@@ -650,15 +648,8 @@ class EngineTokenizer:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
     ) -> list[int]:
-        conversation = []
-        for m in (self._message.model_validate(m) for m in messages):
-            entry: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name:
-                entry["name"] = m.name
-            conversation.append(entry)
-        text = self._render(self._tok, conversation, add_generation_prompt, template_kwargs or {})
-        # The template writes the special tokens (BOS included) itself, as in the engine.
-        return self._tok(text, add_special_tokens=False).input_ids
+        parsed = [self._message.model_validate(m) for m in messages]
+        return self._render(self._tok, parsed, add_generation_prompt, template_kwargs)
 
     def text(self, prompt: str) -> list[int]:
         return self._tok(prompt).input_ids

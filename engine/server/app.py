@@ -18,7 +18,7 @@ from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.server.chat import create_chat_completion, render_chat
+from kvfleet.engine.server.chat import create_chat_completion, render_chat_served
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
@@ -205,7 +205,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     req = await parse_body(request, TokenizeRequest)
     check_model(req.model, ctx.served_model_names)
     if req.messages is not None:
-        ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
+        ids = await render_chat_served(ctx, req.messages, req.add_generation_prompt)
     else:
         ids = await ctx.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
     return web.json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})

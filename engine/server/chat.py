@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from functools import partial
 from typing import Any
 
 import jinja2
@@ -41,19 +40,39 @@ def _template_kwargs_reserved(tokenizer: Any) -> frozenset[str]:
     return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD)
 
 
-def _render_text(
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them."""
+    conversation = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            entry["name"] = m.name
+        conversation.append(entry)
+    return conversation
+
+
+def render_chat_text(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    template_kwargs: dict[str, Any],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
+    """The conversation through the model's chat template (ChatML without one); a clean 400
+    when the template refuses it."""
+    if tokenizer is None:
+        raise bad_request("this server runs without a tokenizer: chat is unavailable")
+    kwargs = template_kwargs or {}
+    clash = sorted(set(kwargs) & _template_kwargs_reserved(tokenizer))
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}",
+                          param="chat_template_kwargs")  # fmt: skip
     try:
         return tokenizer.apply_chat_template(
             conversation,
             chat_template=tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            **template_kwargs,
+            **kwargs,
         )
     except jinja2.TemplateError as e:
         # The template's own raise_exception(...) says what the messages break; any other
@@ -72,38 +91,43 @@ def _render_text(
     )
 
 
-async def render_chat(
+def chat_text_ids(tokenizer: Any, text: str) -> list[int]:
+    # The template writes the special tokens (BOS included) itself.
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of the rendered conversation, as the server computes them (the router's
+    token prefix keys and the tests use this; the server's own path moves large inputs off
+    its event loop)."""
+    text = render_chat_text(
+        tokenizer, conversation_of(messages), add_generation_prompt, template_kwargs
+    )
+    return chat_text_ids(tokenizer, text)
+
+
+async def render_chat_served(
     ctx: ServingContext,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of the rendered conversation; large ones are rendered and tokenized off the
+    """render_chat for the server: large conversations are rendered and tokenized off the
     event loop, and a text too long to fit the context is refused before tokenizing."""
-    tokenizer = ctx.tokenizer
-    if tokenizer is None:
-        raise bad_request("this server runs without a tokenizer: chat is unavailable")
-    clash = sorted(set(template_kwargs or {}) & _template_kwargs_reserved(tokenizer))
-    if clash:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}",
-                          param="chat_template_kwargs")  # fmt: skip
-    conversation = []
-    size = 0
-    for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.name:
-            entry["name"] = m.name
-        size += len(entry["content"])
-        conversation.append(entry)
+    conversation = conversation_of(messages)
+    size = sum(len(entry["content"]) for entry in conversation)
     ctx.check_prompt_chars(size, "messages")
     text = await ctx.off_loop(
-        size, OFF_LOOP_CHARS, _render_text, tokenizer, conversation, add_generation_prompt,
-        template_kwargs or {},
+        size, OFF_LOOP_CHARS, render_chat_text, ctx.tokenizer, conversation,
+        add_generation_prompt, template_kwargs,
     )  # fmt: skip
     ctx.check_prompt_chars(len(text), "messages")
-    # The template writes the special tokens (BOS included) itself.
-    encode = partial(tokenizer, add_special_tokens=False)
-    return (await ctx.off_loop(len(text), OFF_LOOP_CHARS, encode, text)).input_ids
+    return await ctx.off_loop(len(text), OFF_LOOP_CHARS, chat_text_ids, ctx.tokenizer, text)
 
 
 def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int) -> list[dict]:
@@ -129,7 +153,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
     ctx.admit(req.model, req.n)
-    ids = await render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    ids = await render_chat_served(
+        ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+    )
     params = ctx.prepare([ids], req.requested_max_tokens, req.sampling_params)
     request_id = random_id("chatcmpl")
     created = now()
