@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import socket
@@ -70,6 +71,11 @@ def _worker_main(
             break
         runner.forward(pickle.loads(msg))
     dist.destroy_process_group()
+    # A spawned worker would otherwise exit through interpreter finalization, where c10d's
+    # static objects are destroyed with their threads still joinable (std::terminate, SIGABRT,
+    # now and then under load); everything that matters is torn down by now.
+    logging.shutdown()
+    os._exit(0)
 
 
 class TensorParallelWorkers:
