@@ -14,7 +14,7 @@ from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.model_runner import ModelRunner
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvfleet.engine.request import Request, RequestStatus
+from kvfleet.engine.request import InvalidRequestError, Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.workers import TensorParallelWorkers
@@ -175,31 +175,37 @@ class EngineCore:
             raise
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request that could never run. Reads only fixed settings, so
-        front ends may call it from any thread."""
+        """Raise InvalidRequestError (a ValueError) for a request that could never run. Reads
+        only fixed settings, so front ends may call it from any thread."""
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the engine runs without one)")
+            raise InvalidRequestError(
+                "stop strings need a tokenizer (the engine runs without one)", "stop"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                "prompt",
             )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            raise InvalidRequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                "stop_token_ids",
             )
         if params.top_k > self.vocab_size:
-            raise ValueError(
-                f"top_k ({params.top_k}) must not exceed the vocabulary size ({self.vocab_size})"
+            raise InvalidRequestError(
+                f"top_k ({params.top_k}) must not exceed the vocabulary size ({self.vocab_size})",
+                "top_k",
             )
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.check_request(len(prompt_token_ids), max_tokens)
         if params.min_tokens > room:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context length "
-                f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt"
+                f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt",
+                "min_tokens",
             )
 
     def abort_request(self, request_id: str) -> bool:

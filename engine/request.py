@@ -10,6 +10,14 @@ import torch
 from kvfleet.engine.sampling_params import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine can never run, and the request parameter that says why."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

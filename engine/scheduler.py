@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfleet.engine.kv_cache_manager import KVCacheManager
-from kvfleet.engine.request import Request, RequestStatus
+from kvfleet.engine.request import InvalidRequestError, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +63,25 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ValueError for a request that could never complete on this engine."""
+        """Raise InvalidRequestError for a request that could never complete on this engine."""
         if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens; this model's context length "
                 f"(max_model_len) is {self.max_model_len}, which must leave room for at least "
-                "one generated token"
+                "one generated token",
+                "prompt",
             )
         longest = min(num_prompt_tokens + (max_tokens or self.max_model_len), self.max_model_len)
         # The last sampled token is never fed back, so it needs no KV slot.
         needed = self.kv.num_blocks_for(longest - 1)
         if needed > self.kv.pool.num_usable_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the request needs up to {longest} tokens ({needed} KV blocks) but the KV cache "
                 f"holds only {self.kv.pool.num_usable_blocks} blocks; lower max_tokens or give the "
-                "engine more KV-cache memory"
+                "engine more KV-cache memory",
+                "max_tokens",
             )
 
     def add_request(self, req: Request) -> None:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.request import InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
@@ -136,7 +137,6 @@ class ServingContext:
         """Per-prompt sampling params with the completion budget fitted to the context, checked
         against the engine's limits so that every error is raised before a byte is streamed."""
         params = []
-        vocab = self.engine.core.vocab_size
         for ids in prompts:
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
@@ -145,21 +145,10 @@ class ServingContext:
                 sp = make_params(max_tokens)
             except ValidationError as e:
                 raise validation_error(e) from None
-            if sp.top_k > vocab:
-                raise bad_request(
-                    f"top_k ({sp.top_k}) must not exceed the vocabulary size ({vocab})",
-                    param="top_k",
-                )
-            bad = [t for t in sp.stop_token_ids if t >= vocab]
-            if bad:
-                raise bad_request(
-                    f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                    param="stop_token_ids",
-                )
             try:
                 self.engine.core.validate_request(ids, sp)
-            except ValueError as e:
-                raise bad_request(str(e), param="prompt") from None
+            except InvalidRequestError as e:
+                raise bad_request(str(e), param=e.param) from None
             params.append(sp)
         return params
 
