@@ -3,8 +3,8 @@ naive baseline (``bench/hf_server.py``: HF ``generate``, one request at a time),
 warm-up request; requests/s and latency. Every response must carry exactly ``--max-tokens``
 completion tokens (its usage), or the run fails. The defaults are issue 9's second workload::
 
-    python -P bench/dummy_tokenizer.py bench/models/gpt2-large /tmp/gpt2-large
-    python -P bench/burst.py --model /tmp/gpt2-large --dtype bfloat16 --result-json burst.json
+    python bench/dummy_tokenizer.py bench/models/gpt2-large /tmp/gpt2-large
+    python bench/burst.py --model /tmp/gpt2-large --dtype bfloat16 --result-json burst.json
 
 Both servers are started here on ``--model``'s config with random weights, one after the other
 (the engine takes most of the GPU's memory), unless ``--base-url`` / ``--baseline-url`` point at

@@ -162,7 +162,7 @@ def free_port() -> int:
 
 
 def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-P", *args]
+    return [sys.executable, *args]
 
 
 def start_process(cmd: Sequence[str], log: Path) -> Proc:

@@ -7,7 +7,7 @@ the config plus a byte-level BPE tokenizer trained on :mod:`kvfleet.engine.tiny_
 padded with filler tokens (decoding to `` <id>``) to exactly ``vocab_size``, with the model
 family's special tokens at the ids the config names and the family's chat template::
 
-    python -P bench/dummy_tokenizer.py bench/models/gemma-2-2b-it /tmp/gemma-2-2b-it
+    python bench/dummy_tokenizer.py bench/models/gemma-2-2b-it /tmp/gemma-2-2b-it
 """
 
 from __future__ import annotations

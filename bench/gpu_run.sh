@@ -17,14 +17,14 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl || exit 1
 fi
 mkdir -p /tmp/kv/kvfleet
-for pkg in engine kernels operator; do ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"; done
+for pkg in engine kernels operator router; do ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"; done
 export PYTHONPATH=/tmp/site:/tmp/kv PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on shared multi-GPU hosts (the device notes: it can take the host's
 # GPUs out of service); set here too in case the machine's environment is not inherited.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
-py="python3 -P"
+py="python3"
 
 # A kvfleet server on 127.0.0.1:8000 in the background ($server); returns once it is ready.
 start_server() {

@@ -5,7 +5,7 @@ The model is built from ``--model``'s config.json with transformers' own random 
 on the GPU when there is one (as the engine's ``--load-format dummy``); the tokenizer is the
 directory's (see ``bench/dummy_tokenizer.py``)::
 
-    python -P bench/hf_server.py --model /tmp/gpt2-large --dtype bfloat16 --port 8001
+    python bench/hf_server.py --model /tmp/gpt2-large --dtype bfloat16 --port 8001
 
 A request takes ``prompt`` (text or token ids), ``max_tokens``, ``ignore_eos`` (then exactly
 ``max_tokens`` come back) and ``stream``; a stream carries the whole completion in one chunk,

@@ -8,7 +8,7 @@
 2. Added latency: a stub upstream answering an 8-event SSE stream at once, hit at a fixed rate
    directly and through the router; reported: time to first byte and to the last byte, p50/p99.
 
-    python -P bench/router_bench.py --engines 3 --conversations 24 --turns 6 --result-json out.json
+    python bench/router_bench.py --engines 3 --conversations 24 --turns 6 --result-json out.json
 
 Engines serve a random-weight Llama built here (``--hidden-size``, ``--layers``; the built-in
 default model's tokenizer); the routers get its tokenizer (``--tokenizer``).
@@ -207,7 +207,7 @@ def round_robin(urls: Sequence[str]) -> Target:
 
 
 def start_router(endpoints: Sequence[str], port: int, log: Path, *extra: str) -> Proc:
-    cmd = python_cmd("-m", "kvfleet.operator.router", "--host", "127.0.0.1", "--port", str(port),
+    cmd = python_cmd("-m", "kvfleet.router.proxy", "--host", "127.0.0.1", "--port", str(port),
                      "--endpoints", ",".join(endpoints), *extra)  # fmt: skip
     return start_process(cmd, log)
 

@@ -2,7 +2,7 @@
 fixed time, then the counts that matter: engine exits, moments an engine was unhealthy, 5xx
 answers, good requests that failed, and KV blocks still held once the traffic stopped.
 
-    python -P bench/soak.py --duration 600 --out soak.json     # make soak
+    python bench/soak.py --duration 600 --out soak.json     # make soak
 
 Good traffic: chat and completion requests, streamed and not, from a few concurrent clients,
 through the router. Hostile traffic: cases drawn from bench/hostile.py (the API fuzzer's
@@ -168,7 +168,7 @@ def soak(duration: float, clients: int, log_dir: Path) -> dict[str, Any]:
         wait_ready(urls, "/ready", procs=[p for p, _ in engines])
         port = free_port()
         router_proc = start_process(
-            python_cmd("-m", "kvfleet.operator.router", "--host", "127.0.0.1", "--port", str(port),
+            python_cmd("-m", "kvfleet.router.proxy", "--host", "127.0.0.1", "--port", str(port),
                        "--endpoints", ",".join(u.removeprefix("http://") for u in urls)),
             log_dir / "router.log",
         )  # fmt: skip

@@ -3,7 +3,7 @@ writes it down a pipe to every worker. Measured here with a real worker process:
 the round trip of send -> worker receive + unpickle -> one-byte reply (the engine does not wait
 for a reply; half the round trip is the latency a worker sees).
 
-    python -P bench/step_plan_ipc.py
+    python bench/step_plan_ipc.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End to end on a kind cluster: `make e2e` (or `python -P -m pytest e2e`).
+"""End to end on a kind cluster: `make e2e` (or `python -m pytest e2e`).
 
 Needs docker (with a reachable daemon), kind, kubectl and helm (`make tools` puts helm and
 kubectl in .tools/bin, which `make e2e` adds to PATH). When one is missing, every test skips with

@@ -72,7 +72,7 @@ def get_attention_backend(name: str, max_model_len: int) -> AttentionBackend:
         return TorchAttentionBackend()
     if name == "triton":
         # Imported only here: triton is a GPU dependency the CPU install does not carry.
-        from kvfleet.kernels.triton_backend import TritonAttentionBackend
+        from kvfleet.engine.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend(max_model_len=max_model_len)
     raise ValueError(f"unknown attention backend {name!r}; known: torch, triton")

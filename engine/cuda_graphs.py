@@ -96,9 +96,6 @@ class DecodeGraphs:
             f"{cascade[0]} and up" if cascade else "none",
         )
 
-    def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_size
-
     def run(
         self,
         input_ids: torch.Tensor,

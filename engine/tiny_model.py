@@ -333,13 +333,8 @@ def _corpus_lines() -> Iterator[str]:
         yield f"x_{i} = weights[{i}] * inputs[{i}] + bias[{i}]  # layer {i % 4}"
 
 
-def corpus() -> list[str]:
-    """The built-in English training corpus, one entry per line or paragraph."""
-    return list(_corpus_lines())
-
-
 def train_byte_level_bpe(vocab_size: int, special_tokens: Sequence[str] = ()) -> Tokenizer:
-    """A byte-level BPE tokenizer trained on :func:`corpus`: ``special_tokens`` first (ids 0,
+    """A byte-level BPE tokenizer trained on the built-in corpus: ``special_tokens`` first (ids 0,
     1, ...), the 256 byte symbols, then merges up to ``vocab_size`` or until no pair of the
     corpus occurs twice. No post-processor."""
     tok = Tokenizer(models.BPE())

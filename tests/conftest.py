@@ -1,37 +1,15 @@
 """Shared fixtures: tiny random HF checkpoints built on disk (never downloaded), and HF
-transformers' own greedy generations on them as the reference."""
+transformers' own greedy generations on them as the reference. Helpers live in tests/support."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
 
 from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
-
-
-def load_bench_script(name: str) -> ModuleType:
-    """bench/<name>.py as a module: bench/ is a folder of scripts, not a package."""
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"kvfleet_bench_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is being built.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# Lengths from 1 to 200 tokens, on and off 16-token block boundaries.
-PROMPT_LENS = (1, 7, 16, 33, 64, 100, 161, 200)
-MAX_TOKENS = 32
+from tests.support.engine import MAX_TOKENS, PROMPT_LENS, hf_greedy
 
 
 @pytest.fixture(scope="session")
@@ -47,83 +25,6 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, **gen_kwargs) -> list:
-    """Greedy continuation of each prompt by HF transformers, one prompt at a time (no padding),
-    stopping at EOS as the engine does."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=eos,
-                **gen_kwargs,
-            )[0, len(p) :].tolist()
-            if eos in ids:
-                ids = ids[: ids.index(eos) + 1]
-            outs.append(ids)
-    return outs
-
-
 @pytest.fixture(scope="session")
 def hf_reference(model_dirs, prompts) -> dict[str, list[list[int]]]:
     return {arch: hf_greedy(path, prompts, MAX_TOKENS) for arch, path in model_dirs.items()}
-
-
-def assert_no_leak(llm) -> None:
-    """Every request has left the engine and every KV block is back in the free queue."""
-    stats = llm.engine.stats()
-    assert llm.engine.num_requests == 0
-    assert stats["num_requests_running"] == 0
-    assert stats["num_requests_waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_usable_blocks"], stats
-    assert stats["kv_cache_usage_perc"] == 0.0
-    pool = llm.engine.kv_cache_manager.pool
-    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
-    assert not llm.engine.kv_cache_manager.req_blocks
-    assert not llm.engine.runner.rows
-
-
-def long_random_prompts(vocab: int = 150000) -> list[dict[str, list[int]]]:
-    """Token-id prompts of 1, 17, 300 and 1000 tokens for real-size models (bf16 checks)."""
-    g = torch.Generator().manual_seed(0)
-    return [
-        {"prompt_token_ids": torch.randint(10, vocab, (n,), generator=g).tolist()}
-        for n in (1, 17, 300, 1000)
-    ]
-
-
-def first_token_logprob_gaps(outs: list, ref: list) -> list[tuple[int, float]]:
-    """Per prompt: how many of the reference's top first-token logprobs the other run also
-    returned, and the largest difference among those."""
-    gaps = []
-    for a, b in zip(outs, ref, strict=True):
-        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        shared = [t for t in first_b if t in first_a]
-        gaps.append((len(shared), max((abs(first_a[t] - first_b[t]) for t in shared), default=0.0)))
-    return gaps
-
-
-@contextmanager
-def recorded_cascade_prefixes(runner) -> Iterator[list[int]]:
-    """The shared-prefix length the runner picks for each graph or decode step, while inside.
-    The spy is removed on the way out: it holds the runner, and the cycle would keep its (GPU)
-    memory past the engine's end."""
-    prefixes: list[int] = []
-    choose = runner._cascade_prefix
-
-    def spy(tables, seq_lens):
-        prefixes.append(choose(tables, seq_lens))
-        return prefixes[-1]
-
-    runner._cascade_prefix = spy
-    try:
-        yield prefixes
-    finally:
-        del runner._cascade_prefix

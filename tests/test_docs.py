@@ -14,7 +14,7 @@ import yaml
 
 from kvfleet.engine.cli import build_parser as engine_parser
 from kvfleet.operator.main import build_parser as operator_parser
-from kvfleet.operator.router import build_parser as router_parser
+from kvfleet.router.main import build_parser as router_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))

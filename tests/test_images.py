@@ -190,7 +190,7 @@ def test_operator_and_router_import_nothing_the_operator_image_lacks():
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr
     loaded = set(proc.stdout.split())

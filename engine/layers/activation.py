@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvfleet.kernels import reference, triton_available
+from kvfleet.kernels import reference
+from kvfleet.kernels.availability import triton_available
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvfleet.kernels import reference, triton_available
+from kvfleet.kernels import reference
+from kvfleet.kernels.availability import triton_available
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvfleet.kernels import reference, triton_available
+from kvfleet.kernels import reference
+from kvfleet.kernels.availability import triton_available
 
 
 def _default_inv_freq(dim: int, base: float) -> torch.Tensor:

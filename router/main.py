@@ -1,0 +1,137 @@
+"""``kvfleet-router``: the command line of the router process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from kvfleet.router.breaker import BreakerPolicy
+from kvfleet.router.endpoints import (
+    EndpointSliceWatcher,
+    KubeAPI,
+    in_cluster_namespace,
+    parse_static,
+)
+from kvfleet.router.prompt_tokenizer import load_tokenizer
+from kvfleet.router.proxy import Router, RouterSettings, build_runner
+from kvfleet.router.request_body import BodyLimits
+from kvfleet.router.routing_key import KeyPolicy
+
+logger = logging.getLogger("kvfleet.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvfleet-router", description="the reverse proxy in front of the engines"
+    )
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine-service", help="watch this Service's EndpointSlices")
+    src.add_argument("--endpoints", type=parse_static, help="static host:port,host:port list")
+    p.add_argument("--namespace", help="of the engine Service (default: the pod's namespace)")
+    p.add_argument("--engine-port", type=int, default=8000)
+    p.add_argument("--session-header", default="x-session-id")
+    p.add_argument("--use-user-field", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prefix-length", type=int, default=256, help="prompt tokens in the key")
+    p.add_argument("--load-factor", type=float, default=1.25)
+    p.add_argument("--hold-timeout", type=float, default=120.0,
+                   help="seconds a request waits for a ready engine")  # fmt: skip
+    p.add_argument("--tokenizer", help="local HF tokenizer directory for token prefix keys")
+    p.add_argument("--max-body-bytes", type=int, default=BodyLimits.max_bytes)
+    p.add_argument("--max-json-depth", type=int, default=BodyLimits.max_depth)
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request body")  # fmt: skip
+    p.add_argument("--keepalive-timeout", type=float, default=15.0,
+                   help="seconds an idle connection stays open; also the time to send a "
+                        "request head")  # fmt: skip
+    p.add_argument("--breaker-failures", type=int, default=BreakerPolicy.failures,
+                   help="consecutive failures that eject an engine")  # fmt: skip
+    p.add_argument("--breaker-backoff", type=float, default=BreakerPolicy.backoff_s,
+                   help="seconds of the first ejection; doubles per ejection in a row")  # fmt: skip
+    p.add_argument("--breaker-max-backoff", type=float, default=BreakerPolicy.max_backoff_s)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    ns = p.parse_args(argv)
+    if ns.prefix_length < 1 or ns.load_factor < 1 or ns.hold_timeout < 0:
+        p.error("need --prefix-length >= 1, --load-factor >= 1, --hold-timeout >= 0")
+    if ns.max_body_bytes < 1024 or ns.max_json_depth < 8:
+        p.error("need --max-body-bytes >= 1024, --max-json-depth >= 8")
+    if ns.body_timeout <= 0 or ns.keepalive_timeout <= 0:
+        p.error("need --body-timeout > 0, --keepalive-timeout > 0")
+    try:
+        BreakerPolicy(ns.breaker_failures, ns.breaker_backoff, ns.breaker_max_backoff)
+    except ValueError as e:
+        p.error(f"circuit breaker: {e}")
+    return ns
+
+
+def settings_from(ns: argparse.Namespace) -> RouterSettings:
+    return RouterSettings(
+        policy=KeyPolicy(
+            session_header=ns.session_header,
+            use_user_field=ns.use_user_field,
+            prefix_affinity=ns.prefix_affinity,
+            prefix_length=ns.prefix_length,
+        ),
+        load_factor=ns.load_factor,
+        hold_timeout_s=ns.hold_timeout,
+        body=BodyLimits(max_bytes=ns.max_body_bytes, max_depth=ns.max_json_depth),
+        breaker=BreakerPolicy(ns.breaker_failures, ns.breaker_backoff, ns.breaker_max_backoff),
+        keepalive_timeout_s=ns.keepalive_timeout,
+        body_timeout_s=ns.body_timeout,
+    )
+
+
+async def serve(ns: argparse.Namespace) -> int:
+    router = Router(settings_from(ns), load_tokenizer(ns.tokenizer))
+    watch: asyncio.Task[None] | None = None
+    if ns.endpoints is not None:
+        router.set_endpoints(ns.endpoints)
+    else:
+        namespace = ns.namespace or in_cluster_namespace()
+        if not namespace:
+            raise SystemExit("--namespace is required outside a cluster")
+        try:
+            api = KubeAPI.in_cluster()
+        except RuntimeError as e:
+            raise SystemExit(f"--engine-service needs the Kubernetes API: {e}") from None
+        watcher = EndpointSliceWatcher(
+            api, namespace, ns.engine_service, ns.engine_port, router.set_endpoints
+        )
+        watch = asyncio.create_task(watcher.run())
+    runner = build_runner(router)
+    await runner.setup()
+    await web.TCPSite(runner, ns.host, ns.port).start()
+    logger.info("routing on %s:%d", ns.host, ns.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if watch is not None:
+        watch.cancel()
+    # Requests in flight finish (up to aiohttp's shutdown timeout) before the sessions close.
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    return asyncio.run(serve(ns))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

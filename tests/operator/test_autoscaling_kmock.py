@@ -1,0 +1,431 @@
+"""The built-in autoscaler end to end under the real kopf runtime against kmock: its loop
+scrapes engine and router pods served by HTTP servers the test controls, and the reconciler
+carries its decisions to the engine Deployment.
+
+Time: the loop runs every INTERVAL real seconds, but the scaling windows are read from a fake
+clock the test moves, so a 300 s window passes in a few intervals. The pure parts of the scaler
+(what is persisted and when, who owns the replica count) are tested first, on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+from aiohttp import web
+
+from kvfleet.operator.autoscaler import Recommendation, ScaleDecision
+from kvfleet.operator.main import build_registry, build_settings
+from kvfleet.operator.metrics_scraper import KV_CACHE_USAGE, RUNNING, WAITING
+from kvfleet.operator.resources import common_labels
+from kvfleet.operator.scaler import REFRESH_SECONDS, load_memory, status_update
+from kvfleet.operator.spec import engine_replicas, parse_spec
+from tests.support.kmock import (
+    CONFIG,
+    DEMO,
+    DEPLOYMENTS,
+    EVENTS,
+    ISVCS,
+    NS,
+    PODS,
+    ROOT,
+    APIServer,
+    api,
+    assert_rbac_covers,
+    by_operator,
+    create,
+    eventually,
+    run_operator,
+    url,
+    writes,
+)
+
+INTERVAL = 0.25
+T0 = 1_750_000_000.0
+
+
+# -- pure parts ------------------------------------------------------------------------------
+
+
+def decision(replicas: int, history: list[tuple[float, int]], last_active: float | None):
+    return ScaleDecision(
+        replicas=replicas,
+        reason="why",
+        history=tuple(Recommendation(t, n) for t, n in history),
+        last_active=last_active,
+        signals={"current": 2.0, "in_flight": 9.0},
+    )
+
+
+def test_a_change_is_recorded_with_its_metrics_and_the_memory():
+    patch = status_update({"desiredReplicas": 2}, 2, decision(3, [(T0, 3)], T0), (), T0)
+    assert patch["desiredReplicas"] == 3
+    assert patch["lastScaleDecision"] == {
+        "time": "2025-06-15T15:06:40Z",
+        "from": 2,
+        "to": 3,
+        "reason": "why",
+        "metrics": {"current": 2.0, "inFlight": 9.0},
+    }
+    assert patch["autoscaling"] == {
+        "recommendations": [[T0, 3]],
+        "unreachablePods": [],
+        "lastActiveTime": "2025-06-15T15:06:40Z",
+    }
+    assert load_memory(patch) == ((Recommendation(T0, 3),), T0)
+
+
+def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
+    status = {"desiredReplicas": 2}
+    status |= status_update(status, 2, decision(2, [(T0, 2)], T0), (), T0)
+    # Only the times moved: nothing to write for a while.
+    assert status_update(status, 2, decision(2, [(T0 + 10, 2)], T0 + 10), (), T0 + 10) == {}
+    later = T0 + REFRESH_SECONDS
+    assert set(status_update(status, 2, decision(2, [(later, 2)], later), (), later)) == {
+        "autoscaling"
+    }
+    # A new value inside the window, or a pod that stopped answering, is written at once.
+    two_values = decision(2, [(T0, 2), (T0 + 10, 1)], T0)
+    assert set(status_update(status, 2, two_values, (), T0 + 10)) == {"autoscaling"}
+    silent = status_update(status, 2, decision(2, [(T0 + 10, 2)], T0), ("p1",), T0 + 10)
+    assert silent["autoscaling"]["unreachablePods"] == ["p1"]
+
+
+def test_builtin_mode_owns_the_count_and_external_mode_follows_the_spec():
+    builtin = parse_spec("x", {"autoscaling": {"minReplicas": 0, "maxReplicas": 4}})
+    assert engine_replicas(builtin, None) == 1  # before any decision
+    assert engine_replicas(builtin, 3) == 3
+    assert engine_replicas(builtin, 0) == 0
+    assert engine_replicas(builtin, 9) == 4  # maxReplicas lowered since the decision
+    pinned = parse_spec("x", {"replicas": 2, "autoscaling": {"maxReplicas": 4}})
+    assert engine_replicas(pinned, 3) == 3  # spec.replicas only seeds a builtin count
+    external = parse_spec("x", {"replicas": 2, "autoscaling": {"mode": "external"}})
+    assert engine_replicas(external, 3) == 2
+
+
+@pytest.mark.parametrize("name", ["keda-scaledobject.yaml", "hpa.yaml"])
+def test_external_scaler_examples_target_an_external_mode_service(name):
+    docs = list(yaml.safe_load_all((ROOT / "examples" / name).read_text()))
+    isvc = next(d for d in docs if d["kind"] == "InferenceService")
+    scaler = next(d for d in docs if d["kind"] in ("ScaledObject", "HorizontalPodAutoscaler"))
+    spec = parse_spec(isvc["metadata"]["name"], isvc["spec"])
+    assert spec.autoscaling.mode == "external" and spec.replicas is not None
+    assert scaler["spec"]["scaleTargetRef"] == {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": isvc["metadata"]["name"],
+    }
+    text = (ROOT / "examples" / name).read_text()
+    for metric in (RUNNING, WAITING, KV_CACHE_USAGE):
+        assert metric in text
+
+
+# -- under kopf --------------------------------------------------------------------------------
+
+
+class Clock:
+    """Seconds since the epoch, moved by the test; read from the operator's thread."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class MetricsServer:
+    """One pod's /metrics: an engine's vLLM gauges, or a router's held-requests gauge."""
+
+    def __init__(self, router: bool = False) -> None:
+        self.router = router
+        self.running = self.waiting = self.kv = self.held = 0.0
+        self.silent = False
+        self.scrapes = 0
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> MetricsServer:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    def load(self, running: float, waiting: float = 0.0, kv: float = 0.0) -> None:
+        self.running, self.waiting, self.kv = running, waiting, kv
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        self.scrapes += 1
+        if self.silent:
+            await asyncio.sleep(30)
+        if self.router:
+            name = "kvfleet_router_held_requests"
+            body = f"# TYPE {name} gauge\n{name} {self.held}\n"
+        else:
+            label = '{model_name="kvfleet-tiny-random-llama"}'
+            body = "".join(
+                f"# TYPE {name} gauge\n{name}{label} {value}\n"
+                for name, value in (
+                    ("vllm:num_requests_running", self.running),
+                    ("vllm:num_requests_waiting", self.waiting),
+                    ("vllm:kv_cache_usage_perc", self.kv),
+                )
+            )
+        return web.Response(text=body, content_type="text/plain")
+
+
+@pytest_asyncio.fixture
+async def servers() -> AsyncIterator[Callable[..., Awaitable[MetricsServer]]]:
+    started: list[MetricsServer] = []
+
+    async def start(router: bool = False) -> MetricsServer:
+        started.append(await MetricsServer(router).start())
+        return started[-1]
+
+    yield start
+    for server in started:
+        await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def operator(k: APIServer, clock: Clock) -> AsyncIterator[None]:
+    """The operator in its own thread and loop (as in tests/test_operator_kmock.py), with a
+    short autoscaling interval and the fake clock."""
+    settings = build_settings()
+    registry = build_registry(
+        settings,
+        CONFIG,
+        debounce=0.02,
+        backoff=0.2,
+        autoscale_interval=INTERVAL,
+        scrape_timeout=0.2,
+        clock=clock,
+    )
+    async with run_operator(registry, settings, str(k.url)):
+        yield
+
+
+def service(name: str, autoscaling: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(DEMO)
+    body["metadata"] = {"name": name}
+    body["spec"]["autoscaling"] = autoscaling
+    body["spec"].update(spec)
+    return body
+
+
+async def add_pod(k: APIServer, isvc: str, component: str, server: MetricsServer) -> str:
+    """A Ready pod of the engine or the router, its metrics served by `server`."""
+    name = f"{isvc}-{component}-{server.port}"
+    await api(k, "post", url(PODS), {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": common_labels(isvc, component)},
+        "spec": {"containers": [{"name": component, "image": "x",
+                                 "ports": [{"name": "http", "containerPort": server.port}]}]},
+        "status": {"podIP": "127.0.0.1", "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    })  # fmt: skip
+    return name
+
+
+def engine_replicas_of(k: APIServer, isvc: str) -> int | None:
+    deploy = k.live(DEPLOYMENTS, NS, f"{isvc}-engine")
+    return deploy["spec"]["replicas"] if deploy else None
+
+
+def status_of(k: APIServer, isvc: str) -> dict[str, Any]:
+    return (k.live(ISVCS, NS, isvc) or {}).get("status") or {}
+
+
+async def steps(server: MetricsServer, n: int = 2) -> None:
+    """Wait until the loop has made n whole steps after now (a step counts once the next scrape
+    has begun, so its status write is done)."""
+    target = server.scrapes + n + 1
+    await eventually(lambda: server.scrapes >= target, timeout=10 * n * INTERVAL + 5)
+
+
+def scaled_events(k: APIServer, isvc: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in k.every(EVENTS)
+        if e["involvedObject"]["name"] == isvc and e["reason"] == "Scaled"
+    ]
+
+
+@pytest.mark.asyncio
+async def test_scales_up_within_two_intervals_and_down_only_after_the_window(cluster, servers):
+    k, clock = cluster, Clock(T0)
+    spec = service("llm", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
+                           "scaleDownStabilizationSeconds": 300})  # fmt: skip
+    engines = [await servers() for _ in range(4)]
+    async with operator(k, clock):
+        await create(k, spec)
+        await eventually(lambda: engine_replicas_of(k, "llm") == 1)
+        await add_pod(k, "llm", "engine", engines[0])
+        await steps(engines[0])
+        assert engine_replicas_of(k, "llm") == 1 and "lastScaleDecision" not in status_of(k, "llm")
+
+        # Rising load: 16 in flight on one replica, target 4 per replica.
+        before = engines[0].scrapes
+        engines[0].load(running=4, waiting=12, kv=0.3)
+        await eventually(lambda: status_of(k, "llm").get("desiredReplicas") == 4)
+        assert engines[0].scrapes - before <= 2, "not decided within two intervals"
+        await eventually(lambda: engine_replicas_of(k, "llm") == 4)
+        last = status_of(k, "llm")["lastScaleDecision"]
+        assert (last["from"], last["to"]) == (1, 4)
+        assert last["metrics"]["inFlight"] == 16 and last["metrics"]["queuePerReplica"] == 16
+        assert "requests per replica" in last["reason"]
+        events = await eventually(lambda: scaled_events(k, "llm"))
+        assert "1 -> 4" in events[0]["message"] and events[0]["type"] == "Normal"
+
+        # The Deployment controller's part: three more ready pods share the load, on target.
+        for engine in engines[1:]:
+            await add_pod(k, "llm", "engine", engine)
+        for engine in engines:
+            engine.load(running=4)
+        await steps(engines[0])
+        assert engine_replicas_of(k, "llm") == 4
+
+        # Falling load: held for the 300 s window, whatever the load says meanwhile.
+        for engine in engines:
+            engine.load(running=0.5)
+        # The clock moves only once the new load is what the steps see: a step reads its pods
+        # first and the clock after.
+        await steps(engines[0])
+        for t in (100, 200):
+            clock.now = T0 + t
+            await steps(engines[0])
+            assert engine_replicas_of(k, "llm") == 4
+        assert status_of(k, "llm")["autoscaling"]["recommendations"][0] == [T0, 4]
+
+    # The window survives a restart: the new process reads it back from the status.
+    mark = len(k)
+    async with operator(k, clock):
+        clock.now = T0 + 290
+        await steps(engines[0])
+        assert engine_replicas_of(k, "llm") == 4
+        # A silent pod is reported and is never a reason to scale down.
+        engines[3].silent = True
+        # As above: the clock moves only once the steps see the silent pod, or a step in
+        # flight could pair the old answers with the new time.
+        await steps(engines[0])
+        clock.now = T0 + 310
+        await steps(engines[0])
+        assert status_of(k, "llm")["autoscaling"]["unreachablePods"] == [
+            f"llm-engine-{engines[3].port}"
+        ]
+        assert engine_replicas_of(k, "llm") == 4
+        # Holding is a recommendation of its own, so the window restarts from it.
+        engines[3].silent = False
+        await steps(engines[0])
+        clock.now = T0 + 500
+        await steps(engines[0])
+        assert engine_replicas_of(k, "llm") == 4
+        assert status_of(k, "llm")["autoscaling"]["unreachablePods"] == []
+        clock.now = T0 + 620
+        await eventually(lambda: engine_replicas_of(k, "llm") == 1)
+        last = status_of(k, "llm")["lastScaleDecision"]
+        assert (last["from"], last["to"]) == (4, 1)
+        assert by_operator(k, mark)
+    assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
+async def test_scales_to_zero_after_the_idle_delay_and_back_on_held_requests(cluster, servers):
+    k, clock = cluster, Clock(T0)
+    spec = service("idle", {"minReplicas": 0, "maxReplicas": 2, "scaleToZeroDelaySeconds": 600,
+                            "scaleDownStabilizationSeconds": 60})  # fmt: skip
+    engine, router = await servers(), await servers(router=True)
+    async with operator(k, clock):
+        await create(k, spec)
+        # A new service starts with one replica even though minReplicas is 0.
+        await eventually(lambda: engine_replicas_of(k, "idle") == 1)
+        engine_pod = await add_pod(k, "idle", "engine", engine)
+        await add_pod(k, "idle", "router", router)
+        await steps(engine)
+        # Idle since first seen at T0: zero after 600 s, once the last "1" (590 s) left the
+        # 60 s window.
+        for t in (300, 590, 620):
+            clock.now = T0 + t
+            await steps(engine)
+            assert engine_replicas_of(k, "idle") == 1, f"at {t}s"
+        clock.now = T0 + 670
+        await eventually(lambda: engine_replicas_of(k, "idle") == 0)
+        last = status_of(k, "idle")["lastScaleDecision"]
+        assert (last["from"], last["to"]) == (1, 0) and "no work for 600s" in last["reason"]
+        await api(k, "delete", url(PODS, engine_pod))
+
+        # At zero only the router is scraped; nothing held, nothing happens.
+        await steps(router)
+        assert engine_replicas_of(k, "idle") == 0
+        before = router.scrapes
+        router.held = 3
+        await eventually(lambda: status_of(k, "idle").get("desiredReplicas") == 1)
+        assert router.scrapes - before <= 2
+        await eventually(lambda: engine_replicas_of(k, "idle") == 1)
+        last = status_of(k, "idle")["lastScaleDecision"]
+        assert (last["from"], last["to"]) == (0, 1) and "held" in last["reason"]
+        assert last["metrics"]["heldRequests"] == 3
+        await eventually(lambda: len(scaled_events(k, "idle")) == 2)
+    assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
+async def test_external_mode_leaves_the_count_to_the_external_scaler(cluster, servers):
+    k, clock = cluster, Clock(T0)
+    spec = service("ext", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4})
+    engine = await servers()
+    engine.load(running=4, waiting=28)  # far above target: builtin mode would scale
+    async with operator(k, clock):
+        await create(k, spec)
+        await eventually(lambda: engine_replicas_of(k, "ext") == 1)
+        await add_pod(k, "ext", "engine", engine)
+        await eventually(lambda: engine_replicas_of(k, "ext") == 4)
+
+        # Handed to HPA/KEDA: the operator stops deciding and applies spec.replicas.
+        mark = len(k)
+        await api(k, "patch", url(ISVCS, "ext"), {
+            "spec": {"replicas": 2, "autoscaling": {"mode": "external"}}
+        })  # fmt: skip
+        await eventually(lambda: engine_replicas_of(k, "ext") == 2)
+        await eventually(lambda: status_of(k, "ext").get("desiredReplicas") == 2)
+        scrapes = engine.scrapes
+        # What /scale does when HPA or KEDA resizes: spec.replicas changes.
+        await api(k, "patch", url(ISVCS, "ext"), {"spec": {"replicas": 3}})
+        await eventually(lambda: engine_replicas_of(k, "ext") == 3)
+        await asyncio.sleep(8 * INTERVAL)
+        assert engine.scrapes <= scrapes + 1  # one step may have been under way
+        assert engine_replicas_of(k, "ext") == 3
+        assert status_of(k, "ext")["lastScaleDecision"]["to"] == 4  # the last builtin one
+        # Every write since: the Deployment following spec.replicas, and status following it.
+        status_writes = [
+            r.data["status"]
+            for r in by_operator(k, mark)
+            if r.method.value == "PATCH" and r.url.path == url(ISVCS, "ext", "status")
+        ]
+        assert all("lastScaleDecision" not in s for s in status_writes)
+        assert {s.get("desiredReplicas") for s in status_writes} <= {2, 3, None}
+        deploy_writes = [
+            r.data["spec"]["replicas"]
+            for r in by_operator(k, mark)
+            if r.method.value == "PATCH" and r.url.path == url(DEPLOYMENTS, "ext-engine")
+        ]
+        assert deploy_writes == [2, 3]
+        assert set(writes(k, mark)) <= {
+            f"PATCH {url(ISVCS, 'ext', 'status')}",
+            f"PATCH {url(DEPLOYMENTS, 'ext-engine')}",
+            f"POST {url(EVENTS)}",
+        }
+    assert_rbac_covers(k)

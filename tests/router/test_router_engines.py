@@ -1,0 +1,193 @@
+"""The router in front of three real CPU engine processes (the built-in tiny model): token
+prefix keys as the engine tokenizes, byte-identical streams, affinity raising prefix-cache hits,
+holding until an engine appears, and an engine killed mid-run (last: it takes one away)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvfleet.router.prompt_tokenizer import EngineTokenizer
+from kvfleet.router.proxy import Router, RouterSettings, build_app
+from tests.support.scripts import load_bench_script
+from tests.support.servers import serving
+
+bench = load_bench_script("router_bench")
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    cache = tmp_path_factory.mktemp("kvfleet-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVFLEET_CACHE_DIR", str(cache))
+        from kvfleet.engine.default_model import default_model_path
+
+        model = default_model_path()
+        with bench.engines(3, model, cache) as procs:
+            yield {
+                "procs": [p for p, _ in procs],
+                "urls": [u for _, u in procs],
+                "hosts": [u.removeprefix("http://") for _, u in procs],
+                "tokenizer": EngineTokenizer(str(model)),
+            }
+
+
+@asynccontextmanager
+async def router_for(
+    fleet: dict[str, Any], hosts: list[str], **settings: Any
+) -> AsyncIterator[tuple[Router, str]]:
+    router = Router(RouterSettings(**settings), fleet["tokenizer"])
+    router.set_endpoints(hosts)
+    async with serving(build_app(router)) as addr:
+        yield router, f"http://{addr}"
+
+
+def chat_body(system: str, user: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "temperature": 0.0,
+        **extra,
+    }
+
+
+@pytest.mark.asyncio
+async def test_token_prefix_is_the_engines_tokenization(fleet: dict[str, Any]) -> None:
+    messages = chat_body("be brief " * 30, "hello there")["messages"]
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(f"{fleet['urls'][0]}/tokenize", json={"messages": messages})
+        engine_ids = (await r.json())["tokens"]
+    assert fleet["tokenizer"].chat(messages, True, None) == engine_ids
+
+
+_ID = re.compile(rb'"id":"[^"]*"|"created":\d+')
+
+
+async def sse(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
+    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        return await r.read()
+
+
+@pytest.mark.asyncio
+async def test_streaming_through_the_router_is_byte_identical(fleet: dict[str, Any]) -> None:
+    url = fleet["urls"][0]
+    body = chat_body("system " * 40, "stream this", stream=True, max_tokens=24, ignore_eos=True,
+                     stream_options={"include_usage": True})  # fmt: skip
+    async with router_for(fleet, [fleet["hosts"][0]]) as (_, routed), aiohttp.ClientSession() as s:
+        await sse(s, url, body)  # both measured runs then find the prompt cached
+        direct = await sse(s, url, body)
+        via = await sse(s, routed, body)
+    # Only the per-response id and creation time may differ.
+    assert _ID.sub(b"", direct) == _ID.sub(b"", via)
+    events = [e for e in direct.split(b"\n\n") if e.startswith(b"data: ")]
+    assert len(events) == len([e for e in via.split(b"\n\n") if e.startswith(b"data: ")]) > 20
+    texts = [
+        "".join(c["delta"].get("content", "") for c in json.loads(e[6:])["choices"])
+        for e in events[:-1]
+    ]
+    assert "".join(texts)
+
+
+@pytest.mark.asyncio
+async def test_affinity_beats_round_robin_on_prefix_hits(fleet: dict[str, Any]) -> None:
+    urls = fleet["urls"]
+
+    def workload(seed: int) -> list[Any]:
+        return bench.make_conversations(12, 3, 4, 130, 30, seed)
+
+    rr = await bench.measure_affinity("round robin", urls, bench.round_robin(urls), workload(1), 8)
+    async with router_for(fleet, fleet["hosts"]) as (_, routed):
+        target = lambda i: (routed, {"x-session-id": f"c{i}"})  # noqa: E731
+        aff = await bench.measure_affinity("router", urls, target, workload(2), 8)
+    assert aff.requests == rr.requests == 36
+    assert aff.hit_rate > rr.hit_rate * 1.15, (aff, rr)
+
+
+@pytest.mark.asyncio
+async def test_held_requests_complete_when_an_engine_appears(fleet: dict[str, Any]) -> None:
+    async with (
+        router_for(fleet, [], hold_timeout_s=30) as (router, url),
+        aiohttp.ClientSession() as s,
+    ):
+        body = chat_body("hold", "on", max_tokens=4)
+        held = [asyncio.create_task(s.post(f"{url}/v1/chat/completions", json=body))
+                for _ in range(3)]  # fmt: skip
+        await asyncio.sleep(0.5)
+        registry = router.metrics.registry
+        assert registry.get_sample_value("kvfleet_router_held_requests") == 3
+        router.set_endpoints(fleet["hosts"][:1])
+        for r in await asyncio.wait_for(asyncio.gather(*held), 30):
+            assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"]
+
+
+@pytest.mark.asyncio
+async def test_an_engine_killed_mid_run(fleet: dict[str, Any]) -> None:
+    """Streams that had begun on the victim fail visibly; requests it had accepted but not
+    answered fail with 502 and are not replayed (it may have died of them); requests sent after
+    its death succeed on the others; its breaker ejects it; nothing hangs."""
+    victim_proc, victim = fleet["procs"][2], fleet["hosts"][2]
+    # A loose load bound so that the chosen keys really land on the victim.
+    async with router_for(fleet, fleet["hosts"], load_factor=10.0) as (router, url):
+        keys = [f"k{i}" for i in range(200)]
+        on_victim = [k for k in keys if router.balancer.choose(f"session:{k}") == victim][:4]
+        elsewhere = [k for k in keys if router.balancer.choose(f"session:{k}") != victim][:2]
+        long = chat_body("x " * 50, "go", stream=True, max_tokens=400, ignore_eos=True)
+
+        async def stream(s: aiohttp.ClientSession, key: str, started: asyncio.Event) -> str:
+            try:
+                async with s.post(f"{url}/v1/chat/completions", json=long,
+                                  headers={"x-session-id": key}) as r:  # fmt: skip
+                    await r.content.readuntil(b"\n\n")
+                    started.set()
+                    await r.read()
+                    return "completed"
+            except aiohttp.ClientPayloadError:
+                return "broken"
+
+        async def short(s: aiohttp.ClientSession, key: str) -> int:
+            async with s.post(f"{url}/v1/chat/completions", headers={"x-session-id": key},
+                              json=chat_body("y", "z", max_tokens=4)) as r:  # fmt: skip
+                await r.read()
+                return r.status
+
+        async with aiohttp.ClientSession() as s:
+            streamed = on_victim[:2] + elsewhere
+            events = [asyncio.Event() for _ in streamed]
+            streams = [
+                asyncio.create_task(stream(s, k, e)) for k, e in zip(streamed, events, strict=True)
+            ]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
+            # Frozen, the victim still accepts connections but answers nothing.
+            os.kill(victim_proc.pid, signal.SIGSTOP)
+            pending = [asyncio.create_task(short(s, k)) for k in on_victim[2:]]
+            await asyncio.sleep(0.5)
+            victim_proc.kill()
+            victim_proc.wait()
+            after = [asyncio.create_task(short(s, k)) for k in on_victim]
+            outcomes = await asyncio.wait_for(asyncio.gather(*streams), 60)
+            statuses = await asyncio.wait_for(asyncio.gather(*pending, *after), 60)
+        assert outcomes == ["broken", "broken", "completed", "completed"]
+        assert statuses == [502, 502] + [200] * 4
+
+        def sample(name: str, **labels: str) -> float | None:
+            return router.metrics.registry.get_sample_value(name, {"endpoint": victim, **labels})
+
+        errors = "kvfleet_router_upstream_errors_total"
+        assert (sample(errors, kind="stream"), sample(errors, kind="no_response")) == (2, 2)
+        # Two broken streams and two requests left unanswered: three failures in a row eject
+        # it, whatever their order; a request that raced the ejection was refused and retried.
+        assert sample("kvfleet_router_engine_ejections_total") == 1
+        assert router.breakers.ejected() == {victim}

@@ -1,0 +1,566 @@
+"""The engine's HTTP edge under hostile input (issue 15): parameters at and past their bounds,
+malformed JSON, invalid Unicode, odd headers, oversized requests, slow clients, the shutdown
+deadline, and the CLI's API key and flag parsing. Every bad request gets a 4xx with OpenAI error
+JSON, and the engine stays healthy and serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.client import HTTPResponse
+
+import aiohttp
+import pytest
+
+from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError
+from kvfleet.engine.cli import build_parser, server_settings_from
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
+from kvfleet.engine.server.validation import MAX_JSON_ITEMS
+from tests.support.net import free_port
+from tests.support.servers import engine_server
+
+API_KEY = "hostile-key"
+MODEL = "tiny"
+COMP = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BODY_LIMIT = 16 << 20
+HEADER_TIMEOUT = 1.0
+BODY_TIMEOUT = 1.0
+MAX_WAITING = 64
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    settings = ServerSettings(
+        host="127.0.0.1",
+        port=0,
+        served_model_name=[MODEL],
+        api_key=API_KEY,
+        max_request_body_bytes=BODY_LIMIT,
+        max_waiting_requests=MAX_WAITING,
+        header_timeout=HEADER_TIMEOUT,
+        body_timeout=BODY_TIMEOUT,
+    )
+    with engine_server(EngineArgs(model=str(model_dirs["llama"]), dtype="float32"), settings) as s:
+        yield s
+
+
+def http(
+    url: str,
+    body: bytes | dict | None = None,
+    method: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict, bytes]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    hdrs.update(headers or {})
+    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def assert_openai_error(status: int, raw: bytes, expected: int | tuple[int, ...]) -> dict:
+    assert status in (expected if isinstance(expected, tuple) else (expected,)), raw[:500]
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    assert 'File "' not in error["message"] and "kvfleet" not in error["message"]
+    return error
+
+
+def assert_still_serving(server) -> None:
+    status, _, raw = http(server.url + "/health", method="GET")
+    assert status == 200, raw
+    status, _, raw = http(server.url + COMP, {"prompt": "fine", "max_tokens": 2})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2, raw
+    core = server.srv.engine.core
+    deadline = time.monotonic() + 10
+    while core.kv_cache_manager.num_free_blocks != core.kv_cache_manager.pool.num_usable_blocks:
+        assert time.monotonic() < deadline, "KV blocks leaked"
+        time.sleep(0.05)
+
+
+# -- parameters past their bounds ----------------------------------------------------------
+
+BAD_PARAMS = [
+    # (name, path, body, the parameter the error names)
+    ("seed 2**64", COMP, {"prompt": "hi", "max_tokens": 4, "seed": 2**64}, "seed"),
+    ("seed 2**63", COMP, {"prompt": "hi", "max_tokens": 4, "seed": 2**63}, "seed"),
+    ("n 2 seed 2**64-1", COMP, {"prompt": "hi", "max_tokens": 4, "n": 2, "seed": 2**64 - 1},
+     "seed"),
+    ("chat seed -2**63-1", CHAT, {"messages": MSG, "max_tokens": 4, "seed": -(2**63) - 1},
+     "seed"),
+    ("top_k 2**63", COMP, {"prompt": "hi", "max_tokens": 4, "top_k": 2**63}, "top_k"),
+    ("top_k above vocab", COMP, {"prompt": "hi", "max_tokens": 4, "top_k": 513}, "top_k"),
+    ("stop token outside vocab", COMP, {"prompt": "hi", "stop_token_ids": [512]},
+     "stop_token_ids"),
+    ("token id 2**40", COMP, {"prompt": [5, 2**40]}, "prompt"),
+    ("string for int", COMP, {"prompt": "hi", "max_tokens": "16"}, "max_tokens"),
+    ("string for bool", COMP, {"prompt": "hi", "echo": "yes"}, "echo"),
+    ("true string for bool", CHAT, {"messages": MSG, "stream": "true"}, "stream"),
+    ("string for float", COMP, {"prompt": "hi", "temperature": "1"}, "temperature"),
+    ("bool for int", COMP, {"prompt": "hi", "n": True}, "n"),
+    ("n 129", COMP, {"prompt": "hi", "n": 129}, "n"),
+    ("best_of 1000", COMP, {"prompt": "hi", "best_of": 1000}, "best_of"),
+    ("repetition penalty huge", CHAT, {"messages": MSG, "repetition_penalty": 1e308},
+     "repetition_penalty"),
+    ("min_tokens above max_tokens", CHAT, {"messages": MSG, "max_tokens": 2, "min_tokens": 3},
+     None),
+    ("65 prompts", COMP, {"prompt": ["a"] * 65, "max_tokens": 1}, None),
+    ("17 stop strings", COMP, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, None),
+    ("stop string too long", COMP, {"prompt": "hi", "stop": "s" * 2000}, "stop"),
+    ("template kwargs clash", CHAT, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), [c[1:] for c in BAD_PARAMS], ids=[c[0] for c in BAD_PARAMS]
+)
+def test_out_of_bounds_parameters_are_400_and_the_engine_lives(server, path, body, param):
+    status, _, raw = http(server.url + path, body)
+    error = assert_openai_error(status, raw, 400)
+    if param is not None:
+        assert error["param"] is not None and error["param"].split(".")[0] == param, error
+    assert_still_serving(server)
+
+
+def test_bounds_still_accept_their_edges(server):
+    """The largest legal values are served, not refused."""
+    edges = [
+        {"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1, "n": 2},
+        {"prompt": "hi", "max_tokens": 2, "seed": -(2**63), "top_k": 512},
+        {"prompt": "hi", "max_tokens": 2, "temperature": 2, "presence_penalty": -2},
+        {"prompt": [[5, 6]] * 64, "max_tokens": 1},
+    ]
+    for body in edges:
+        status, _, raw = http(server.url + COMP, body)
+        assert status == 200, raw
+
+
+# -- malformed bodies and headers ----------------------------------------------------------
+
+SURROGATE = b'"a\\ud800b"'
+MALFORMED = [
+    # (name, path, raw body, extra headers, expected status)
+    ("lone surrogate in prompt", COMP, b'{"prompt": ' + SURROGATE + b"}", None, 400),
+    ("lone surrogate in chat", CHAT,
+     b'{"messages": [{"role": "user", "content": ' + SURROGATE + b"}]}", None, 400),
+    ("lone surrogate in tokenize", "/tokenize", b'{"prompt": ' + SURROGATE + b"}", None, 400),
+    ("lone surrogate in a key", COMP, b'{"prompt": "x", ' + SURROGATE + b": 1}", None, 400),
+    ("invalid utf-8", COMP, b'{"prompt": "\xff\xfe"}', None, 400),
+    ("nested 100000 deep", COMP, b"[" * 100_000 + b"]" * 100_000, None, 400),
+    ("nested in a field", COMP, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, 400),
+    ("5000-digit integer", COMP, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None,
+     400),
+    ("5000-digit token id", COMP, b'{"prompt": [' + b"7" * 5000 + b"]}", None, 400),
+    ("NaN", COMP, b'{"prompt": "x", "temperature": NaN}', None, 400),
+    ("Infinity", COMP, b'{"prompt": "x", "temperature": 1e999}', None, 400),
+    ("gzip label on a plain body", COMP, b'{"prompt": "x"}', {"Content-Encoding": "gzip"},
+     (400, 415)),
+    ("deflate label on detokenize", "/detokenize", b'{"tokens": [5]}',
+     {"Content-Encoding": "deflate"}, (400, 415)),
+    ("too many values", "/detokenize", b'{"tokens": [' + b"5," * 1_100_000 + b"5]}", None, 400),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "expected"),
+    [c[1:] for c in MALFORMED],
+    ids=[c[0] for c in MALFORMED],
+)
+def test_malformed_bodies_are_4xx_json(server, path, body, headers, expected):
+    status, _, raw = http(server.url + path, body, headers=headers)
+    assert_openai_error(status, raw, expected)
+    assert_still_serving(server)
+
+
+def _raw_request(port: int, head: bytes, body: bytes = b"") -> tuple[int, dict, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + b"\r\n" + body)
+        resp = HTTPResponse(sock)
+        resp.begin()
+        return resp.status, dict(resp.getheaders()), resp.read()
+
+
+def _head(path: str, authorization: bytes, body: bytes) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode()
+        + b"Authorization: "
+        + authorization
+        + b"\r\n"
+    )
+
+
+def test_api_key_headers(server):
+    port = server.srv.port
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    # Not UTF-8: a wrong key, not a server error.
+    status, headers, raw = _raw_request(port, _head(COMP, b"Bearer \xff\xfe", body), body)
+    assert assert_openai_error(status, raw, 401)["code"] == "invalid_api_key"
+    assert headers["WWW-Authenticate"] == "Bearer"
+    for scheme in (b"bearer", b"BEARER", b"Bearer"):
+        status, _, raw = _raw_request(
+            port, _head(COMP, scheme + b" " + API_KEY.encode(), body), body
+        )
+        assert status == 200, (scheme, raw)
+    for wrong in (b"Basic " + API_KEY.encode(), API_KEY.encode(), b"Bearer", b""):
+        status, headers, raw = _raw_request(port, _head(COMP, wrong, body), body)
+        assert_openai_error(status, raw, 401)
+        assert headers["WWW-Authenticate"] == "Bearer"
+    assert_still_serving(server)
+
+
+def test_models_do_not_show_the_model_path(server, model_dirs):
+    status, _, raw = http(server.url + "/v1/models", method="GET")
+    assert status == 200
+    assert str(model_dirs["llama"]) not in raw.decode()
+    assert json.loads(raw)["data"][0]["root"] == MODEL
+
+
+def test_chat_template_errors_are_clean(server):
+    tokenizer = server.srv.engine.core.tokenizer
+    saved = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+        status, _, raw = http(server.url + CHAT, {"messages": MSG, "max_tokens": 2})
+        error = assert_openai_error(status, raw, 400)
+        assert "Conversation roles must alternate" in error["message"]
+        # A template that breaks on its own internals says nothing of them.
+        tokenizer.chat_template = "{{ messages[0]['content'].frobnicate() }}"
+        for path in (CHAT, "/tokenize"):
+            status, _, raw = http(server.url + path, {"messages": MSG})
+            error = assert_openai_error(status, raw, 400)
+            assert "frobnicate" not in error["message"] and "object" not in error["message"]
+    finally:
+        tokenizer.chat_template = saved
+    assert_still_serving(server)
+
+
+# -- size: nothing heavy on the event loop -------------------------------------------------
+
+
+def _health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            assert resp.status == 200
+        out.append(time.perf_counter() - t)
+        time.sleep(0.01)
+
+
+def test_health_answers_fast_while_maximal_requests_are_admitted(model_dirs):
+    """Bodies at the size limit (text, token ids, chat, /tokenize) are refused by their size
+    without holding the event loop: /health, probed all along, answers within 100 ms. The
+    server runs in a process of its own, so that only its own work competes for its GIL."""
+    text = "hello world " * ((BODY_LIMIT - 4096) // 12)
+    cases = [
+        (COMP, {"prompt": text, "max_tokens": 1}),
+        (COMP, {"prompt": [5] * (MAX_JSON_ITEMS - 1), "max_tokens": 1}),
+        (CHAT, {"messages": [{"role": "user", "content": text}]}),
+        ("/tokenize", {"prompt": text}),
+    ]
+    bodies = [(path, json.dumps(body).encode()) for path, body in cases]
+    assert all(len(raw) <= BODY_LIMIT for _, raw in bodies)
+    with _serve_process(model_dirs, free_port(), []) as url:
+        http(url + "/health", method="GET")  # warm
+        stop = threading.Event()
+        latencies: list[float] = []
+        prober = threading.Thread(target=_health_latencies, args=(url, stop, latencies))
+        prober.start()
+        try:
+            time.sleep(0.1)
+            t = time.perf_counter()
+            results = [http(url + path, raw) for path, raw in bodies for _ in range(2)]
+            elapsed = time.perf_counter() - t
+        finally:
+            stop.set()
+            prober.join()
+    for status, _, raw in results:
+        error = assert_openai_error(status, raw, 400)
+        assert error["code"] == "context_length_exceeded", error
+    assert elapsed < 30
+    assert len(latencies) >= 10
+    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+# -- admission counts sequences ------------------------------------------------------------
+
+
+def test_prompts_times_n_beyond_the_queue_is_400_at_once(server):
+    body = {"prompt": [[5, 6, 7]] * 64, "n": 10, "max_tokens": 400, "ignore_eos": True}
+    t = time.monotonic()
+    status, _, raw = http(server.url + COMP, body)
+    error = assert_openai_error(status, raw, 400)
+    assert time.monotonic() - t < 5
+    assert str(MAX_WAITING) in error["message"] and "640" in error["message"]
+    assert server.srv.engine.num_waiting_sequences == 0
+    assert server.srv.engine.core.num_requests == 0
+    assert_still_serving(server)
+
+
+def test_queue_full_counts_the_sequences_of_each_request(server):
+    engine = server.srv.engine
+    engine.fault_stall.set()  # nothing gets scheduled: the queue fills
+    try:
+        blocker = threading.Thread(
+            target=http, args=(server.url + COMP, {"prompt": [[5]] * 30, "n": 2, "max_tokens": 2})
+        )
+        blocker.start()
+        deadline = time.monotonic() + 10
+        while engine.num_waiting_sequences < 60:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # 60 waiting + 5 > 64: refused; 60 + 4 fits.
+        status, headers, raw = http(server.url + CHAT, {"messages": MSG, "n": 5})
+        assert assert_openai_error(status, raw, 429)["code"] == "queue_full"
+        assert headers["Retry-After"]
+        fits = threading.Thread(
+            target=http, args=(server.url + CHAT, {"messages": MSG, "n": 4, "max_tokens": 2})
+        )
+        fits.start()
+        while engine.num_waiting_sequences < 64:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        engine.fault_stall.clear()
+    blocker.join(60)
+    fits.join(60)
+    assert_still_serving(server)
+
+
+# -- slow clients --------------------------------------------------------------------------
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closed the connection (it may answer first)."""
+    sock.settimeout(seconds)
+    t = time.monotonic()
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return time.monotonic() - t
+
+
+def test_half_a_request_line_is_closed_after_the_header_timeout(server):
+    with socket.create_connection(("127.0.0.1", server.srv.port)) as sock:
+        sock.sendall(b"POST /v1/compl")
+        assert _closed_within(sock, HEADER_TIMEOUT + 5) < HEADER_TIMEOUT + 2
+    with socket.create_connection(("127.0.0.1", server.srv.port)) as sock:
+        # Headers trickled one byte at a time never complete in time either.
+        head = _head(COMP, f"Bearer {API_KEY}".encode(), b"{}")
+        t = time.monotonic()
+        try:
+            for byte in head:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.05)
+        except OSError:
+            pass
+        assert time.monotonic() - t < HEADER_TIMEOUT + 2
+        assert _closed_within(sock, HEADER_TIMEOUT + 5) < HEADER_TIMEOUT + 2
+    assert_still_serving(server)
+
+
+def test_idle_keep_alive_connections_are_closed(server):
+    with socket.create_connection(("127.0.0.1", server.srv.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200" in sock.recv(65536)
+        assert _closed_within(sock, HEADER_TIMEOUT + 5) < HEADER_TIMEOUT + 2
+
+
+def test_a_body_sent_too_slowly_gets_408(server):
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    head = (
+        f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.srv.port)) as sock:
+        sock.sendall(head + body[:5])
+        sock.settimeout(BODY_TIMEOUT + 5)
+        t = time.monotonic()
+        reply = sock.recv(65536)
+        assert time.monotonic() - t < BODY_TIMEOUT + 1
+        # Then the connection is closed: the rest of the body is not waited for long.
+        reply += sock.recv(65536)
+        assert _closed_within(sock, 5) < 3
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert b" 408 " in status_line, reply
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "body_timeout"
+
+
+def test_long_streams_outlive_the_header_timeout(server):
+    async def main() -> list[bytes]:
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            async with session.post(server.url + COMP, json=body, headers=headers) as resp:
+                lines = [line async for line in resp.content if line.startswith(b"data: ")]
+                return lines
+
+    server.srv.engine.fault_stall.set()
+    threading.Timer(HEADER_TIMEOUT + 0.5, server.srv.engine.fault_stall.clear).start()
+    lines = asyncio.run(main())
+    assert lines[-1].strip() == b"data: [DONE]"
+
+
+# -- the CLI -------------------------------------------------------------------------------
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    parser = build_parser()
+
+    def key(*argv: str) -> str | None:
+        return server_settings_from(parser.parse_args(["serve", *argv])).api_key
+
+    assert key() is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert key() == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert key("--api-key-file", str(key_file)) == "from-file"
+    assert key("--api-key", "from-flag", "--api-key-file", str(key_file)) == "from-flag"
+    key_file.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        key("--api-key-file", str(key_file))
+
+
+@pytest.mark.parametrize("argv", [["--api", "k"], ["--hos", "0.0.0.0"], ["--por", "9999"]])
+def test_flag_abbreviations_are_errors(argv):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+
+
+def test_api_key_from_environment_guards_a_live_server(model_dirs):
+    """The variable the operator sets, end to end: no key on the command line."""
+    port = free_port()
+    env = {**os.environ, API_KEY_ENV: "env-secret", "PYTHONUNBUFFERED": "1"}
+    with _serve_process(model_dirs, port, [], env) as url:
+        status, headers, _ = http(url + "/v1/models", method="GET", headers={"Authorization": ""})
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+        status, _, _ = http(
+            url + "/v1/models", method="GET", headers={"Authorization": "bearer env-secret"}
+        )
+        assert status == 200
+
+
+# -- the shutdown deadline -----------------------------------------------------------------
+
+
+class _serve_process:
+    def __init__(self, model_dirs, port: int, extra: list[str], env: dict | None = None):
+        self.argv = [
+            sys.executable, "-m", "kvfleet.engine.cli", "serve",
+            "--model", str(model_dirs["llama"]), "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, *extra,
+        ]  # fmt: skip
+        self.env = env or {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if http(self.url + "/ready", method="GET")[0] == 200:
+                    return self.url
+            except OSError:
+                pass
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
+    port = free_port()
+    server = _serve_process(model_dirs, port, ["--shutdown-timeout", "2"])
+    with server as url:
+
+        async def stream(session: aiohttp.ClientSession, started: asyncio.Event) -> list[str]:
+            body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            lines = []
+            async with session.post(url + COMP, json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: "):
+                        lines.append(line.decode().strip())
+                        started.set()
+            return lines
+
+        async def main() -> tuple[float, list[list[str]]]:
+            async with aiohttp.ClientSession() as session:
+                started = [asyncio.Event() for _ in range(10)]
+                tasks = [asyncio.create_task(stream(session, e)) for e in started]
+                await asyncio.gather(*(e.wait() for e in started))
+                # The tiny model on CPU would need far longer than 2 s for 1000 tokens x 10.
+                server.proc.send_signal(signal.SIGTERM)
+                t = time.monotonic()
+                return t, await asyncio.gather(*tasks)
+
+        sent_at, streams = asyncio.run(main())
+        for lines in streams:
+            events = [json.loads(x[6:]) for x in lines if x != "data: [DONE]"]
+            assert "error" in events[-1], lines[-3:]
+            assert events[-1]["error"]["code"] == "draining"
+            assert len(events) < 1000
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - sent_at < 10
+        log = server.proc.stdout.read().decode()
+        assert "aborting 10 requests" in log and "Traceback" not in log
+
+
+# -- errors from the engine ----------------------------------------------------------------
+
+ENGINE_FAILURES = [
+    # (exception, status, code, Retry-After expected)
+    (RequestFailedError("sampling failed for this request"), 500, "request_failed", False),
+    (RequestAbortedError("the server is shutting down"), 503, "draining", True),
+    (EngineDeadError("the engine loop died: device lost"), 503, "engine_dead", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code", "retry"), ENGINE_FAILURES, ids=[c[2] for c in ENGINE_FAILURES]
+)
+def test_engine_errors_map_to_their_codes(server, monkeypatch, error, status, code, retry):
+    async def failing(*args, **kwargs):
+        raise error
+        yield  # an async generator, as AsyncEngine.generate is
+
+    monkeypatch.setattr(server.srv.engine, "generate", failing)
+    for path, body in ((COMP, {"prompt": "x"}), (CHAT, {"messages": MSG})):
+        got, headers, raw = http(server.url + path, body)
+        assert assert_openai_error(got, raw, status)["code"] == code
+        assert ("Retry-After" in headers) == retry
+        got, _, raw = http(server.url + path, {**body, "stream": True})
+        assert got == 200
+        events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+        error_event = json.loads(next(e for e in events if e.startswith('{"error"')))["error"]
+        assert error_event["code"] == code and "Traceback" not in error_event["message"]
+    monkeypatch.undo()
+    assert_still_serving(server)

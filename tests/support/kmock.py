@@ -1,0 +1,288 @@
+"""The Kubernetes API emulator the operator tests run against, and helpers to drive it.
+
+kmock stores objects, serves list/watch streams and records every request, so the tests count
+the operator's writes exactly. It is extended here with what the operator relies on from a real
+API server: uid, resourceVersion, metadata.generation bumped by spec changes, generateName, the
+status subresource (status written only through /status), and server-side apply creating what
+does not exist. Patches of any kind are merged, which is what server-side apply amounts to for
+an object whose fields all belong to the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import itertools
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kmock
+import kopf
+import yaml
+
+from kvfleet.operator.main import build_registry, build_settings
+from kvfleet.operator.rbac import OPERATOR_RULES, PolicyRule, allows
+from kvfleet.operator.resources import OperatorConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "team-a"
+CONFIG = OperatorConfig(engine_image="registry/engine:1", router_image="registry/operator:1")
+ISVCS = "kvfleet.dev/v1alpha1/inferenceservices"
+DEPLOYMENTS = "apps/v1/deployments"
+SERVICES = "v1/services"
+CONFIGMAPS = "v1/configmaps"
+PODS = "v1/pods"
+EVENTS = "v1/events"
+RESOURCES = {
+    ISVCS: ("InferenceService", True, {"status", "scale"}),
+    DEPLOYMENTS: ("Deployment", True, {"status", "scale"}),
+    SERVICES: ("Service", True, {"status"}),
+    CONFIGMAPS: ("ConfigMap", True, set()),
+    "v1/serviceaccounts": ("ServiceAccount", True, set()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
+    PODS: ("Pod", True, {"status"}),
+    EVENTS: ("Event", True, set()),
+    "v1/namespaces": ("Namespace", False, set()),
+}
+WRITES = {"POST", "PATCH", "PUT", "DELETE"}
+T = TypeVar("T")
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(base.get(key), value)
+    return out
+
+
+class APIServer(kmock.KubernetesEmulator):
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            self._stamp(request)
+        return await super()._handle(request)
+
+    def _stamp(self, request: kmock.Request) -> None:
+        data = request.data
+        meta = data.setdefault("metadata", {})
+        version = str(next(self._versions))
+        created = {
+            "uid": str(uuid.uuid4()),
+            "resourceVersion": version,
+            "generation": 1,
+            "creationTimestamp": datetime.datetime.now(datetime.UTC).isoformat(),
+        }
+        current = self.live(request.resource, request.namespace, request.name)
+        applied = "apply-patch" in request.headers.get("Content-Type", "")
+        if request.action == kmock.action.CREATE:
+            if "name" not in meta and "generateName" in meta:
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta |= created
+        elif request.action == kmock.action.UPDATE and applied and current is None:
+            # Server-side apply creates what does not exist yet.
+            self.objects[request.resource, request.namespace, request.name] = {}
+            meta |= created
+        elif request.action == kmock.action.UPDATE and current is not None:
+            if request.subresource == "status":
+                status = data.get("status")
+                data.clear()
+                data["status"] = status
+                meta = data.setdefault("metadata", {})
+            else:
+                data.pop("status", None)
+            meta["resourceVersion"] = version
+            spec = current.get("spec")
+            if "spec" in data and _merge(spec, data["spec"]) != spec:
+                meta["generation"] = current["metadata"].get("generation", 1) + 1
+
+    def live(self, resource: Any, namespace: str | None, name: str | None) -> dict[str, Any] | None:
+        for (res, ns, n), obj in self.objects.items():
+            if res == resource and ns == namespace and n == name and not obj.deleted:
+                return obj.raw
+        return None
+
+    def every(self, resource: str) -> list[dict[str, Any]]:
+        return [
+            obj.raw
+            for (res, _, _), obj in self.objects.items()
+            if res == resource and not obj.deleted
+        ]
+
+
+@contextlib.asynccontextmanager
+async def run_operator(
+    registry: kopf.OperatorRegistry,
+    settings: kopf.OperatorSettings,
+    url: str,
+    namespaces: list[str] | None = None,
+) -> AsyncIterator[None]:
+    """The operator in a thread of its own, with its own event loop, as in its own process: on
+    exit kopf waits for and cancels every task of its loop, which must not include kmock's."""
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=url)
+
+    stop, ready = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=registry,
+                    settings=settings,
+                    clusterwide=not namespaces,
+                    namespaces=namespaces or [],
+                    stop_flag=stop,
+                    ready_flag=ready,
+                )
+            )
+        except BaseException as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="operator")
+    thread.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 10)
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+    assert not thread.is_alive() and not failure, failure
+
+
+@contextlib.asynccontextmanager
+async def operator(
+    k: APIServer, config: OperatorConfig = CONFIG, namespaces: list[str] | None = None
+) -> AsyncIterator[None]:
+    settings = build_settings()
+    registry = build_registry(settings, config, debounce=0.02, backoff=0.2)
+    async with run_operator(registry, settings, str(k.url), namespaces):
+        yield
+
+
+async def api(k: APIServer, method: str, url: str, body: Any = None) -> Any:
+    """A request as a person with kubectl would make it (not counted as the operator's)."""
+    async with k.request(method, url, json=body) as resp:
+        assert resp.status < 400, await resp.text()
+        return await resp.json()
+
+
+def url(resource: str, name: str | None = None, sub: str | None = None) -> str:
+    group_version, plural = resource.rsplit("/", 1)
+    root = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    return "/".join(p for p in (f"{root}/namespaces/{NS}/{plural}", name, sub) if p)
+
+
+def example(name: str) -> dict[str, Any]:
+    docs = yaml.safe_load_all((ROOT / "examples" / name).read_text())
+    return next(d for d in docs if d["kind"] == "InferenceService")
+
+
+LLAMA = example("inferenceservice-llama-3.1-8b.yaml")
+DEMO = example("inferenceservice-cpu-demo.yaml")
+QWEN_TP2 = example("inferenceservice-qwen2.5-32b-tp2.yaml")
+
+
+async def eventually(check: Callable[[], T], timeout: float = 10.0) -> T:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (result := check()):
+        if loop.time() > deadline:
+            raise AssertionError(f"not reached in {timeout}s: {check.__doc__ or check}")
+        await asyncio.sleep(0.02)
+    return result
+
+
+def by_operator(k: APIServer, since: int = 0) -> list[kmock.Request]:
+    return [r for r in list(k)[since:] if r.headers.get("User-Agent", "").startswith("kopf/")]
+
+
+def writes(k: APIServer, since: int = 0) -> list[str]:
+    return [f"{r.method.value} {r.url.path}" for r in by_operator(k, since) if r.method in WRITES]
+
+
+async def settled(k: APIServer, quiet: float = 0.3) -> None:
+    """Wait until the operator has stopped talking to the API server."""
+    count = -1
+    while count != len(k):
+        count = len(k)
+        await asyncio.sleep(quiet)
+
+
+async def reconciled_after(k: APIServer, mark: int, name: str) -> None:
+    """Wait for a full reconcile of `name` that started after request number `mark`: it ends
+    by listing the pods, then may patch the status."""
+
+    def listed_pods() -> bool:
+        return any(
+            r.method == "GET"
+            and r.url.path == url(PODS)
+            and r.params.get("labelSelector") == f"kvfleet.dev/inferenceservice={name}"
+            for r in by_operator(k, mark)
+        )
+
+    await eventually(listed_pods)
+    await settled(k)
+
+
+def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    for cond in (obj or {}).get("status", {}).get("conditions", []):
+        if cond["type"] == ctype:
+            return cond
+    return {}
+
+
+def assert_rbac_covers(k: APIServer, rules: tuple[PolicyRule, ...] = OPERATOR_RULES) -> None:
+    """Every API call the operator made is permitted by the ClusterRole of rbac.py."""
+    verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+    for r in by_operator(k):
+        if r.resource is None or r.resource.plural is None:
+            continue  # discovery: non-resource URLs every authenticated user may read
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        if r.method == "GET":
+            verb = "watch" if r.params.get("watch") == "true" else "get" if r.name else "list"
+        else:
+            verb = verbs[r.method.value]
+        assert allows(rules, r.resource.group, resource, verb), (r.method, r.url.path)
+
+
+async def create(k: APIServer, isvc: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    body = copy.deepcopy(isvc)
+    body["metadata"] = {"name": name or isvc["metadata"]["name"], "namespace": NS}
+    return await api(k, "post", url(ISVCS), body)
+
+
+def children_of(k: APIServer, name: str) -> dict[str, dict[str, Any]]:
+    found = {}
+    for (res, ns, n), obj in k.objects.items():
+        if ns == NS and not obj.deleted and res != ISVCS and res != EVENTS:
+            labels = obj.raw.get("metadata", {}).get("labels", {})
+            if labels.get("kvfleet.dev/inferenceservice") == name:
+                found[f"{obj.raw['kind']}/{n}"] = obj.raw
+    return found
+
+
+LLAMA_CHILDREN = {
+    "ConfigMap/llama-model-download",
+    "ServiceAccount/llama-router",
+    "Role/llama-router",
+    "RoleBinding/llama-router",
+    "Service/llama-engine",
+    "Deployment/llama-engine",
+    "Deployment/llama-router",
+    "Service/llama",
+}

@@ -1,0 +1,99 @@
+"""The repository's structure: who may import whom, no folder that shadows a module when Python
+runs from the repository root, and a wheel that carries every module."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "kernels", "operator", "router", "protocol")
+
+# What each package may import of the project (itself always). protocol is the small module
+# the engine's server and the router share: the wire format's bounds, chat rendering.
+ALLOWED = {
+    "kernels": set(),
+    "protocol": set(),
+    "engine": {"kernels", "protocol"},
+    "router": {"protocol"},
+    "operator": set(),
+}
+
+
+def _project_imports(path: Path) -> set[str]:
+    """The kvfleet packages a module imports, lazily inside functions included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "kvfleet" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_follow_the_layering(package: str) -> None:
+    assert _modules(package), f"{package}/ holds no module"
+    broken = {
+        str(path.relative_to(ROOT)): sorted(imported)
+        for path in _modules(package)
+        if (imported := _project_imports(path) - ALLOWED[package] - {package})
+    }
+    assert not broken, f"{package} may import only {sorted(ALLOWED[package])}: {broken}"
+
+
+def test_the_rule_check_sees_lazy_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f():\n    from kvfleet.engine.cli import main\n    import kvfleet.router.main\n"
+    )
+    assert _project_imports(module) == {"engine", "router"}
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import collections, operator; assert operator.__file__.endswith('/operator.py')",
+        "import kernels; assert kernels.__file__ is None",  # a namespace portion, never a module
+    ],
+)
+def test_nothing_shadows_a_module_from_the_repository_root(code: str) -> None:
+    # No -P: the repository root is on sys.path, as for `python -m pytest` or `python -c`.
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    tool = subprocess.run(
+        [sys.executable, "-m", "json.tool"], input="{}", cwd=ROOT, capture_output=True, text=True
+    )
+    assert tool.returncode == 0 and tool.stdout.strip() == "{}", tool.stderr
+
+
+def test_the_wheel_carries_every_module(tmp_path: Path) -> None:
+    """A plain (non-editable) install gets every module of every package: nothing is listed by
+    hand, so a new subpackage cannot be left out."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("kvfleet-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        f"kvfleet/{p.relative_to(ROOT).as_posix()}"
+        for package in PACKAGES
+        for p in _modules(package)
+    }
+    assert expected <= names, sorted(expected - names)
