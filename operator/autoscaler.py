@@ -1,174 +1,273 @@
-"""The scale decision: a pure function of the current replica count, what each engine pod
-reported, the policy, recent recommendations and the time. No I/O, so every rule is testable
-with a fake clock.
+"""The built-in autoscaler: every interval, per InferenceService in builtin mode, scrape the
+engines (and the routers' held requests), decide with scaling_policy.decide, record the decision.
 
-Two signals, as the engines report them: requests in flight (running + waiting) per replica over
-a target, and mean KV-cache usage over a target. Each gives a replica count (with a tolerance band
-that ignores small deviations); the larger wins. Then, as HPA does: clamp to [min, max], bound the
-step up, and scale down only to the highest recommendation seen within the stabilization window.
-A pod that did not answer is never a reason to scale down, nor is a replica still starting; a
-starting replica counts as idle when scaling up (it takes its share of the load once ready), as
-HPA counts unready pods, so a slow model load does not make the scaler climb to the maximum.
+Ownership of the replica count: the autoscaler writes only the InferenceService's status
+(desiredReplicas, lastScaleDecision, and its own memory under status.autoscaling); the reconciler,
+the only writer of the engine Deployment, applies status.desiredReplicas (spec.engine_replicas).
+A status write is a watch event, so the Deployment follows within one reconcile. In external mode
+no loop runs: HPA or KEDA write spec.replicas through /scale and the reconciler applies that.
 
-The history keeps only the latest recommendation of each replica count: the windows only ask
-for the highest and lowest value seen since some time, which an older equal entry never
-changes, so what is persisted stays a handful of entries."""
+One asyncio task per InferenceService, started and stopped from its watch events, rather than a
+kopf timer: kopf puts a finalizer on every object with a timer, and this operator deliberately
+writes nothing onto the objects it watches (see reconciler.py).
+
+The memory that must survive a restart (recommendations inside the windows, when work was last
+seen) is kept in status.autoscaling. Writing it every interval would make every service a write
+and a watch event every few seconds, so it is written when a decision changes something, when
+its content (not just its times) changes, and otherwise at most every REFRESH_SECONDS; between
+writes the exact memory is kept in the process. After a restart a window may therefore close up
+to REFRESH_SECONDS early.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+import logging
 import math
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+import kopf
+
+from kvfleet.operator import kube as k
+from kvfleet.operator.metrics_scraper import ready_targets, scrape_engines, scrape_held_requests
+from kvfleet.operator.resources import (
+    ENGINE_PORT,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_ISVC,
+    PLURAL,
+    ROUTER_PORT,
+    VERSION,
+)
+from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingPolicy, decide
+from kvfleet.operator.spec import AutoscalingSpec, SpecError, engine_replicas, parse_spec
+from kvfleet.operator.status import timestamp
+
+logger = logging.getLogger("kvfleet.operator.autoscaler")
+
+Memory = tuple[tuple[Recommendation, ...], float | None]  # (history, last active)
+
+REFRESH_SECONDS = 60.0
+MAX_REASON = 1024  # the CRD's limit on lastScaleDecision.reason
+SIGNAL_NAMES = {
+    "current": "current",
+    "starting": "starting",
+    "in_flight": "inFlight",
+    "held": "heldRequests",
+    "queue_per_replica": "queuePerReplica",
+    "kv_cache_usage": "kvCacheUsage",
+}
 
 
-@dataclass(frozen=True)
-class PodMetrics:
-    pod: str
-    running: float | None = None
-    waiting: float | None = None
-    kv_cache_usage: float | None = None  # 0..1
-
-    @property
-    def answered(self) -> bool:
-        return None not in (self.running, self.waiting, self.kv_cache_usage)
-
-    @property
-    def in_flight(self) -> float:
-        return (self.running or 0.0) + (self.waiting or 0.0)
+# -- pure ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ScalingPolicy:
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_depth: float = 8.0  # requests in flight per replica
-    target_kv_cache_usage: float = 0.8
-    tolerance: float = 0.1
-    scale_up_stabilization_s: float = 0.0
-    scale_down_stabilization_s: float = 300.0
-    scale_to_zero_delay_s: float = 600.0
-    # Per decision, grow by at most max(this many pods, 100% of the current count), as HPA does.
-    max_scale_up_pods: int = 4
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
-        if self.target_queue_depth <= 0 or not 0 < self.target_kv_cache_usage <= 1:
-            raise ValueError("targets must be positive (KV-cache usage at most 1)")
+def policy_of(a: AutoscalingSpec) -> ScalingPolicy:
+    return ScalingPolicy(
+        min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas,
+        target_queue_depth=a.target_queue_depth,
+        target_kv_cache_usage=a.target_kv_cache_usage,
+        scale_up_stabilization_s=a.scale_up_stabilization_seconds,
+        scale_down_stabilization_s=a.scale_down_stabilization_seconds,
+        scale_to_zero_delay_s=a.scale_to_zero_delay_seconds,
+    )
 
 
-@dataclass(frozen=True)
-class Recommendation:
-    time: float
-    replicas: int
+def _epoch(value: str) -> float:
+    return datetime.datetime.fromisoformat(value).timestamp()
 
 
-@dataclass(frozen=True)
-class ScaleDecision:
-    replicas: int
-    reason: str
-    history: tuple[Recommendation, ...]  # to persist for the next decision
-    last_active: float | None  # when work was last seen
-    signals: dict[str, float] = field(default_factory=dict)
-    unanswered: tuple[str, ...] = ()
+def _rfc3339(epoch: float) -> str:
+    return timestamp(datetime.datetime.fromtimestamp(epoch, datetime.UTC))
 
 
-def compact_history(history: tuple[Recommendation, ...]) -> tuple[Recommendation, ...]:
-    """The latest recommendation of each replica count, in the given (time) order."""
-    last = {r.replicas: i for i, r in enumerate(history)}
-    return tuple(r for i, r in enumerate(history) if last[r.replicas] == i)
+def load_memory(status: Mapping[str, Any]) -> Memory:
+    """The autoscaler's memory as persisted in status.autoscaling."""
+    state = status.get("autoscaling") or {}
+    history = tuple(Recommendation(float(t), int(n)) for t, n in state.get("recommendations") or [])
+    last_active = state.get("lastActiveTime")
+    return history, _epoch(last_active) if last_active else None
 
 
-def _from_ratio(current: int, ratio: float, tolerance: float) -> int:
-    if abs(ratio - 1.0) <= tolerance:
-        return current
-    return math.ceil(current * ratio - 1e-9)
-
-
-def decide(
-    current: int,
-    pods: list[PodMetrics],
-    policy: ScalingPolicy,
-    history: tuple[Recommendation, ...],
-    last_active: float | None,
-    now: float,
-    held_requests: float = 0.0,
-    starting: int = 0,
-) -> ScaleDecision:
-    """``starting``: replicas asked for that are not ready yet, so not among ``pods``."""
-    answered = [p for p in pods if p.answered]
-    unanswered = tuple(p.pod for p in pods if not p.answered)
-    in_flight = sum(p.in_flight for p in answered)
-    busy = in_flight > 0 or held_requests > 0
-    if busy:
-        last_active = now
-    signals = {
-        "current": float(current),
-        "starting": float(starting),
-        "in_flight": in_flight,
-        "held": held_requests,
+def memory_state(decision: ScaleDecision, unreachable: tuple[str, ...]) -> dict[str, Any]:
+    """status.autoscaling for a decision: its history as [unix seconds, replicas] pairs, when
+    work was last seen, and the pods whose metrics did not come."""
+    state: dict[str, Any] = {
+        "recommendations": [[round(r.time, 3), r.replicas] for r in decision.history],
+        "unreachablePods": sorted(unreachable),
     }
+    if decision.last_active is not None:
+        state["lastActiveTime"] = _rfc3339(decision.last_active)
+    return state
 
-    # -- what the load asks for ------------------------------------------------------------
-    if current == 0:
-        if held_requests > 0:
-            raw, why = max(1, policy.min_replicas), f"{held_requests:g} requests held at zero"
-        else:
-            raw, why = policy.min_replicas, "idle at zero"
-    elif not answered:
-        raw, why = current, "no engine answered its metrics"
-    else:
-        serving = len(answered) + starting
-        per_replica = in_flight / serving
-        kv = sum(p.kv_cache_usage or 0.0 for p in answered) / serving
-        signals.update(queue_per_replica=per_replica, kv_cache_usage=kv)
-        by_queue = _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance)
-        by_kv = _from_ratio(current, kv / policy.target_kv_cache_usage, policy.tolerance)
-        raw = max(by_queue, by_kv)
-        if by_queue >= by_kv:
-            why = f"{per_replica:.2f} requests per replica, target {policy.target_queue_depth:g}"
-        else:
-            why = f"KV-cache usage {kv:.0%}, target {policy.target_kv_cache_usage:.0%}"
-        idle_for = now - last_active if last_active is not None else math.inf
-        if raw == 0 and idle_for < policy.scale_to_zero_delay_s:
-            raw, why = (
-                1,
-                f"idle for {idle_for:.0f}s, zero only after {policy.scale_to_zero_delay_s:g}s",
+
+def _content(state: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a state says, without its times."""
+    return (
+        [n for _, n in state.get("recommendations") or []],
+        state.get("unreachablePods") or [],
+        "lastActiveTime" in state,
+    )
+
+
+def _written_at(state: Mapping[str, Any]) -> float:
+    # The newest recommendation is the one of the step that wrote the state.
+    return max((t for t, _ in state.get("recommendations") or []), default=-math.inf)
+
+
+def status_update(
+    previous: Mapping[str, Any],
+    current: int,
+    decision: ScaleDecision,
+    unreachable: tuple[str, ...],
+    now: float,
+) -> dict[str, Any]:
+    """The status merge patch that records a decision; empty when nothing needs writing."""
+    patch: dict[str, Any] = {}
+    if previous.get("desiredReplicas") != decision.replicas:
+        patch["desiredReplicas"] = decision.replicas
+    if decision.replicas != current:
+        patch["lastScaleDecision"] = {
+            "time": _rfc3339(now),
+            "from": current,
+            "to": decision.replicas,
+            "reason": decision.reason[:MAX_REASON],
+            "metrics": {
+                SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
+            },
+        }
+    state = memory_state(decision, unreachable)
+    old = previous.get("autoscaling") or {}
+    if state != old and (
+        patch or _content(state) != _content(old) or now - _written_at(old) >= REFRESH_SECONDS
+    ):
+        patch["autoscaling"] = state
+    return patch
+
+
+# -- I/O -----------------------------------------------------------------------------------
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        api: k.Kube,
+        *,
+        interval: float = 10.0,
+        scrape_timeout: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._api = api
+        self._interval = interval
+        self._scrape_timeout = scrape_timeout
+        self._clock = clock
+        self._tasks: dict[k.Key, asyncio.Task[None]] = {}
+        self._memory: dict[str, Memory] = {}  # by uid: a recreated object starts afresh
+        self._session: aiohttp.ClientSession | None = None
+
+    def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
+        """Follow an InferenceService's watch event: a loop runs while it exists in builtin
+        mode."""
+        meta = body.get("metadata") or {}
+        mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode", "builtin")
+        if mode == "builtin" and not deleted and not meta.get("deletionTimestamp"):
+            if key not in self._tasks:
+                self._tasks[key] = asyncio.create_task(
+                    self._loop(key), name=f"autoscale {key[0]}/{key[1]}"
+                )
+        elif task := self._tasks.pop(key, None):
+            task.cancel()
+            self._memory.pop(meta.get("uid", ""), None)
+
+    async def _loop(self, key: k.Key) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.step(key)
+            except Exception:
+                logger.exception("%s/%s: autoscaling step failed", *key)
+
+    async def step(self, key: k.Key) -> ScaleDecision | None:
+        """One scrape and decision; None when there is nothing to scale."""
+        namespace, name = key
+        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
+        isvc = await self._api.get(url)
+        if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+            return None
+        try:
+            spec = parse_spec(name, isvc.get("spec"))
+        except SpecError:
+            return None  # the reconciler reports it; the last decision stands
+        if spec.autoscaling.mode != "builtin":
+            return None
+        status = isvc.get("status") or {}
+        # What the reconciler applies to the engine Deployment.
+        current = engine_replicas(spec, status.get("desiredReplicas"))
+
+        pods = [
+            pod
+            for pod in await self._api.list(
+                k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
             )
-        elif raw == 0:
-            why = f"no work for {policy.scale_to_zero_delay_s:g}s"
-    raw = min(max(raw, policy.min_replicas), policy.max_replicas)
-    if unanswered and raw < current:
-        raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
-    elif starting and raw < current:
-        raw, why = current, f"held: {starting} replicas still starting"
+            if (pod["metadata"].get("labels") or {}).get(LABEL_ISVC) == name
+        ]
 
-    # -- stabilization ---------------------------------------------------------------------
-    keep = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
-    # With no history (a new service), the present size counts as seen now: nothing shrinks
-    # before one whole window of evidence.
-    past = tuple(r for r in history if now - r.time < keep) or (Recommendation(now, current),)
-    history = compact_history((*past, Recommendation(now, raw)))
-    if raw > current:
-        window = [
-            raw,
-            *(r.replicas for r in past if now - r.time < policy.scale_up_stabilization_s),
-        ]
-        desired = max(current, min(window))
-        cap = max(current + max(policy.max_scale_up_pods, current), policy.min_replicas)
-        if desired > cap:
-            desired, why = cap, f"{why}; step limited to {cap}"
-    elif raw < current:
-        window = [
-            raw,
-            *(r.replicas for r in past if now - r.time < policy.scale_down_stabilization_s),
-        ]
-        desired = min(current, max(window))
-        if desired > raw:
-            why = f"{why}; scale-down held by the {policy.scale_down_stabilization_s:g}s window"
-    else:
-        desired = current
-    # The bounds are the user's explicit word and apply at once, whatever the window says.
-    bounded = min(max(desired, policy.min_replicas), policy.max_replicas)
-    if bounded != desired:
-        desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
-    return ScaleDecision(desired, why, history, last_active, signals, unanswered)
+        def of(component: str) -> list[dict[str, Any]]:
+            return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        engines = ready_targets(of("engine"), ENGINE_PORT)
+        metrics, (held, silent_routers) = await asyncio.gather(
+            scrape_engines(self._session, engines, self._scrape_timeout),
+            scrape_held_requests(
+                self._session, ready_targets(of("router"), ROUTER_PORT), self._scrape_timeout
+            ),
+        )
+        now = self._clock()
+        uid = isvc["metadata"]["uid"]
+        history, last_active = self._memory.get(uid) or load_memory(status)
+        if last_active is None:
+            # Never seen busy: the idle time counts from the first look, so a new endpoint keeps
+            # its replica for the whole scale-to-zero delay.
+            last_active = now
+        decision = decide(
+            current,
+            metrics,
+            policy_of(spec.autoscaling),
+            history,
+            last_active,
+            now,
+            held_requests=held,
+            starting=max(0, current - len(engines)),
+        )
+        logger.debug(
+            "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
+        )
+        self._memory[uid] = (decision.history, decision.last_active)
+        patch = status_update(status, current, decision, decision.unanswered + silent_routers, now)
+        if patch:
+            try:
+                await self._api.merge_patch(f"{url}/status", {"status": patch})
+            except k.APINotFoundError:
+                return None  # deleted meanwhile
+        if decision.replicas != current:
+            message = f"engine replicas {current} -> {decision.replicas}: {decision.reason}"
+            logger.info("%s/%s: %s", namespace, name, message)
+            kopf.event(isvc, type="Normal", reason="Scaled", message=message)
+        return decision
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

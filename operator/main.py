@@ -28,11 +28,11 @@ from typing import Any
 import kopf
 import yaml
 
+from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import MANAGED_BY, OperatorConfig
-from kvfleet.operator.scaler import Autoscaler
 
 logger = logging.getLogger("kvfleet.operator")
 

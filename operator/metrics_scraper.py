@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.operator.autoscaler import PodMetrics
+from kvfleet.operator.scaling_policy import PodMetrics
 
 logger = logging.getLogger("kvfleet.operator.metrics")
 

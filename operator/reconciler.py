@@ -19,6 +19,7 @@ from typing import Any
 import kopf
 
 from kvfleet.operator import kube as k
+from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.drift import in_sync
 from kvfleet.operator.resources import (
     GROUP,
@@ -39,7 +40,6 @@ from kvfleet.operator.resources import (
     router_name,
     service_url,
 )
-from kvfleet.operator.scaler import Autoscaler
 from kvfleet.operator.spec import (
     InferenceServiceSpec,
     SpecError,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet.operator.autoscaler import (
+from kvfleet.operator.scaling_policy import (
     PodMetrics,
     Recommendation,
     ScalingPolicy,

@@ -17,8 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvfleet.operator.autoscaler import PodMetrics, ScalingPolicy, decide
 from kvfleet.operator.metrics_scraper import Target, scrape_engines
+from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
 from tests.support.net import free_port
 
 MODEL = "tiny"

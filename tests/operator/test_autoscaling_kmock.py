@@ -20,11 +20,11 @@ import pytest_asyncio
 import yaml
 from aiohttp import web
 
-from kvfleet.operator.autoscaler import Recommendation, ScaleDecision
+from kvfleet.operator.autoscaler import REFRESH_SECONDS, load_memory, status_update
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.metrics_scraper import KV_CACHE_USAGE, RUNNING, WAITING
 from kvfleet.operator.resources import common_labels
-from kvfleet.operator.scaler import REFRESH_SECONDS, load_memory, status_update
+from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision
 from kvfleet.operator.spec import engine_replicas, parse_spec
 from tests.support.kmock import (
     CONFIG,

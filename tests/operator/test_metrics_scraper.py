@@ -10,7 +10,6 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from kvfleet.operator.autoscaler import PodMetrics
 from kvfleet.operator.metrics_scraper import (
     HELD_REQUESTS,
     KV_CACHE_USAGE,
@@ -22,6 +21,7 @@ from kvfleet.operator.metrics_scraper import (
     scrape_engines,
     scrape_held_requests,
 )
+from kvfleet.operator.scaling_policy import PodMetrics
 
 ENGINE_TEXT = """\
 # HELP vllm:num_requests_running Requests in the running batch.

@@ -1,0 +1,174 @@
+"""The scale decision: a pure function of the current replica count, what each engine pod
+reported, the policy, recent recommendations and the time. No I/O, so every rule is testable
+with a fake clock.
+
+Two signals, as the engines report them: requests in flight (running + waiting) per replica over
+a target, and mean KV-cache usage over a target. Each gives a replica count (with a tolerance band
+that ignores small deviations); the larger wins. Then, as HPA does: clamp to [min, max], bound the
+step up, and scale down only to the highest recommendation seen within the stabilization window.
+A pod that did not answer is never a reason to scale down, nor is a replica still starting; a
+starting replica counts as idle when scaling up (it takes its share of the load once ready), as
+HPA counts unready pods, so a slow model load does not make the scaler climb to the maximum.
+
+The history keeps only the latest recommendation of each replica count: the windows only ask
+for the highest and lowest value seen since some time, which an older equal entry never
+changes, so what is persisted stays a handful of entries."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    pod: str
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None  # 0..1
+
+    @property
+    def answered(self) -> bool:
+        return None not in (self.running, self.waiting, self.kv_cache_usage)
+
+    @property
+    def in_flight(self) -> float:
+        return (self.running or 0.0) + (self.waiting or 0.0)
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_depth: float = 8.0  # requests in flight per replica
+    target_kv_cache_usage: float = 0.8
+    tolerance: float = 0.1
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = 300.0
+    scale_to_zero_delay_s: float = 600.0
+    # Per decision, grow by at most max(this many pods, 100% of the current count), as HPA does.
+    max_scale_up_pods: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
+        if self.target_queue_depth <= 0 or not 0 < self.target_kv_cache_usage <= 1:
+            raise ValueError("targets must be positive (KV-cache usage at most 1)")
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    time: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    replicas: int
+    reason: str
+    history: tuple[Recommendation, ...]  # to persist for the next decision
+    last_active: float | None  # when work was last seen
+    signals: dict[str, float] = field(default_factory=dict)
+    unanswered: tuple[str, ...] = ()
+
+
+def compact_history(history: tuple[Recommendation, ...]) -> tuple[Recommendation, ...]:
+    """The latest recommendation of each replica count, in the given (time) order."""
+    last = {r.replicas: i for i, r in enumerate(history)}
+    return tuple(r for i, r in enumerate(history) if last[r.replicas] == i)
+
+
+def _from_ratio(current: int, ratio: float, tolerance: float) -> int:
+    if abs(ratio - 1.0) <= tolerance:
+        return current
+    return math.ceil(current * ratio - 1e-9)
+
+
+def decide(
+    current: int,
+    pods: list[PodMetrics],
+    policy: ScalingPolicy,
+    history: tuple[Recommendation, ...],
+    last_active: float | None,
+    now: float,
+    held_requests: float = 0.0,
+    starting: int = 0,
+) -> ScaleDecision:
+    """``starting``: replicas asked for that are not ready yet, so not among ``pods``."""
+    answered = [p for p in pods if p.answered]
+    unanswered = tuple(p.pod for p in pods if not p.answered)
+    in_flight = sum(p.in_flight for p in answered)
+    busy = in_flight > 0 or held_requests > 0
+    if busy:
+        last_active = now
+    signals = {
+        "current": float(current),
+        "starting": float(starting),
+        "in_flight": in_flight,
+        "held": held_requests,
+    }
+
+    # -- what the load asks for ------------------------------------------------------------
+    if current == 0:
+        if held_requests > 0:
+            raw, why = max(1, policy.min_replicas), f"{held_requests:g} requests held at zero"
+        else:
+            raw, why = policy.min_replicas, "idle at zero"
+    elif not answered:
+        raw, why = current, "no engine answered its metrics"
+    else:
+        serving = len(answered) + starting
+        per_replica = in_flight / serving
+        kv = sum(p.kv_cache_usage or 0.0 for p in answered) / serving
+        signals.update(queue_per_replica=per_replica, kv_cache_usage=kv)
+        by_queue = _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance)
+        by_kv = _from_ratio(current, kv / policy.target_kv_cache_usage, policy.tolerance)
+        raw = max(by_queue, by_kv)
+        if by_queue >= by_kv:
+            why = f"{per_replica:.2f} requests per replica, target {policy.target_queue_depth:g}"
+        else:
+            why = f"KV-cache usage {kv:.0%}, target {policy.target_kv_cache_usage:.0%}"
+        idle_for = now - last_active if last_active is not None else math.inf
+        if raw == 0 and idle_for < policy.scale_to_zero_delay_s:
+            raw, why = (
+                1,
+                f"idle for {idle_for:.0f}s, zero only after {policy.scale_to_zero_delay_s:g}s",
+            )
+        elif raw == 0:
+            why = f"no work for {policy.scale_to_zero_delay_s:g}s"
+    raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+    if unanswered and raw < current:
+        raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
+    elif starting and raw < current:
+        raw, why = current, f"held: {starting} replicas still starting"
+
+    # -- stabilization ---------------------------------------------------------------------
+    keep = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
+    # With no history (a new service), the present size counts as seen now: nothing shrinks
+    # before one whole window of evidence.
+    past = tuple(r for r in history if now - r.time < keep) or (Recommendation(now, current),)
+    history = compact_history((*past, Recommendation(now, raw)))
+    if raw > current:
+        window = [
+            raw,
+            *(r.replicas for r in past if now - r.time < policy.scale_up_stabilization_s),
+        ]
+        desired = max(current, min(window))
+        cap = max(current + max(policy.max_scale_up_pods, current), policy.min_replicas)
+        if desired > cap:
+            desired, why = cap, f"{why}; step limited to {cap}"
+    elif raw < current:
+        window = [
+            raw,
+            *(r.replicas for r in past if now - r.time < policy.scale_down_stabilization_s),
+        ]
+        desired = min(current, max(window))
+        if desired > raw:
+            why = f"{why}; scale-down held by the {policy.scale_down_stabilization_s:g}s window"
+    else:
+        desired = current
+    # The bounds are the user's explicit word and apply at once, whatever the window says.
+    bounded = min(max(desired, policy.min_replicas), policy.max_replicas)
+    if bounded != desired:
+        desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
+    return ScaleDecision(desired, why, history, last_active, signals, unanswered)
