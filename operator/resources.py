@@ -29,7 +29,6 @@ from kvfleet.operator.spec import (
     InferenceServiceSpec,
     RoutingSpec,
     desired_replicas,
-    parse_source,
     served_model_name,
 )
 
@@ -359,7 +358,7 @@ class _ModelWiring:
 
 
 def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _ModelWiring:
-    src = parse_source(spec.model.source)
+    src = spec.model.parsed_source
     match src.kind:
         case "demo":
             return _ModelWiring()
@@ -721,7 +720,7 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """All desired children, in creation order (what a pod needs exists before the pod)."""
     children = []
-    if parse_source(spec.model.source).kind == "hf":
+    if spec.model.parsed_source.kind == "hf":
         children.append(download_config_map(owner))
     children += [
         router_service_account(owner),

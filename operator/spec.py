@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     StringConstraints,
     ValidationError,
     model_validator,
@@ -160,20 +161,51 @@ class APIKeySecretRef(_Model):
     key: SecretKey = "api-key"
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from. kind "demo": the engine's built-in tiny random model."""
+
+    kind: Literal["demo", "hf", "pvc", "path"]
+    repo: str = ""  # hf: "org/name"
+    revision: str = ""  # hf: branch, tag or commit; "main" when not given
+    claim: str = ""  # pvc: claim name
+    path: str = ""  # pvc: path inside the claim ("" = its root); path: the absolute path
+
+
+def parse_source(source: str) -> ModelSource:
+    if not source:
+        return ModelSource(kind="demo")
+    if m := HF_SOURCE_RE.match(source):
+        return ModelSource(kind="hf", repo=m["repo"], revision=m["revision"] or "main")
+    if m := PVC_SOURCE_RE.match(source):
+        return ModelSource(kind="pvc", claim=m["claim"], path=(m["path"] or "").strip("/"))
+    if PATH_SOURCE_RE.match(source):
+        return ModelSource(kind="path", path=source)
+    # Unreachable for a validated spec: ModelSpec.source carries the same pattern.
+    raise ValueError(f"unsupported model source {source!r}")
+
+
 class ModelSpec(_Model):
     source: Annotated[str, StringConstraints(max_length=512, pattern=SOURCE_PATTERN)] = ""
     served_name: (
         Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^\S+$")] | None
     ) = None
     hf_token_secret_ref: HFTokenSecretRef | None = None
+    # Parsed once, with the spec; private, so it is neither a CRD field nor in model_dump.
+    _parsed_source: ModelSource = PrivateAttr()
 
     @model_validator(mode="after")
     def _cel(self) -> ModelSpec:
         if DOTDOT_RE.search(self.source):
             raise ValueError(MSG_NO_DOTDOT)
-        if self.hf_token_secret_ref is not None and not self.source.startswith("hf://"):
+        self._parsed_source = parse_source(self.source)
+        if self.hf_token_secret_ref is not None and self._parsed_source.kind != "hf":
             raise ValueError(MSG_HF_TOKEN_HF)
         return self
+
+    @property
+    def parsed_source(self) -> ModelSource:
+        return self._parsed_source
 
 
 class EnvVar(_Model):
@@ -303,40 +335,16 @@ class InferenceServiceSpec(_Model):
         tp = self.engine.tensor_parallel_size
         if tp > 1 and tp != self.resources.gpus:
             raise ValueError(MSG_TP_GPUS)
-        if self.model_cache is not None and not self.model.source.startswith("hf://"):
+        if self.model_cache is not None and self.model.parsed_source.kind != "hf":
             raise ValueError(MSG_MODEL_CACHE_HF)
         return self
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where the weights come from. kind "demo": the engine's built-in tiny random model."""
-
-    kind: Literal["demo", "hf", "pvc", "path"]
-    repo: str = ""  # hf: "org/name"
-    revision: str = ""  # hf: branch, tag or commit; "main" when not given
-    claim: str = ""  # pvc: claim name
-    path: str = ""  # pvc: path inside the claim ("" = its root); path: the absolute path
-
-
-def parse_source(source: str) -> ModelSource:
-    if not source:
-        return ModelSource(kind="demo")
-    if m := HF_SOURCE_RE.match(source):
-        return ModelSource(kind="hf", repo=m["repo"], revision=m["revision"] or "main")
-    if m := PVC_SOURCE_RE.match(source):
-        return ModelSource(kind="pvc", claim=m["claim"], path=(m["path"] or "").strip("/"))
-    if PATH_SOURCE_RE.match(source):
-        return ModelSource(kind="path", path=source)
-    # Unreachable for a validated spec: ModelSpec.source carries the same pattern.
-    raise ValueError(f"unsupported model source {source!r}")
 
 
 def served_model_name(spec: InferenceServiceSpec) -> str:
     """The name clients put in "model": the one given, else what vLLM would call it."""
     if spec.model.served_name:
         return spec.model.served_name
-    src = parse_source(spec.model.source)
+    src = spec.model.parsed_source
     match src.kind:
         case "demo":
             return DEMO_MODEL_NAME

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from kvfleet.operator import model_download
+from kvfleet.operator import spec as spec_module
 from kvfleet.operator.drift import HASH_ANNOTATION, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, ROUTER_RULES, allows
@@ -34,6 +35,7 @@ from kvfleet.operator.resources import (
 from kvfleet.operator.spec import (
     DEMO_MODEL_NAME,
     InferenceServiceSpec,
+    ModelSource,
     desired_replicas,
     parse_source,
     parse_spec,
@@ -464,6 +466,22 @@ def test_model_sources():
     pvc = parse_source("pvc://models")
     assert (pvc.kind, pvc.claim, pvc.path) == ("pvc", "models", "")
     assert served_model_name(spec_of({"model": {"source": "pvc://models"}})) == "models"
+
+
+def test_the_model_source_is_parsed_once_with_the_spec(monkeypatch):
+    raw = {"model": {"source": "hf://org/m@v2"}, "modelCache": {"claimName": "cache"}}
+    spec = spec_of(raw)
+    assert spec.model.parsed_source == ModelSource(kind="hf", repo="org/m", revision="v2")
+    assert spec.model.model_dump(by_alias=True, exclude_none=True) == {"source": "hf://org/m@v2"}
+
+    class Refuse:
+        def match(self, source: str) -> None:
+            raise AssertionError(f"{source!r} parsed again after the spec was")
+
+    # Building every child and the served name reads the parsed source, never the string.
+    monkeypatch.setattr(spec_module, "HF_SOURCE_RE", Refuse())
+    build_children(OWNER, spec, CONFIG, 2)
+    assert served_model_name(spec) == "org/m"
 
 
 def test_demo_model_name_matches_the_engine():
