@@ -72,6 +72,12 @@ class ScaleDecision:
     unanswered: tuple[str, ...] = ()
 
 
+def bound_replicas(replicas: int, min_replicas: int, max_replicas: int) -> int:
+    """replicas within [min_replicas, max_replicas]: the user's bounds, applied by the decision
+    and again by the reconciler, since bounds changed after a decision apply at once."""
+    return min(max(replicas, min_replicas), max_replicas)
+
+
 def compact_history(history: tuple[Recommendation, ...]) -> tuple[Recommendation, ...]:
     """The latest recommendation of each replica count, in the given (time) order."""
     last = {r.replicas: i for i, r in enumerate(history)}
@@ -136,7 +142,7 @@ def decide(
             )
         elif raw == 0:
             why = f"no work for {policy.scale_to_zero_delay_s:g}s"
-    raw = min(max(raw, policy.min_replicas), policy.max_replicas)
+    raw = bound_replicas(raw, policy.min_replicas, policy.max_replicas)
     if unanswered and raw < current:
         raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
     elif starting and raw < current:
@@ -168,7 +174,7 @@ def decide(
     else:
         desired = current
     # The bounds are the user's explicit word and apply at once, whatever the window says.
-    bounded = min(max(desired, policy.min_replicas), policy.max_replicas)
+    bounded = bound_replicas(desired, policy.min_replicas, policy.max_replicas)
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
     return ScaleDecision(desired, why, history, last_active, signals, unanswered)

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvfleet.operator.engine_flags import ExtraArgsError, given_flags
+from kvfleet.operator.scaling_policy import bound_replicas
 
 # Served name of the engine's built-in demo model (kvfleet.engine.default_model.DEFAULT_MODEL_NAME;
 # not imported, because importing the engine package pulls in torch, which the operator image
@@ -380,7 +381,7 @@ def engine_replicas(spec: InferenceServiceSpec, decided: int | None) -> int:
     a = spec.autoscaling
     if a.mode == "external" or decided is None:
         return desired_replicas(spec)
-    return min(max(decided, a.min_replicas), a.max_replicas)
+    return bound_replicas(decided, a.min_replicas, a.max_replicas)
 
 
 class SpecError(ValueError):
