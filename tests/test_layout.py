@@ -4,8 +4,10 @@ runs from the repository root, and a wheel that carries every module."""
 from __future__ import annotations
 
 import ast
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -97,3 +99,26 @@ def test_the_wheel_carries_every_module(tmp_path: Path) -> None:
         for p in _modules(package)
     }
     assert expected <= names, sorted(expected - names)
+
+
+def test_static_tools_find_every_module_of_the_dev_install() -> None:
+    """Editors and type checkers resolve imports from the directories .pth files list, never by
+    running an import hook: every kvfleet module must be a file under such a directory (the
+    strict editable install's link tree), as for pyright, which resolves them all."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    roots = [
+        Path(line.strip())
+        for pth in purelib.glob("*.pth")
+        for line in pth.read_text().splitlines()
+        if line.strip() and not line.startswith(("import", "#"))
+    ]
+    assert any((root / "kvfleet").is_dir() for root in roots), (
+        f"kvfleet is not a strict editable install in {site.PREFIXES} (make install-dev)"
+    )
+    missing = [
+        p.relative_to(ROOT).as_posix()
+        for package in PACKAGES
+        for p in _modules(package)
+        if not any((root / "kvfleet" / p.relative_to(ROOT)).is_file() for root in roots)
+    ]
+    assert not missing, f"not visible to static tools (run make install): {missing}"
