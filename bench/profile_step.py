@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     work = random_workload(args.batch, (args.context,) * 2, (1, 1), core.vocab_size, 0)
     sp = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
-        core.add_request(str(i), prompt, sp)
+        core.add_request(str(i), core.admit(prompt, sp))
     while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
         core.step()  # prefill everything first: what follows are pure decode steps
 

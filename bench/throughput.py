@@ -86,7 +86,7 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         work.prompt_tokens,
         produced,
         {
-            "num_preemptions": stats["num_preemptions"],
+            "num_preemptions": stats.num_preemptions,
             "cached_prompt_tokens": cached,
             "prefix_cache_hit_rate": cached / work.prompt_tokens,
         },

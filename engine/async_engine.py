@@ -2,7 +2,7 @@
 loop; each request is an async stream of per-step outputs; a stream closed early (a client that
 went away) aborts its request and frees its KV blocks at the next step boundary.
 
-A request the engine failed alone (an error in its own admission, sampling or detokenization)
+A request the engine failed alone (an error in queueing it, its sampling or detokenization)
 ends its stream with RequestFailedError and the loop goes on; only errors no request can be
 blamed for (the model forward, a batched tensor op, the device, a dead tensor-parallel worker)
 end the loop, and then every stream, with EngineDeadError."""
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.engine.engine_core import EngineCore
-from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.outputs import EngineStats, RequestOutput
+from kvfleet.engine.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,7 @@ class RequestAbortedError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    arrival_time: float
+    request: EngineRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +77,8 @@ class AsyncEngine:
         # Sequences sent to the engine thread that it has not added to the scheduler yet.
         self._pending_lock = threading.Lock()
         self._pending_sequences = 0
+        # Published by the engine thread between steps; read from any thread.
+        self._stats = core.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -120,7 +119,11 @@ class AsyncEngine:
         twice for an instant while it moves into the scheduler, never miss one."""
         with self._pending_lock:
             pending = self._pending_sequences
-        return self.core.scheduler.num_waiting + pending
+        return self._stats.num_requests_waiting + pending
+
+    def stats(self) -> EngineStats:
+        """The engine's state as of its last step (or commands applied), whichever was later."""
+        return self._stats
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
@@ -159,38 +162,39 @@ class AsyncEngine:
             self._post(self._fail_all, EngineDeadError(f"the engine loop died: {reason}"))
 
     def _apply_commands(self) -> None:
+        """Apply the commands sent so far, then publish the stats: the state after the last
+        step and these commands."""
+        received = 0  # sequences taken off the command queue
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(cmd, AddRequest):
+                received += cmd.request.params.n
                 self._add(cmd)
             elif isinstance(cmd, Abort):
                 self._abort(cmd.request_id)
             else:
                 for request_id in cmd.request_ids:
                     self._abort(request_id)
+        self._stats = self.core.stats()
+        # Only now that the scheduler's count is published: a sequence may be counted twice for
+        # an instant, never missed.
+        if received:
+            with self._pending_lock:
+                self._pending_sequences -= received
 
     def _add(self, cmd: AddRequest) -> None:
         try:
-            self.core.add_request(
-                cmd.request_id,
-                cmd.prompt_token_ids,
-                cmd.params,
-                prompt=cmd.prompt,
-                arrival_time=cmd.arrival_time,
-            )
+            self.core.add_request(cmd.request_id, cmd.request)
         except ValueError as e:
             self._post(self._deliver_error, cmd.request_id, e)
         except Exception as e:
             # add_request queues nothing when it raises: the request alone is lost.
-            logger.exception("request %s: admission failed", cmd.request_id)
-            failure = RequestFailedError(f"admission failed: {e or type(e).__name__}")
+            logger.exception("request %s: queueing failed", cmd.request_id)
+            failure = RequestFailedError(f"queueing failed: {e or type(e).__name__}")
             self._post(self._deliver_error, cmd.request_id, failure)
-        finally:
-            with self._pending_lock:
-                self._pending_sequences -= cmd.params.n
 
     def _abort(self, request_id: str) -> None:
         if self.core.abort_request(request_id) and self._on_abort is not None:
@@ -235,26 +239,21 @@ class AsyncEngine:
         self._send(AbortAll(tuple(streams)))
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
+        self, request_id: str, request: EngineRequest
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's per-step deltas until it finishes. Raises ValueError before
-        anything is queued if the request could never run; RequestFailedError if the engine
-        failed this request, RequestAbortedError if abort_all ended it, EngineDeadError if the
-        loop dies."""
+        """Stream an admitted request's (EngineCore.admit) per-step deltas until it finishes.
+        Raises ValueError before anything is queued if the id is in use; RequestFailedError if
+        the engine failed this request, RequestAbortedError if abort_all ended it,
+        EngineDeadError if the loop dies."""
         if not self.is_alive():
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.validate_request(prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         with self._pending_lock:
-            self._pending_sequences += params.n
-        self._send(AddRequest(request_id, prompt_token_ids, params, prompt, time.monotonic()))
+            self._pending_sequences += request.params.n
+        self._send(AddRequest(request_id, request))
         finished = False
         try:
             while True:

@@ -70,7 +70,7 @@ class LLM:
             for prompt, sp in zip(prompts, params, strict=True):
                 text, ids = self._tokenize(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, prompt=text)
+                self.engine.add_request(rid, self.engine.admit(ids, sp, prompt=text))
                 order.append(rid)
                 results[rid] = RequestOutput(
                     rid, ids, [CompletionOutput(index=i) for i in range(sp.n)], prompt=text

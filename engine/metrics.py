@@ -4,14 +4,14 @@ API Inference Extension read kvfleet engines unchanged. Every series carries `mo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvfleet.engine.engine_core import EngineCore
-from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.outputs import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -24,14 +24,16 @@ _ITL_BUCKETS = (
 
 
 class _EngineStateCollector(Collector):
-    """Gauges and counters read from the engine at scrape time, so they can never drift from it."""
+    """Gauges and counters read at scrape time from the stats the engine publishes between steps,
+    so they can never drift from it."""
 
-    def __init__(self, core: EngineCore, model_name: str) -> None:
-        self.core = core
+    def __init__(self, stats: Callable[[], EngineStats], args: EngineArgs, model_name: str) -> None:
+        self.stats = stats
+        self.args = args
         self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.core.stats()
+        s = self.stats()
         label = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -45,43 +47,44 @@ class _EngineStateCollector(Collector):
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
-                    s["num_requests_running"])  # fmt: skip
+                    s.num_requests_running)  # fmt: skip
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                    s["num_requests_waiting"])  # fmt: skip
+                    s.num_requests_waiting)  # fmt: skip
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                    s["kv_cache_usage_perc"])  # fmt: skip
+                    s.kv_cache_usage_perc)  # fmt: skip
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV-cache configuration.",
             labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
         )
-        args = self.core.args
+        args = self.args
         info.add_metric(
             [
                 self.model_name,
                 str(args.block_size),
-                str(int(s["num_usable_blocks"])),
+                str(int(s.num_usable_blocks)),
                 str(args.enable_prefix_caching),
             ],
             1.0,
         )
         yield info
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s["prefix_cache_queries"])  # fmt: skip
+                      s.prefix_cache_queries)  # fmt: skip
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s["prefix_cache_hits"])  # fmt: skip
-        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s["prompt_tokens"])
-        yield counter("vllm:generation_tokens", "Tokens generated.", s["generation_tokens"])
-        yield counter("vllm:num_preemptions", "Requests preempted.", s["num_preemptions"])
+                      s.prefix_cache_hits)  # fmt: skip
+        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("vllm:num_preemptions", "Requests preempted.", s.num_preemptions)
 
 
 class EngineMetrics:
-    """Per-request latency histograms and outcomes, fed by the engine loop after each step."""
+    """Per-request latency histograms and outcomes, fed by the engine loop after each step; the
+    engine's state, read from its published stats once collect_state has been called."""
 
-    def __init__(self, core: EngineCore, model_name: str) -> None:
+    def __init__(self, args: EngineArgs, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self.args = args
         self.model_name = model_name
-        self.registry.register(_EngineStateCollector(core, model_name))
         labels = ["model_name"]
         self.request_success = Counter(
             "vllm:request_success",
@@ -118,6 +121,10 @@ class EngineMetrics:
             registry=self.registry,
         )
         self._last_token_time: dict[str, float] = {}
+
+    def collect_state(self, stats: Callable[[], EngineStats]) -> None:
+        """Export the engine's state, as `stats` returns it, at every scrape."""
+        self.registry.register(_EngineStateCollector(stats, self.args, self.model_name))
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -63,3 +63,19 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.metrics is not None:
             self.metrics = delta.metrics
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's state between two steps, as the server and its metrics read it."""
+
+    num_requests_running: int  # sequences (each of a request's n counts) in the running batch
+    num_requests_waiting: int  # sequences waiting to be scheduled
+    kv_cache_usage_perc: float  # fraction of KV-cache blocks in use (0..1)
+    num_free_blocks: int
+    num_usable_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    prompt_tokens: int
+    generation_tokens: int

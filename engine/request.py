@@ -1,9 +1,11 @@
-"""A request's mutable state as the scheduler and runner see it."""
+"""A request as admitted (EngineRequest: checked once, immutable) and its mutable state as the
+scheduler and runner see it (Request)."""
 
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +18,18 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request EngineCore.admit has checked against the model's limits: the engine queues it
+    as it is, without checking again. The caller names it with a request id when it submits it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    # time.monotonic() at admission, where latency metrics start.
+    arrival_time: float = field(default_factory=time.monotonic)
 
 
 class RequestStatus(enum.IntEnum):

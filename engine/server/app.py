@@ -251,13 +251,14 @@ def build_app(
 def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngine, EngineMetrics]:
     core = EngineCore(args)
     names = settings.served_model_name or [str(core.model_config.path)]
-    metrics = EngineMetrics(core, names[0])
+    metrics = EngineMetrics(args, names[0])
     engine = AsyncEngine(
         core,
         stall_timeout=settings.health_stall_timeout,
         on_step=metrics.on_step,
         on_abort=metrics.on_abort,
     )
+    metrics.collect_state(engine.stats)
     return engine, metrics
 
 

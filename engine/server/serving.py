@@ -134,22 +134,16 @@ class ServingContext:
     def prepare(
         self, prompts: list[list[int]], requested_max_tokens: int | None, make_params: Any
     ) -> list[SamplingParams]:
-        """Per-prompt sampling params with the completion budget fitted to the context, checked
-        against the engine's limits so that every error is raised before a byte is streamed."""
+        """Per-prompt sampling params with the completion budget fitted to the context."""
         params = []
         for ids in prompts:
             if not ids:
                 raise bad_request("the prompt is empty", param="prompt")
             max_tokens = resolve_max_tokens(len(ids), requested_max_tokens, self.max_model_len)
             try:
-                sp = make_params(max_tokens)
+                params.append(make_params(max_tokens))
             except ValidationError as e:
                 raise validation_error(e) from None
-            try:
-                self.engine.core.validate_request(ids, sp)
-            except InvalidRequestError as e:
-                raise bad_request(str(e), param=e.param) from None
-            params.append(sp)
         return params
 
     def run(
@@ -159,11 +153,17 @@ class ServingContext:
         params: list[SamplingParams],
         texts: list[str | None] | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = [
-            self.engine.generate(f"{request_id}-{i}", ids, sp, prompt=(texts[i] if texts else None))
-            for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
-        return merge_streams(streams)
+        """Admit every prompt (the engine's one check of a request, so every refusal comes
+        before a byte is streamed), then stream their outputs merged."""
+        admitted = []
+        for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                admitted.append(self.engine.core.admit(ids, sp, texts[i] if texts else None))
+            except InvalidRequestError as e:
+                raise bad_request(str(e), param=e.param) from None
+        return merge_streams(
+            [self.engine.generate(f"{request_id}-{i}", r) for i, r in enumerate(admitted)]
+        )
 
     async def collect(
         self,

@@ -190,7 +190,7 @@ def test_engine_through_the_graph_path_equals_hf(model_dirs, prompts, hf_referen
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
     )
     assert [o.outputs[0].token_ids for o in outs] == hf_reference["llama"]
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert_no_leak(llm)
     # Prompt chunks did go through the graphs, not only decodes.
     assert max(shared_rows) > 0

@@ -22,7 +22,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_greedy_equals_hf(arch, model_dirs, prompts, hf_reference):
     llm = LLM(str(model_dirs[arch]), dtype="float32")
     assert _generate(llm, prompts) == hf_reference[arch]
-    assert llm.engine.stats()["num_preemptions"] == 0
+    assert llm.engine.stats().num_preemptions == 0
     assert_no_leak(llm)
 
 
@@ -31,7 +31,7 @@ def test_greedy_equals_hf_under_preemption(arch, model_dirs, prompts, hf_referen
     # 19 usable blocks hold one 232-token sequence (15 blocks) but never the whole batch.
     llm = LLM(str(model_dirs[arch]), dtype="float32", num_gpu_blocks_override=20)
     assert _generate(llm, prompts) == hf_reference[arch]
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert_no_leak(llm)
 
 
@@ -76,7 +76,7 @@ def test_prefix_cache_hit_equals_uncached_run(model_dirs, prompts):
     assert out.num_cached_tokens >= 64
     assert out.outputs[0].token_ids == expected[0]
     stats = llm.engine.stats()
-    assert stats["prefix_cache_hits"] >= 64
+    assert stats.prefix_cache_hits >= 64
     assert_no_leak(llm)
     assert_no_leak(uncached)
 

@@ -78,7 +78,7 @@ def _victim(fault: str, n: int = 1) -> SamplingParams:
 
 def _kv_idle(core: EngineCore) -> bool:
     stats = core.stats()
-    return core.num_requests == 0 and stats["num_free_blocks"] == stats["num_usable_blocks"]
+    return core.num_requests == 0 and stats.num_free_blocks == stats.num_usable_blocks
 
 
 # -- the offline front end (EngineCore driven in this thread) ------------------------------
@@ -104,7 +104,7 @@ def test_a_planted_fault_fails_one_request_and_the_others_complete(
 ):
     request.getfixturevalue(f"poisoned_{'sampling' if fault == 'sampling' else 'detokenizer'}")
     prompts = [{"prompt_token_ids": VICTIM}, {"prompt_token_ids": BYSTANDER}]
-    with caplog.at_level("ERROR", logger="kvfleet.engine.engine_core"):
+    with caplog.at_level("ERROR", logger="kvfleet.engine.output_processor"):
         victim, bystander = llm.generate(prompts, [_victim(fault, n), GREEDY])
 
     assert victim.finished and victim.error == f"{fault} failed: planted in the " + (
@@ -182,11 +182,11 @@ def test_bounds_that_depend_on_the_model_are_refused_before_queueing(llm):
     }
     for name, sp in cases.items():
         with pytest.raises(ValueError, match=name):
-            core.validate_request(BYSTANDER, sp)
+            core.admit(BYSTANDER, sp)
         with pytest.raises(ValueError, match=name):
             llm.generate({"prompt_token_ids": BYSTANDER}, sp)
     assert_no_leak(llm)
-    core.validate_request(BYSTANDER, SamplingParams(top_k=512, stop_token_ids=[511]))
+    core.admit(BYSTANDER, SamplingParams(top_k=512, stop_token_ids=[511]))
 
 
 def test_child_seeds_wrap_within_the_64_bit_range(llm):
@@ -216,7 +216,7 @@ def core(model_dirs) -> EngineCore:
 
 async def _collect(engine: AsyncEngine, rid: str, ids: list[int], sp: SamplingParams):
     result: RequestOutput | None = None
-    async for delta in engine.generate(rid, ids, sp):
+    async for delta in engine.generate(rid, engine.core.admit(ids, sp)):
         if result is None:
             result = delta
         else:
@@ -289,7 +289,7 @@ async def test_a_batched_fault_still_kills_the_loop(core, monkeypatch):
         await engine.stop()
         monkeypatch.undo()
         # Leave the shared core as the next test expects it.
-        for rid in list(core._parents):
+        for rid in list(core.output_processor._parents):
             core.abort_request(rid)
 
 
@@ -299,10 +299,10 @@ async def test_abort_all_ends_every_stream_and_frees_every_block(core):
     engine.start()
     try:
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        streams = [engine.generate(f"r{i}", BYSTANDER[: 4 + i], long) for i in range(4)]
+        streams = [engine.generate(f"r{i}", core.admit(BYSTANDER[: 4 + i], long)) for i in range(4)]
         for s in streams:
             await anext(s)  # each is running and holds blocks
-        assert core.stats()["kv_cache_usage_perc"] > 0
+        assert core.stats().kv_cache_usage_perc > 0
         engine.abort_all("the server is shutting down")
         assert engine.num_unfinished == 0
         async with asyncio.timeout(5):
@@ -311,7 +311,7 @@ async def test_abort_all_ends_every_stream_and_frees_every_block(core):
                     async for _ in s:
                         pass
         await _wait_idle(core)
-        assert core.stats()["kv_cache_usage_perc"] == 0.0
+        assert core.stats().kv_cache_usage_perc == 0.0
         assert not core.runner.rows
         assert engine.is_healthy()
         out = await _collect(engine, "after", BYSTANDER, GREEDY)

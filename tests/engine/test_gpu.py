@@ -50,7 +50,7 @@ def test_triton_path_under_preemption_and_chunking(model_dirs, prompts, hf_refer
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
     )
     assert [o.outputs[0].token_ids for o in outs] == hf_reference["llama"]
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert_no_leak(llm)
 
 

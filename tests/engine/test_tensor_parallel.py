@@ -126,7 +126,7 @@ async def test_a_dead_worker_fails_health_and_requests(model_dirs):
     engine.start()
     try:
         params = SamplingParams(max_tokens=1000, ignore_eos=True)
-        stream = engine.generate("r", list(range(3, 40)), params)
+        stream = engine.generate("r", core.admit(list(range(3, 40)), params))
         await anext(stream)  # running, on both ranks
         assert engine.is_healthy()
         os.kill(core.workers._procs[0].pid, signal.SIGKILL)

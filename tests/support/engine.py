@@ -42,10 +42,10 @@ def assert_no_leak(llm) -> None:
     """Every request has left the engine and every KV block is back in the free queue."""
     stats = llm.engine.stats()
     assert llm.engine.num_requests == 0
-    assert stats["num_requests_running"] == 0
-    assert stats["num_requests_waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_usable_blocks"], stats
-    assert stats["kv_cache_usage_perc"] == 0.0
+    assert stats.num_requests_running == 0
+    assert stats.num_requests_waiting == 0
+    assert stats.num_free_blocks == stats.num_usable_blocks, stats
+    assert stats.kv_cache_usage_perc == 0.0
     pool = llm.engine.kv_cache_manager.pool
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
     assert not llm.engine.kv_cache_manager.req_blocks
