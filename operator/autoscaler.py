@@ -34,11 +34,11 @@ import kopf
 
 from kvfleet.operator import kube as k
 from kvfleet.operator.metrics_scraper import ready_targets, scrape_engines, scrape_held_requests
+from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
     ENGINE_PORT,
     GROUP,
     LABEL_COMPONENT,
-    LABEL_ISVC,
     PLURAL,
     ROUTER_PORT,
     VERSION,
@@ -209,13 +209,7 @@ class Autoscaler:
         # What the reconciler applies to the engine Deployment.
         current = engine_replicas(spec, status.get("desiredReplicas"))
 
-        pods = [
-            pod
-            for pod in await self._api.list(
-                k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
-            )
-            if (pod["metadata"].get("labels") or {}).get(LABEL_ISVC) == name
-        ]
+        pods = await list_pods(self._api, namespace, name)
 
         def of(component: str) -> list[dict[str, Any]]:
             return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]

@@ -21,6 +21,7 @@ import kopf
 from kvfleet.operator import kube as k
 from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.drift import in_sync
+from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
     GROUP,
     LABEL_ISVC,
@@ -192,14 +193,7 @@ class Reconciler:
         else:
             # Nothing is applied; the children of the last applied spec keep serving.
             live = await self._existing(owner)
-        pods = [
-            pod
-            for pod in await self._api.list(
-                k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
-            )
-            # Filtered here too: the selector is a hint some API emulators ignore.
-            if (pod["metadata"].get("labels") or {}).get(LABEL_ISVC) == name
-        ]
+        pods = await list_pods(self._api, namespace, name)
         observed = Observed(
             generation=isvc["metadata"].get("generation", 0),
             selector=engine_selector(name),
