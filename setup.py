@@ -5,7 +5,7 @@ from pathlib import Path
 
 from setuptools import setup
 
-FOLDERS = ("engine", "kernels", "operator", "router")
+FOLDERS = ("engine", "kernels", "operator", "router", "protocol")
 
 
 def packages() -> list[str]:

@@ -17,7 +17,7 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl || exit 1
 fi
 mkdir -p /tmp/kv/kvfleet
-for pkg in engine kernels operator router; do ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"; done
+for pkg in engine kernels operator router protocol; do ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"; done
 export PYTHONPATH=/tmp/site:/tmp/kv PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on shared multi-GPU hosts (the device notes: it can take the host's
 # GPUs out of service); set here too in case the machine's environment is not inherited.

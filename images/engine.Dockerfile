@@ -39,6 +39,7 @@ COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
 COPY router/ router/
+COPY protocol/ protocol/
 RUN pip install --no-cache-dir . \
     && python -c "import kvfleet.engine.cli, torch; torch.version.cuda is None or __import__('triton')" \
     && rm -rf /src

@@ -15,6 +15,7 @@ COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
 COPY router/ router/
+COPY protocol/ protocol/
 # --no-deps: the engine's dependencies (torch, transformers) stay out of this image.
 RUN pip install --no-cache-dir --no-deps . \
     && python -c "import kvfleet.operator.main, kvfleet.router.main"

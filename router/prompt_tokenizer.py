@@ -1,5 +1,6 @@
-"""Prompt tokens for token prefix keys, computed by the engine's own chat rendering from a local
-HF tokenizer directory (``--tokenizer``); without one the router keys on characters."""
+"""Prompt tokens for token prefix keys, computed by the chat rendering the engine uses
+(kvfleet.protocol.chat_template) from a local HF tokenizer directory (``--tokenizer``); without
+one the router keys on characters."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineTokenizer:
-    """Prompt tokens computed by the engine's own code (chat template included), from a local
-    HF tokenizer directory."""
+    """Prompt tokens computed by the engine's code (chat template included), from a local HF
+    tokenizer directory."""
 
     def __init__(self, path: str) -> None:
+        # Imported here: transformers and jinja2 are needed for this mode only, which the
+        # router's image does without.
         from transformers import AutoTokenizer
 
-        from kvfleet.engine.server.chat import render_chat
-        from kvfleet.engine.server.protocol import ChatMessage
+        from kvfleet.protocol.chat_template import ChatMessage, render_chat
 
         self._tok = AutoTokenizer.from_pretrained(path)
         self._render = render_chat

@@ -21,11 +21,12 @@ Circuit breaker (breaker.py): an engine that fails ``--breaker-failures`` times 
 (connection errors, 502/503/504 without Retry-After, broken streams) leaves the ring for a
 backoff, then a ``/health`` probe lets it back. While every engine is ejected, all are used.
 
-Hostile clients: the router reads and parses the body itself, bounded (request_body.py): size,
-nesting depth, number lengths, Unicode, Content-Encoding, header bytes; each refusal is a 4xx in
-the OpenAI error shape, as is an unknown route. Request heads must arrive within the keep-alive
-timeout of the connection opening (or of the previous response), bodies within
-``--body-timeout``; idle connections close after ``--keepalive-timeout``.
+Hostile clients: the router reads and parses the body itself, bounded (request_body.py, with the
+parser the engine uses, kvfleet.protocol.json_body): size, nesting depth, number lengths,
+Unicode, Content-Encoding, header bytes; each refusal is a 4xx in the OpenAI error shape, as is
+an unknown route. Request heads must arrive within the keep-alive timeout of the connection
+opening (or of the previous response), bodies within ``--body-timeout``; idle connections close
+after ``--keepalive-timeout``.
 
 While no engine is ready, requests are held up to ``--hold-timeout`` seconds;
 ``kvfleet_router_held_requests`` is what the autoscaler reads to scale from zero. Past the
@@ -64,14 +65,17 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvfleet.protocol.json_body import (
+    OFF_LOOP_BYTES,
+    RequestRefused,
+    check_content_encoding,
+    check_headers,
+)
 from kvfleet.router.breaker import BreakerPolicy, Breakers
 from kvfleet.router.hash_ring import HashRing
 from kvfleet.router.request_body import (
-    BadRequest,
     BodyLimits,
-    check_content_encoding,
     check_content_length,
-    check_headers,
     parse_json_body,
     too_large,
 )
@@ -103,8 +107,6 @@ HOP_BY_HOP = frozenset(
 _NOT_FORWARDED_UP = frozenset({"host", "content-length"})
 RETRY_AFTER_S = 5
 VNODES = 160
-# Bodies above this are parsed off the event loop (a worst-case 16 MiB body takes ~1 s).
-_PARSE_INLINE_BYTES = 64 << 10
 
 
 def forwarded_headers(
@@ -310,7 +312,7 @@ async def json_errors(
     try:
         check_headers(request.raw_headers)
         return await handler(request)
-    except BadRequest as e:
+    except RequestRefused as e:
         request.app[ROUTER].metrics.rejected.labels(e.code).inc()
         response = _error(e.status, e.message, "invalid_request_error", code=e.code,
                           param=e.param)  # fmt: skip
@@ -376,14 +378,14 @@ class Router:
         except web.HTTPRequestEntityTooLarge:
             raise too_large(limits.max_bytes) from None  # a chunked body past the limit
         except TimeoutError:
-            raise BadRequest(
+            raise RequestRefused(
                 408,
                 f"the request body did not arrive within {self.settings.body_timeout_s:g} s",
                 "body_timeout",
             ) from None
 
     async def _parse(self, body: bytes) -> Any:
-        if len(body) <= _PARSE_INLINE_BYTES:
+        if len(body) <= OFF_LOOP_BYTES:
             return parse_json_body(body, self.settings.body)
         return await asyncio.to_thread(parse_json_body, body, self.settings.body)
 

@@ -23,7 +23,8 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
-from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body
+from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body, refused
+from kvfleet.protocol.json_body import RequestRefused, check_content_encoding
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,10 @@ def _gatekeeper(api_key: str | None):
         if request.app[SERVING].draining:
             return error_response(503, "the server is shutting down", "service_unavailable",
                                   code="draining", headers={"Retry-After": "5"})  # fmt: skip
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
-            return error_response(415, "request bodies must not be compressed (Content-Encoding "
-                                  "other than identity)", param="Content-Encoding",
-                                  code="unsupported_content_encoding")  # fmt: skip
+        try:
+            check_content_encoding(request.headers.get("Content-Encoding"))
+        except RequestRefused as e:
+            return refused(e).response()
         return await handler(request)
 
     return gate

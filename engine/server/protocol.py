@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.protocol.chat_template import ChatMessage
 
 
 def random_id(prefix: str) -> str:
@@ -163,27 +164,6 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling(max_tokens, self.logprobs)
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    # Extra keys (tool_calls, refusal, ...) on echoed assistant messages are tolerated.
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -3,93 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-from itertools import accumulate
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from kvfleet.engine.server.errors import APIError, bad_request
+from kvfleet.protocol.json_body import OFF_LOOP_BYTES, JsonLimits, RequestRefused, decode_json
 
 M = TypeVar("M", bound=BaseModel)
 
-# JSON bounds: deeper nesting than any real request needs would make json.loads recurse until
-# RecursionError; longer integers than 64 bits need cost quadratic time to convert (and Python
-# refuses > 4300 digits outright).
-MAX_JSON_DEPTH = 64
-MAX_INT_DIGITS = 20
-# Validation holds the GIL throughout (one call into pydantic-core, ~70 ns a token id), which
-# stalls the event loop even from a thread, so the count of values is bounded too: 2**18 token
-# ids validate in ~20 ms.
+# Bounds past the router's (which only bounds what its parsing costs): every integer of the API
+# fits 64 bits, so a longer one is refused before validation; and validation holds the GIL
+# throughout (one call into pydantic-core, ~70 ns a token id), which stalls the event loop even
+# from a thread, so the count of values is bounded too: 2**18 token ids validate in ~20 ms.
 MAX_JSON_ITEMS = 1 << 18
+JSON_LIMITS = JsonLimits(max_depth=64, max_int_digits=20, max_values=MAX_JSON_ITEMS)
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
-
-def json_shape(raw: bytes) -> tuple[int, int]:
-    """(deepest nesting, number of separators) of a JSON text, found without recursion and
-    without parsing: strings are cut out (their brackets and commas do not count), then the
-    running count of the brackets left. An unterminated string leaves its brackets in, which
-    can only overstate the shape of a text json.loads refuses anyway. Counted with the strings
-    in first: that overstates both, and is all a body with few brackets and commas needs (the
-    string cutting is the one step that takes tens of milliseconds on a large body)."""
-    brackets = raw.translate(None, _NOT_BRACKET)
-    items = raw.count(b",")
-    if len(brackets) <= 2 * MAX_JSON_DEPTH and items <= MAX_JSON_ITEMS:
-        return len(brackets), items
-    structure = _STRING.sub(b"", raw)
-    items = structure.count(b",")
-    brackets = structure.translate(None, _NOT_BRACKET)
-    if len(brackets) <= 2 * MAX_JSON_DEPTH:
-        return len(brackets), items
-    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0), items
-
-
-def _parse_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"the integer {text[:24]}... is too long (at most 64-bit integers)")
-    return int(text)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def decode_json(raw: bytes) -> Any:
-    """Parse a request body strictly: UTF-8 only, no lone surrogates (escaped or not), bounded
-    nesting and integers, no NaN/Infinity. Raises APIError 400 saying what is wrong."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise bad_request(
-            f"the request body is not valid UTF-8: {e.reason} at byte {e.start}"
-        ) from None
-    depth, items = json_shape(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
-    if items > MAX_JSON_ITEMS:
-        raise bad_request(f"the request body holds more than {MAX_JSON_ITEMS} values")
-    try:
-        data = json.loads(text, parse_int=_parse_int, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if _SURROGATE_ESCAPE.search(raw) is None:
-        return data
-    try:
-        # A "\ud800" escape decodes to a lone surrogate, which no tokenizer can encode (paired
-        # ones decode to one character and pass).
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(
-            "the request body contains invalid Unicode (a lone surrogate escape)"
-        ) from None
-    return data
+def refused(e: RequestRefused) -> APIError:
+    """The server's error response for a request the shared protocol code refused."""
+    return APIError(e.status, e.message, param=e.param, code=e.code)
 
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
@@ -104,15 +39,17 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
             code="body_timeout",
             close_connection=True,  # the rest of the body may still come: do not read it
         ) from None
-    # Decoding and validating a body of many megabytes takes long enough to stall every other
-    # connection: large ones go to a thread.
-    if len(raw) > 64 * 1024:
+    # Validating a large body stalls the loop as decoding does: both go to the thread.
+    if len(raw) > OFF_LOOP_BYTES:
         return await asyncio.to_thread(_validate, raw, model)
     return _validate(raw, model)
 
 
 def _validate(raw: bytes, model: type[M]) -> M:
-    data = decode_json(raw)
+    try:
+        data = decode_json(raw, JSON_LIMITS)
+    except RequestRefused as e:
+        raise refused(e) from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     try:

@@ -10,9 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.server.chat import render_chat
-from kvfleet.engine.server.errors import APIError
-from kvfleet.engine.server.protocol import ChatMessage
+from kvfleet.protocol.chat_template import ChatMessage, render_chat
+from kvfleet.protocol.json_body import RequestRefused
 from tests.support.scripts import load_bench_script
 
 dummy = load_bench_script("dummy_tokenizer")
@@ -88,7 +87,7 @@ def test_loads_in_the_engine(model_dirs: dict[str, Path], tmp_path: Path) -> Non
     assert tok.decode(ids) == (
         "<bos><start_of_turn>user\nExplain RAG<end_of_turn>\n<start_of_turn>model\n"
     )
-    with pytest.raises(APIError):
+    with pytest.raises(RequestRefused):
         render_chat(tok, [ChatMessage(role="system", content="hi")])
 
 

@@ -17,9 +17,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvfleet.protocol.json_body import nesting_exceeds
 from kvfleet.router.breaker import BreakerPolicy, Breakers, State
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
-from kvfleet.router.request_body import BodyLimits, nesting_exceeds
+from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import KeyPolicy
 from tests.support.servers import serving
 
