@@ -1,32 +1,126 @@
-"""A small Kubernetes API client over kopf's own HTTP machinery.
+"""The operator's Kubernetes API client, over kubernetes_asyncio, and the credentials it shares
+with kopf.
 
-Kopf already holds the credentials (from its login handlers), refreshes them on 401 and retries
-transient failures; reusing its request function keeps the operator to a single client library
-and a single session. That function lives in kopf's private ``_cogs`` package, which is why
-pyproject.toml pins kopf to one minor version; nothing else in the operator touches it.
+Credentials come from kubernetes_asyncio's own loaders: the pod's ServiceAccount in a cluster,
+else the kubeconfig (``KUBECONFIG`` or ``~/.kube/config``, exec credential plugins included).
+Kopf gets the very same credentials through the login handler :meth:`Kube.login`, so the
+operator has one source of truth for where the cluster is and who it is there; both reload them
+when the API server answers 401 (a rotated ServiceAccount token, an expired exec token).
 
-Children are written by server-side apply (``application/apply-patch+yaml`` with this operator's
-field manager and force), which also creates them: the operator owns exactly the fields it sets,
-a field it stops setting is removed, and fields others own (injected sidecars, say) stay.
+Requests go by URL (``resource_url``) with plain JSON bodies: the operator's objects are dicts
+built and compared as such, and the typed models would only convert them back and forth.
+Children are written by server-side apply (``application/apply-patch+yaml`` with this
+operator's field manager and force), which also creates them: the operator owns exactly the
+fields it sets, a field it stops setting is removed, and fields others own (injected sidecars,
+say) stay.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime
+import json
 import logging
-import urllib.parse
-from collections.abc import Mapping
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import kopf
-from kopf._cogs.clients import api, errors
-
-APIError = errors.APIError
-APINotFoundError = errors.APINotFoundError
+from kubernetes_asyncio import client, config
 
 FIELD_MANAGER = "kvfleet-operator"
+USER_AGENT = f"kvfleet-operator/{version('kvfleet')}"
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# 5xx and 429 are the API server (or a proxy in front of it) asking to come back later.
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+MAX_RETRY_AFTER_S = 10.0
+RETIRE_AFTER_S = 60.0
 Key = tuple[str, str]  # (namespace, name) of an object
 logger = logging.getLogger("kvfleet.operator.kube")
+
+
+class APIError(Exception):
+    """The API server refused a request; the message is its Status message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class APINotFoundError(APIError):
+    pass
+
+
+class NoClusterError(RuntimeError):
+    """No credentials: neither an in-cluster ServiceAccount nor a usable kubeconfig."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the API server is and how to authenticate, as kubernetes_asyncio loaded it."""
+
+    configuration: client.Configuration
+    source: str  # for logs and errors: "in-cluster ServiceAccount" or "kubeconfig PATH"
+    expiration: datetime.datetime | None = None  # of an exec plugin's token
+
+
+async def load_connection(
+    env: Mapping[str, str] = os.environ, sa_dir: Path = SERVICE_ACCOUNT_DIR
+) -> Connection:
+    """In a pod its ServiceAccount, elsewhere the kubeconfig; NoClusterError says what was
+    tried."""
+    configuration = client.Configuration()
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            config.load_incluster_config(
+                client_configuration=configuration,
+                token_filename=str(sa_dir / "token"),
+                cert_filename=str(sa_dir / "ca.crt"),
+                environ=env,
+            )
+        except config.ConfigException as e:
+            raise NoClusterError(f"no Kubernetes API: in-cluster config ({sa_dir}): {e}") from None
+        return Connection(configuration, "in-cluster ServiceAccount")
+    path = env.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+    unset = "not in a cluster (KUBERNETES_SERVICE_HOST unset)"
+    # KUBECONFIG is a list of files, merged.
+    if not any(Path(p).expanduser().is_file() for p in path.split(os.pathsep) if p):
+        raise NoClusterError(f"no Kubernetes API: {unset} and no kubeconfig at {path}")
+    try:
+        # persist_config off: the operator never writes the user's kubeconfig.
+        loader = await config.load_kube_config(
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+    except (config.ConfigException, OSError, KeyError, TypeError, ValueError) as e:
+        raise NoClusterError(
+            f"no Kubernetes API: {unset} and kubeconfig {path} failed: {e or type(e).__name__}"
+        ) from None
+    expiration = getattr(loader, "exec_plugin_expiry", None)
+    return Connection(configuration, f"kubeconfig {path}", expiration)
+
+
+async def connection_info(connection: Connection) -> kopf.ConnectionInfo:
+    """The same credentials in kopf's terms."""
+    cfg = connection.configuration
+    scheme = token = None
+    if authorization := await cfg.get_api_key_with_prefix("BearerToken"):
+        scheme, _, token = authorization.strip().partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        proxy_url=cfg.proxy,
+        expiration=connection.expiration,
+    )
 
 
 def resource_url(
@@ -48,55 +142,152 @@ def resource_url(
 class Kube:
     def __init__(
         self,
-        settings: kopf.OperatorSettings,
+        connect: Callable[[], Awaitable[Connection]] = load_connection,
         backoffs: tuple[float, ...] = (0.5, 1.0, 2.0),
     ) -> None:
-        self._settings = settings
+        self._connect = connect
         # Short: a reconcile that keeps failing is retried by the work queue with its own
         # backoff, with fresh state each time, rather than stuck in one request.
         self._backoffs = backoffs
+        self._connection: Connection | None = None
+        self._fresh = False  # loaded since kopf last logged in
+        self._client: client.ApiClient | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    async def connect(self) -> Connection:
+        """(Re)load the credentials; the next request opens a client with them."""
+        connection = await self._connect()
+        self._connection, self._fresh = connection, True
+        if self._client is not None:
+            # Requests in flight on the old client finish before it closes.
+            task = asyncio.create_task(_close_later(self._client, RETIRE_AFTER_S))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+            self._client = None
+        logger.info("Kubernetes API %s from %s", connection.configuration.host, connection.source)
+        return connection
+
+    async def login(self, **_: Any) -> kopf.ConnectionInfo:
+        """Kopf's login handler. Kopf calls it at start and again when its credentials stop
+        working, which is when they are reloaded, unless they just were."""
+        if self._connection is None or not self._fresh:
+            await self.connect()
+        assert self._connection is not None
+        self._fresh = False
+        return await connection_info(self._connection)
+
+    async def close(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def _api_client(self) -> client.ApiClient:
+        if self._client is None:
+            connection = self._connection or await self.connect()
+            self._client = client.ApiClient(connection.configuration)
+            self._client.user_agent = USER_AGENT
+        return self._client
+
+    async def _send(
+        self, method: str, url: str, query: list[tuple[str, str]], body: object, ctype: str
+    ) -> tuple[int, Mapping[str, str], bytes]:
+        api = await self._api_client()
+        response: aiohttp.ClientResponse = await api.call_api(
+            url,
+            method,
+            query_params=query,
+            header_params={"Accept": "application/json", "Content-Type": ctype},
+            body=body,
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _return_http_data_only=True,
+        )
+        async with response:
+            return response.status, response.headers, await response.read()
 
     async def _request(
         self,
         method: str,
         url: str,
-        payload: object | None = None,
-        content_type: str | None = None,
+        body: object | None = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
     ) -> Any:
-        response = await api.request(
-            method=method,
-            url=url,
-            payload=payload,
-            headers={"Content-Type": content_type} if content_type else None,
-            settings=self._settings,
-            logger=logger,
-            backoffs=self._backoffs,
-        )
-        async with response:
-            return await response.json()
+        reauthenticated = False
+        delays = iter(self._backoffs)
+        while True:
+            try:
+                status, headers, raw = await self._send(
+                    method, url, query or [], body, content_type
+                )
+            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                if (delay := next(delays, None)) is None:
+                    raise APIError(0, f"{method} {url}: {e or type(e).__name__}") from e
+                logger.debug("%s %s: %s, retrying in %.1fs", method, url, e, delay)
+                await asyncio.sleep(delay)
+                continue
+            if status < 400:
+                return json.loads(raw) if raw else None
+            if status == 401 and not reauthenticated:
+                reauthenticated = True
+                try:
+                    await self.connect()
+                except NoClusterError as e:
+                    raise APIError(status, f"unauthorized; reloading credentials: {e}") from e
+                continue
+            if status in RETRIED_STATUSES and (delay := next(delays, None)) is not None:
+                delay = max(delay, min(_retry_after(headers), MAX_RETRY_AFTER_S))
+                logger.debug("%s %s: %d, retrying in %.1fs", method, url, status, delay)
+                await asyncio.sleep(delay)
+                continue
+            raise _error(status, raw)
 
     async def get(self, url: str) -> dict[str, Any] | None:
         try:
-            return await self._request("get", url)
+            return await self._request("GET", url)
         except APINotFoundError:
             return None
 
     async def list(self, url: str, label_selector: str) -> list[dict[str, Any]]:
-        query = urllib.parse.urlencode({"labelSelector": label_selector})
-        return list((await self._request("get", f"{url}?{query}")).get("items") or [])
+        body = await self._request("GET", url, query=[("labelSelector", label_selector)])
+        return list(body.get("items") or [])
 
     async def apply(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
         # Strict: a field the API server does not know (a typo in a passed-through affinity,
         # say) is an error to report, not something to prune silently and re-apply forever.
-        query = urllib.parse.urlencode(
-            {"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
-        )
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true"), ("fieldValidation", "Strict")]
         # JSON is YAML: the apply content type takes it as is.
-        return await self._request("patch", f"{url}?{query}", body, "application/apply-patch+yaml")
+        return await self._request("PATCH", url, body, "application/apply-patch+yaml", query)
 
     async def merge_patch(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._request("patch", url, body, "application/merge-patch+json")
+        return await self._request("PATCH", url, body, "application/merge-patch+json")
 
     async def delete(self, url: str) -> None:
         with contextlib.suppress(APINotFoundError):
-            await self._request("delete", url)
+            await self._request("DELETE", url)
+
+
+async def _close_later(api_client: client.ApiClient, delay: float) -> None:
+    try:
+        await asyncio.sleep(delay)
+    finally:
+        await api_client.close()
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    try:
+        return float(headers.get("Retry-After", 0))
+    except ValueError:
+        return 0.0  # an HTTP date: the backoff alone
+
+
+def _error(status: int, raw: bytes) -> APIError:
+    try:
+        message = json.loads(raw).get("message") or ""
+    except (ValueError, AttributeError):
+        message = raw.decode(errors="replace")[:200]
+    message = message or f"HTTP {status}"
+    return (APINotFoundError if status == 404 else APIError)(status, message)

@@ -29,7 +29,7 @@ import kopf
 import yaml
 
 from kvfleet.operator.autoscaler import Autoscaler
-from kvfleet.operator.kube import Kube
+from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import MANAGED_BY, OperatorConfig
@@ -65,12 +65,14 @@ def build_registry(
     autoscale_interval: float = 10.0,
     scrape_timeout: float = 2.0,
     clock: Callable[[], float] = time.time,
+    kube: Kube | None = None,
 ) -> kopf.OperatorRegistry:
-    """A registry with the operator's handlers (and no login handler: the caller adds one).
+    """A registry with the operator's handlers; kopf logs in with the credentials of the
+    operator's own client (by default the ServiceAccount in a pod, else the kubeconfig).
 
     clock: seconds since the epoch, for the autoscaler's windows (tests pass a fake one)."""
     registry = kopf.OperatorRegistry()
-    api = Kube(settings)
+    api = kube or Kube()
     reconciler = Reconciler(api, config)
     autoscaler = Autoscaler(
         api, interval=autoscale_interval, scrape_timeout=scrape_timeout, clock=clock
@@ -81,12 +83,24 @@ def build_registry(
         WorkQueue(reconciler.reconcile, debounce=debounce, backoff=backoff),
         autoscaler,
     )
+    kopf.on.login(registry=registry)(api.login)
+
+    # After the queue's cleanup (kopf runs them in order): its last requests use the client.
+    @kopf.on.cleanup(registry=registry)
+    async def close_client(**_: Any) -> None:
+        await api.close()
+
     return registry
 
 
-def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    # In a pod: its ServiceAccount; elsewhere: the kubeconfig (KUBECONFIG or ~/.kube/config).
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+async def _operate(kube: Kube, **operator_args: Any) -> int:
+    try:
+        await kube.connect()
+    except NoClusterError as e:
+        logger.error("%s", e)
+        return 1
+    await kopf.operator(**operator_args)
+    return 0
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -98,13 +112,14 @@ def _run(ns: argparse.Namespace) -> int:
         allowed_secrets=split_list(ns.allowed_secrets),
     )
     settings = build_settings(ns.peering)
+    kube = Kube()
     registry = build_registry(
         settings,
         config,
         autoscale_interval=ns.autoscale_interval,
         scrape_timeout=ns.scrape_timeout,
+        kube=kube,
     )
-    kopf.on.login(registry=registry)(_login)
     given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
     namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
     logger.info(
@@ -116,8 +131,9 @@ def _run(ns: argparse.Namespace) -> int:
         "any" if config.allowed_images is None else ",".join(config.allowed_images) or "defaults",
         "any" if config.allowed_secrets is None else ",".join(config.allowed_secrets) or "none",
     )
-    asyncio.run(
-        kopf.operator(
+    return asyncio.run(
+        _operate(
+            kube,
             registry=registry,
             settings=settings,
             clusterwide=not namespaces,
@@ -125,7 +141,6 @@ def _run(ns: argparse.Namespace) -> int:
             liveness_endpoint=f"http://{ns.health_address}/healthz",
         )
     )
-    return 0
 
 
 def split_list(value: str | None) -> tuple[str, ...] | None:

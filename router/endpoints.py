@@ -1,11 +1,17 @@
 """Where the engines are: a static list, or the ready addresses of the engine Service's
-EndpointSlices, watched through the Kubernetes API with the pod's service-account credentials.
+EndpointSlices, watched through the Kubernetes API with kubernetes_asyncio (the pod's
+ServiceAccount in a cluster, the kubeconfig outside one).
 
 The watch is the plain list-then-watch protocol: list the slices (label
-``kubernetes.io/service-name=<service>``), then watch from the list's resourceVersion, resuming
-from the last event seen when the stream ends, and listing afresh when the API says the version
-is gone (410). While the API cannot be reached the last known endpoints stay in use: a control
-plane outage must not take the data path down with it.
+``kubernetes.io/service-name=<service>``), then watch from the list's resourceVersion with
+bookmarks, resuming from the last event or bookmark seen when the stream ends, and listing afresh
+when the API says the version is gone (410). Failures, and streams that end at once without an
+event, are retried after a backoff with jitter. While the API cannot be reached the last known
+endpoints stay in use: a control plane outage must not take the data path down with it.
+
+The requests go through the generated DiscoveryV1Api (URL, credentials, TLS) but the responses
+are read raw: the slices are folded as plain dicts, the same shape the tests and ``kubectl``
+show, and a watch line is split from chunks however long it is.
 """
 
 from __future__ import annotations
@@ -14,13 +20,13 @@ import asyncio
 import json
 import logging
 import os
-import ssl
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+import random
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kubernetes_asyncio import client, config
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +34,15 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 OnChange = Callable[[frozenset[str]], None]
+Connect = Callable[[], Awaitable[client.Configuration]]
+WATCH_ERRORS = (
+    aiohttp.ClientError,
+    config.ConfigException,
+    TimeoutError,
+    OSError,
+    ValueError,
+    KeyError,
+)
 
 
 def host_port(address: str, port: int) -> str:
@@ -77,34 +92,25 @@ class SliceSet:
         return frozenset().union(*self._slices.values())
 
 
-@dataclass(frozen=True)
-class KubeAPI:
-    """How to reach the API server. The token is read per connection: bound service-account
-    tokens expire and the kubelet rewrites the file."""
-
-    base_url: str
-    token_path: Path | None = None
-    ca_path: Path | None = None
-
-    @classmethod
-    def in_cluster(
-        cls, env: Mapping[str, str] = os.environ, sa_dir: Path = SERVICE_ACCOUNT_DIR
-    ) -> KubeAPI:
-        host = env.get("KUBERNETES_SERVICE_HOST")
-        if not host:
-            raise RuntimeError("not in a cluster: KUBERNETES_SERVICE_HOST is unset")
-        port = env.get("KUBERNETES_SERVICE_PORT", "443")
-        return cls(f"https://{host_port(host, int(port))}", sa_dir / "token", sa_dir / "ca.crt")
-
-    def headers(self) -> dict[str, str]:
-        if self.token_path is None:
-            return {}
-        return {"Authorization": f"Bearer {self.token_path.read_text().strip()}"}
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        if self.ca_path is None:
-            return None
-        return ssl.create_default_context(cafile=str(self.ca_path))
+async def load_configuration(
+    env: Mapping[str, str] = os.environ, sa_dir: Path = SERVICE_ACCOUNT_DIR
+) -> client.Configuration:
+    """In a pod its ServiceAccount (the token is reread as the kubelet rotates it), elsewhere
+    the kubeconfig (``KUBECONFIG`` or ``~/.kube/config``) for development."""
+    configuration = client.Configuration()
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(
+            client_configuration=configuration,
+            token_filename=str(sa_dir / "token"),
+            cert_filename=str(sa_dir / "ca.crt"),
+            environ=env,
+        )
+    else:
+        path = env.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+        await config.load_kube_config(
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+    return configuration
 
 
 def in_cluster_namespace(sa_dir: Path = SERVICE_ACCOUNT_DIR) -> str | None:
@@ -116,26 +122,50 @@ class _Expired(Exception):
     """The watch's resourceVersion is too old: list again."""
 
 
+class _Unauthorized(Exception):
+    """The credentials stopped working (an expired token): load them again."""
+
+
+class Backoff:
+    """Exponential, with jitter so that many routers do not come back in step."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self.next_s = initial_s
+
+    def reset(self) -> None:
+        self.next_s = self.initial_s
+
+    async def sleep(self) -> None:
+        await asyncio.sleep(self.next_s * random.uniform(0.5, 1.0))
+        self.next_s = min(self.next_s * 2, self.max_s)
+
+
 class EndpointSliceWatcher:
     def __init__(
         self,
-        api: KubeAPI,
+        connect: Connect,
         namespace: str,
         service: str,
         port: int,
         on_change: OnChange,
         *,
         watch_timeout_s: int = 290,
+        initial_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        min_stream_s: float = 1.0,
     ) -> None:
-        self.api = api
+        self.connect = connect
+        self.namespace = namespace
         self.service = service
         self.on_change = on_change
         self.watch_timeout_s = watch_timeout_s
-        self.max_backoff_s = max_backoff_s
-        self.url = f"{api.base_url}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+        # A stream that ends sooner without an event did no work: come back after a backoff.
+        self.min_stream_s = min_stream_s
+        self.backoff = Backoff(initial_backoff_s, max_backoff_s)
         self.slices = SliceSet(port)
         self._published: frozenset[str] | None = None
+        self._watched = False  # a stream did work since the last list
 
     def _publish(self) -> None:
         current = self.slices.endpoints()
@@ -145,68 +175,108 @@ class EndpointSliceWatcher:
             self.on_change(current)
 
     async def run(self) -> None:
-        """List and watch until cancelled, reconnecting with exponential back-off."""
-        backoff = 0.5
-        ssl_ctx = self.api.ssl_context()
-        # No total timeout: a watch is a long poll the server ends (timeoutSeconds).
-        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.watch_timeout_s + 30)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        """List and watch until cancelled; reconnect with backoff on errors."""
+        api_client: client.ApiClient | None = None
+        try:
             while True:
                 try:
-                    version = await self._list(session, ssl_ctx)
-                    backoff = 0.5
-                    while True:
-                        version = await self._watch(session, ssl_ctx, version)
+                    if api_client is None:
+                        api_client = client.ApiClient(await self.connect())
+                    await self._list_and_watch(client.DiscoveryV1Api(api_client))
                 except _Expired:
                     logger.info("endpointslice watch expired, listing again")
-                except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as e:
+                    if self._watched:
+                        continue
+                except _Unauthorized:
+                    logger.warning("endpointslice watch: unauthorized, reloading credentials")
+                    if api_client is not None:
+                        await api_client.close()
+                    api_client = None
+                except WATCH_ERRORS as e:
                     logger.warning(
-                        "endpointslice watch of %s failed (%s), retrying in %.1fs",
-                        self.service, e, backoff,
+                        "endpointslice watch of %s failed (%s), retrying in about %.1fs",
+                        self.service, e or type(e).__name__, self.backoff.next_s,
                     )  # fmt: skip
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self.max_backoff_s)
+                await self.backoff.sleep()
+        finally:
+            if api_client is not None:
+                await api_client.close()
 
-    def _params(self, **extra: str) -> dict[str, str]:
-        return {"labelSelector": f"{SERVICE_NAME_LABEL}={self.service}", **extra}
-
-    async def _list(self, session: aiohttp.ClientSession, ssl_ctx: ssl.SSLContext | None) -> str:
-        async with session.get(
-            self.url, params=self._params(), headers=self.api.headers(), ssl=ssl_ctx or True
-        ) as resp:
-            resp.raise_for_status()
-            body = await resp.json()
+    async def _list_and_watch(self, api: client.DiscoveryV1Api) -> None:
+        body = await self._read_json(
+            await api.list_namespaced_endpoint_slice(
+                self.namespace,
+                label_selector=self._selector,
+                _preload_content=False,
+                _request_timeout=aiohttp.ClientTimeout(total=30),
+            )
+        )
         self.slices.replace(body.get("items") or ())
         self._publish()
-        return body["metadata"]["resourceVersion"]
+        self._watched = False
+        version = body["metadata"]["resourceVersion"]
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            version, events = await self._watch(api, version)
+            if events or loop.time() - started >= self.min_stream_s:
+                self._watched = True
+                self.backoff.reset()
+            else:
+                logger.debug("endpointslice watch ended at once, resuming after a backoff")
+                await self.backoff.sleep()
 
-    async def _watch(
-        self, session: aiohttp.ClientSession, ssl_ctx: ssl.SSLContext | None, version: str
-    ) -> str:
-        """One watch stream; returns the version to resume from when the server ends it."""
-        params = self._params(
+    @property
+    def _selector(self) -> str:
+        return f"{SERVICE_NAME_LABEL}={self.service}"
+
+    @staticmethod
+    def _check(resp: aiohttp.ClientResponse) -> None:
+        if resp.status == 410:
+            raise _Expired
+        if resp.status == 401:
+            raise _Unauthorized
+        resp.raise_for_status()
+
+    async def _read_json(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        async with resp:
+            self._check(resp)
+            return await resp.json()
+
+    async def _watch(self, api: client.DiscoveryV1Api, version: str) -> tuple[str, int]:
+        """One watch stream; returns the version to resume from when the server ends it and
+        how many events (bookmarks included) it delivered."""
+        resp: aiohttp.ClientResponse = await api.list_namespaced_endpoint_slice(
+            self.namespace,
+            label_selector=self._selector,
+            # Strings: the client would send Python's "True", which the API server accepts
+            # but proxies and emulators need not.
             watch="true",
-            resourceVersion=version,
-            allowWatchBookmarks="true",
-            timeoutSeconds=str(self.watch_timeout_s),
+            resource_version=version,
+            allow_watch_bookmarks="true",
+            timeout_seconds=self.watch_timeout_s,
+            _preload_content=False,
+            # No total timeout: a watch is a long poll the server ends (timeoutSeconds).
+            _request_timeout=aiohttp.ClientTimeout(
+                total=None, connect=10, sock_read=self.watch_timeout_s + 30
+            ),
         )
-        async with session.get(
-            self.url, params=params, headers=self.api.headers(), ssl=ssl_ctx or True
-        ) as resp:
-            if resp.status == 410:
-                raise _Expired
-            resp.raise_for_status()
-            # Lines can outgrow aiohttp's readline limit (a slice holds up to 1000 endpoints).
+        events = 0
+        async with resp:
+            self._check(resp)
+            # Read in chunks rather than lines: a line (a slice holds up to 1000 endpoints) can
+            # outgrow a stream reader's line limit.
             buffer = b""
             async for chunk in resp.content.iter_any():
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     if line.strip():
-                        version = self._event(json.loads(line), version)
-        return version
+                        version = self._event(json.loads(line))
+                        events += 1
+        return version, events
 
-    def _event(self, event: Mapping[str, Any], version: str) -> str:
+    def _event(self, event: Mapping[str, Any]) -> str:
         kind, obj = event["type"], event["object"]
         if kind == "ERROR":
             if obj.get("code") == 410:

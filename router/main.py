@@ -9,12 +9,13 @@ import signal
 from collections.abc import Sequence
 
 from aiohttp import web
+from kubernetes_asyncio.config import ConfigException
 
 from kvfleet.router.breaker import BreakerPolicy
 from kvfleet.router.endpoints import (
     EndpointSliceWatcher,
-    KubeAPI,
     in_cluster_namespace,
+    load_configuration,
     parse_static,
 )
 from kvfleet.router.prompt_tokenizer import load_tokenizer
@@ -103,11 +104,12 @@ async def serve(ns: argparse.Namespace) -> int:
         if not namespace:
             raise SystemExit("--namespace is required outside a cluster")
         try:
-            api = KubeAPI.in_cluster()
-        except RuntimeError as e:
+            # Loaded here to fail fast; the watcher loads them again, at start and on a 401.
+            await load_configuration()
+        except (ConfigException, OSError) as e:
             raise SystemExit(f"--engine-service needs the Kubernetes API: {e}") from None
         watcher = EndpointSliceWatcher(
-            api, namespace, ns.engine_service, ns.engine_port, router.set_endpoints
+            load_configuration, namespace, ns.engine_service, ns.engine_port, router.set_endpoints
         )
         watch = asyncio.create_task(watcher.run())
     runner = build_runner(router)

@@ -41,6 +41,7 @@ from tests.support.kmock import (
     by_operator,
     create,
     eventually,
+    kube_for,
     run_operator,
     url,
     writes,
@@ -212,8 +213,9 @@ async def operator(k: APIServer, clock: Clock) -> AsyncIterator[None]:
         autoscale_interval=INTERVAL,
         scrape_timeout=0.2,
         clock=clock,
+        kube=kube_for(k),
     )
-    async with run_operator(registry, settings, str(k.url)):
+    async with run_operator(registry, settings):
         yield
 
 

@@ -15,14 +15,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from kubernetes_asyncio.client import Configuration
+from kubernetes_asyncio.config import ConfigException
 from multidict import CIMultiDict
 
 from kvfleet.operator.resources import router_args
 from kvfleet.operator.spec import RoutingSpec
 from kvfleet.router.endpoints import (
     EndpointSliceWatcher,
-    KubeAPI,
     SliceSet,
+    load_configuration,
     parse_static,
     slice_endpoints,
 )
@@ -256,13 +258,27 @@ def test_slice_endpoints_ready_only() -> None:
     assert ss.endpoints() == {"10.0.1.1:8000"}
 
 
-def test_in_cluster_config(tmp_path: Path) -> None:
-    (tmp_path / "token").write_text("tok\n")
-    api = KubeAPI.in_cluster({"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, tmp_path)
-    assert api.base_url == "https://10.96.0.1:443"
-    assert api.headers() == {"Authorization": "Bearer tok"}
-    with pytest.raises(RuntimeError):
-        KubeAPI.in_cluster({}, tmp_path)
+@pytest.mark.asyncio
+async def test_in_cluster_config(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("tok")
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    cfg = await load_configuration(env, tmp_path)
+    assert cfg.host == "https://10.96.0.1:443"
+    assert cfg.ssl_ca_cert == str(tmp_path / "ca.crt")
+    assert await cfg.get_api_key_with_prefix("BearerToken") == "Bearer tok"
+    with pytest.raises(ConfigException):  # outside a cluster: the kubeconfig, here none
+        await load_configuration({"KUBECONFIG": str(tmp_path / "none")}, tmp_path)
+
+
+def kubeconfig(path: Path, server: str, user: dict[str, Any]) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "dev",
+        "clusters": [{"name": "dev", "cluster": {"server": server}}],
+        "users": [{"name": "dev", "user": user}],
+        "contexts": [{"name": "dev", "context": {"cluster": "dev", "user": "dev"}}],
+    }))  # fmt: skip
+    return path
 
 
 @asynccontextmanager
@@ -313,11 +329,16 @@ async def test_watcher_lists_watches_and_relists(tmp_path: Path) -> None:
 
     app = web.Application()
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices", handler)
-    (tmp_path / "token").write_text("sekret")
     changes: list[frozenset[str]] = []
     async with serving(app) as addr:
-        api = KubeAPI(f"http://{addr}", token_path=tmp_path / "token")
-        watcher = EndpointSliceWatcher(api, "ml", "chat-engine", 8000, changes.append)
+        env = {
+            "KUBECONFIG": str(kubeconfig(tmp_path / "kc", f"http://{addr}", {"token": "sekret"}))
+        }
+
+        async def connect() -> Configuration:
+            return await load_configuration(env, tmp_path)
+
+        watcher = EndpointSliceWatcher(connect, "ml", "chat-engine", 8000, changes.append)
         task = asyncio.create_task(watcher.run())
         deadline = time.monotonic() + 10
         while len(seen) < 5 and time.monotonic() < deadline:

@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 import kmock
 import kopf
 import yaml
+from kubernetes_asyncio import client
 
+from kvfleet.operator.kube import Connection, Kube
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, PolicyRule, allows
 from kvfleet.operator.resources import OperatorConfig
@@ -125,16 +127,10 @@ class APIServer(kmock.KubernetesEmulator):
 async def run_operator(
     registry: kopf.OperatorRegistry,
     settings: kopf.OperatorSettings,
-    url: str,
     namespaces: list[str] | None = None,
 ) -> AsyncIterator[None]:
     """The operator in a thread of its own, with its own event loop, as in its own process: on
     exit kopf waits for and cancels every task of its loop, which must not include kmock's."""
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=url)
-
     stop, ready = threading.Event(), threading.Event()
     failure: list[BaseException] = []
 
@@ -169,9 +165,18 @@ async def operator(
     k: APIServer, config: OperatorConfig = CONFIG, namespaces: list[str] | None = None
 ) -> AsyncIterator[None]:
     settings = build_settings()
-    registry = build_registry(settings, config, debounce=0.02, backoff=0.2)
-    async with run_operator(registry, settings, str(k.url), namespaces):
+    registry = build_registry(settings, config, debounce=0.02, backoff=0.2, kube=kube_for(k))
+    async with run_operator(registry, settings, namespaces):
         yield
+
+
+def kube_for(k: APIServer) -> Kube:
+    """The operator's client, and so kopf, pointed at the emulator."""
+
+    async def connect() -> Connection:
+        return Connection(client.Configuration(host=str(k.url).rstrip("/")), "kmock")
+
+    return Kube(connect)
 
 
 async def api(k: APIServer, method: str, url: str, body: Any = None) -> Any:
@@ -208,7 +213,12 @@ async def eventually(check: Callable[[], T], timeout: float = 10.0) -> T:
 
 
 def by_operator(k: APIServer, since: int = 0) -> list[kmock.Request]:
-    return [r for r in list(k)[since:] if r.headers.get("User-Agent", "").startswith("kopf/")]
+    return [
+        r
+        for r in list(k)[since:]
+        # kopf's own requests (watches, events, peering) and those of the operator's client
+        if r.headers.get("User-Agent", "").startswith(("kopf/", "kvfleet-operator/"))
+    ]
 
 
 def writes(k: APIServer, since: int = 0) -> list[str]:
