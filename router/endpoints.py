@@ -107,6 +107,11 @@ async def load_configuration(
         )
     else:
         path = env.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+        # KUBECONFIG is a list of files, merged; the loader's own error for none is obscure.
+        if not any(Path(p).expanduser().is_file() for p in path.split(os.pathsep) if p):
+            raise config.ConfigException(
+                f"not in a cluster (KUBERNETES_SERVICE_HOST unset) and no kubeconfig at {path}"
+            )
         await config.load_kube_config(
             config_file=path, client_configuration=configuration, persist_config=False
         )
