@@ -1,5 +1,5 @@
 """What the engine hands back: per-step deltas that front ends stream, and accumulate into the
-final RequestOutput the offline API returns."""
+final RequestOutput the offline API returns; and the stats snapshot the server reads."""
 
 from __future__ import annotations
 
