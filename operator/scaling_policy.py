@@ -160,6 +160,8 @@ def decide(
             *(r.replicas for r in past if now - r.time < policy.scale_up_stabilization_s),
         ]
         desired = max(current, min(window))
+        if desired < raw:
+            why = f"{why}; scale-up held by the {policy.scale_up_stabilization_s:g}s window"
         cap = max(current + max(policy.max_scale_up_pods, current), policy.min_replicas)
         if desired > cap:
             desired, why = cap, f"{why}; step limited to {cap}"

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfleet.operator.autoscaler import policy_of
 from kvfleet.operator.scaling_policy import (
     PodMetrics,
     Recommendation,
@@ -13,6 +14,7 @@ from kvfleet.operator.scaling_policy import (
     compact_history,
     decide,
 )
+from kvfleet.operator.spec import parse_spec
 
 POLICY = ScalingPolicy(
     min_replicas=1,
@@ -67,6 +69,33 @@ def test_scale_down_waits_for_the_window_then_follows_the_highest_recommendation
         t += 10
     d = decide(current, pods(4, 4, 4, 4), POLICY, history, t, t)
     assert d.replicas == 2
+
+
+def test_scale_up_follows_the_lowest_recommendation_of_its_window():
+    # From the CRD field to the decision: spec.autoscaling.scaleUpStabilizationSeconds.
+    spec = parse_spec("llm", {"autoscaling": {"maxReplicas": 10, "targetQueueDepth": 8,
+                                              "scaleUpStabilizationSeconds": 60}})  # fmt: skip
+    policy = policy_of(spec.autoscaling)
+    assert policy.scale_up_stabilization_s == 60
+    d = decide(2, pods(8, 8), policy, (), None, now=0.0)  # on target: 2 is recommended at 0
+    assert d.replicas == 2
+    history, t = d.history, 10.0
+    # Twice the target asks for 4, but 2 was recommended less than 60 s ago.
+    while t < 60:
+        d = decide(2, pods(16, 16), policy, history, t, t)
+        history = d.history
+        assert d.replicas == 2, f"scaled up at t={t} inside the window"
+        assert "scale-up held by the 60s window" in d.reason
+        t += 10
+    # The 2 of t=0 has left the window: every recommendation inside it is 4.
+    d = decide(2, pods(16, 16), policy, history, t, t)
+    assert d.replicas == 4 and "held" not in d.reason
+    # A dip inside the window bounds the step: the lowest recommendation wins, not the latest.
+    history = (Recommendation(0.0, 2), Recommendation(50.0, 3))
+    assert decide(2, pods(16, 16), policy, history, 55.0, 70.0).replicas == 3
+    # Without a window (the default), the same load scales up at once.
+    assert policy_of(parse_spec("llm", {}).autoscaling).scale_up_stabilization_s == 0
+    assert decide(2, pods(16, 16), POLICY, history, 55.0, 70.0).replicas == 4
 
 
 def test_scale_to_zero_only_after_the_idle_delay_and_back_on_held_requests():

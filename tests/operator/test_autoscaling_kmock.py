@@ -431,3 +431,31 @@ async def test_external_mode_leaves_the_count_to_the_external_scaler(cluster, se
             f"POST {url(EVENTS)}",
         }
     assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
+async def test_scale_up_waits_for_the_scale_up_window_of_the_spec(cluster, servers):
+    k, clock = cluster, Clock(T0)
+    spec = service("burst", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
+                             "scaleUpStabilizationSeconds": 60})  # fmt: skip
+    engine = await servers()
+    async with operator(k, clock):
+        await create(k, spec)
+        await eventually(lambda: engine_replicas_of(k, "burst") == 1)
+        await add_pod(k, "burst", "engine", engine)
+        await steps(engine)  # idle: 1 is recommended at T0
+
+        # 16 in flight on one replica asks for 4, held while the 1 of T0 is inside 60 s. As
+        # above, the clock moves only once the steps see the new load.
+        engine.load(running=4, waiting=12)
+        await steps(engine)
+        for t in (0, 30, 59):
+            clock.now = T0 + t
+            await steps(engine)
+            assert engine_replicas_of(k, "burst") == 1, f"scaled up at {t}s"
+            assert "lastScaleDecision" not in status_of(k, "burst")
+        clock.now = T0 + 61
+        await eventually(lambda: engine_replicas_of(k, "burst") == 4)
+        last = status_of(k, "burst")["lastScaleDecision"]
+        assert (last["from"], last["to"]) == (1, 4)
+    assert_rbac_covers(k)
