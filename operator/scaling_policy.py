@@ -4,8 +4,10 @@ with a fake clock.
 
 Two signals, as the engines report them: requests in flight (running + waiting) per replica over
 a target, and mean KV-cache usage over a target. Each gives a replica count (with a tolerance band
-that ignores small deviations); the larger wins. Then, as HPA does: clamp to [min, max], bound the
-step up, and scale down only to the highest recommendation seen within the stabilization window.
+that ignores small deviations); the larger wins. Then, as HPA does: clamp to [min, max] (with
+bound_replicas, which the reconciler uses too), scale up only to the lowest recommendation seen
+within the scale-up window and by a bounded step, and scale down only to the highest
+recommendation seen within the scale-down window.
 A pod that did not answer is never a reason to scale down, nor is a replica still starting; a
 starting replica counts as idle when scaling up (it takes its share of the load once ready), as
 HPA counts unready pods, so a slow model load does not make the scaler climb to the maximum.
