@@ -122,7 +122,8 @@ class AsyncEngine:
         return self._stats.num_requests_waiting + pending
 
     def stats(self) -> EngineStats:
-        """The engine's state as of its last step (or commands applied), whichever was later."""
+        """The engine's state as its thread last published it: between steps, once it has
+        applied the commands sent to it."""
         return self._stats
 
     def is_alive(self) -> bool:
