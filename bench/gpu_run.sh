@@ -47,10 +47,10 @@ for step in "$@"; do
     case $step in
     check)
         timeout 300 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
-        timeout 400 $py -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+        timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
         ;;
     gputests)
-        timeout 400 $py -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+        timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
         ;;
     qwen3)
         timeout 500 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
@@ -134,7 +134,7 @@ for step in "$@"; do
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.
-        timeout 540 $py -m pytest -q -p no:cacheprovider tests/test_gpu_tensor_parallel.py 2>&1 |
+        timeout 540 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu_tensor_parallel.py 2>&1 |
             tee "$out/tp_tests.txt"
         ;;
     tp-llama8b)
