@@ -61,7 +61,7 @@ e2e: install-dev tools
 # The API fuzzer with a long, random example budget (CI runs a small, fixed one).
 FUZZ_EXAMPLES ?= 3000
 fuzz: install-dev
-	KVFLEET_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_api_fuzz.py
+	KVFLEET_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/server/test_api_fuzz.py
 
 # Ten minutes of good and hostile traffic against two engines behind a router (docs/security.md).
 SOAK_SECONDS ?= 600

@@ -5,7 +5,7 @@ mirror it field for field (same names, defaults, ranges and enums). The API serv
 schema and the CEL rules before an object is stored, but the operator validates again: an API
 server older than CEL support, an emulator, or a CRD installed without validation must not make
 the operator act on a spec the CRD would reject. Each CEL rule has an equivalent check here that
-fails with the same message; tests/test_crd_schema.py holds the two to each other.
+fails with the same message; tests/operator/test_crd_schema.py holds the two to each other.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The CUDA path: Triton kernels, CUDA graphs, KV sizing. Skipped where no GPU is visible (CI);
-run on a GPU machine with `pytest -q tests/test_gpu.py`."""
+run on a GPU machine with `pytest -q tests/engine/test_gpu.py`."""
 
 from __future__ import annotations
 

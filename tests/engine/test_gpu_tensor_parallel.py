@@ -1,6 +1,6 @@
 """Tensor parallelism on real GPUs (NCCL, Triton kernels, CUDA graphs on every rank). Skipped
 with fewer than two GPUs visible; run on a 2-GPU machine with
-`pytest -q tests/test_gpu_tensor_parallel.py`."""
+`pytest -q tests/engine/test_gpu_tensor_parallel.py`."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ async def servers() -> AsyncIterator[Callable[..., Awaitable[MetricsServer]]]:
 
 @contextlib.asynccontextmanager
 async def operator(k: APIServer, clock: Clock) -> AsyncIterator[None]:
-    """The operator in its own thread and loop (as in tests/test_operator_kmock.py), with a
+    """The operator in its own thread and loop (as in tests/operator/test_operator_kmock.py), with a
     short autoscaling interval and the fake clock."""
     settings = build_settings()
     registry = build_registry(
