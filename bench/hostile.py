@@ -1,5 +1,6 @@
 """Hostile HTTP requests as hypothesis strategies, a raw sender, and the rules a response must
-keep. The API fuzzer (tests/server/test_api_fuzz.py) and the soak (bench/soak.py) both draw from here.
+keep. The API fuzzer (tests/server/test_api_fuzz.py) and the soak (bench/soak.py) both draw
+from here.
 
 A case starts from a valid request to one of the OpenAI endpoints and breaks it: fields set to
 extreme or wrongly typed values, text with lone surrogates and control characters, deep nesting,

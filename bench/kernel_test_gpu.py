@@ -505,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         logger.error(
-            "no CUDA device: run the interpreter tests instead (tests/kernels/test_triton_kernels.py)"
+            "no CUDA device: run the interpreter tests instead "
+            "(tests/kernels/test_triton_kernels.py)"
         )
         return 2
     dev = torch.device(args.device)

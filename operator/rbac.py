@@ -3,8 +3,8 @@
 ``kvfleet-operator print-rbac`` renders OPERATOR_RULES as the ClusterRole the Helm chart installs
 for an operator serving every namespace; ``print-rbac -n NAMESPACE...`` renders
 NAMESPACED_OPERATOR_RULES as the Role (and RoleBinding) per watched namespace of the chart's
-namespaced mode, which grants nothing cluster-wide. tests/operator/test_operator_kmock.py checks every API
-call the operator makes against them.
+namespaced mode, which grants nothing cluster-wide. tests/operator/test_operator_kmock.py checks
+every API call the operator makes against them.
 
 The router's permissions are a namespaced Role per InferenceService, created by the operator with
 the router's ServiceAccount and a RoleBinding (all owned by the InferenceService). A single

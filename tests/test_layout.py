@@ -74,7 +74,7 @@ def test_the_rule_check_sees_lazy_imports(tmp_path: Path) -> None:
     ],
 )
 def test_nothing_shadows_a_module_from_the_repository_root(code: str) -> None:
-    # No isolation flag: the repository root is on sys.path, as for `python -m pytest` or `python -c`.
+    # No isolation flag: the repository root is on sys.path, as for `python -m pytest`.
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     tool = subprocess.run(

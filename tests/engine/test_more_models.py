@@ -1,6 +1,6 @@
-"""GPT-2 and Gemma 2 beyond the shared HF-equality suite (tests/engine/test_engine_equivalence.py runs
-them too): published GPT-2 checkpoint layouts, Gemma 2's soft-caps where they change the result,
-and the real public configs building with dummy weights."""
+"""GPT-2 and Gemma 2 beyond the shared HF-equality suite (tests/engine/test_engine_equivalence.py
+runs them too): published GPT-2 checkpoint layouts, Gemma 2's soft-caps where they change the
+result, and the real public configs building with dummy weights."""
 
 from __future__ import annotations
 
