@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
 import kopf
 
 from kvfleet.operator import kube as k
-from kvfleet.operator.metrics_scraper import ready_targets, scrape_engines, scrape_held_requests
+from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
     ENGINE_PORT,
@@ -164,11 +163,10 @@ class Autoscaler:
     ) -> None:
         self._api = api
         self._interval = interval
-        self._scrape_timeout = scrape_timeout
         self._clock = clock
         self._tasks: dict[k.Key, asyncio.Task[None]] = {}
         self._memory: dict[str, Memory] = {}  # by uid: a recreated object starts afresh
-        self._session: aiohttp.ClientSession | None = None
+        self._scraper = Scraper(timeout=scrape_timeout)
 
     def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
         """Follow an InferenceService's watch event: a loop runs while it exists in builtin
@@ -214,14 +212,10 @@ class Autoscaler:
         def of(component: str) -> list[dict[str, Any]]:
             return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]
 
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
         engines = ready_targets(of("engine"), ENGINE_PORT)
         metrics, (held, silent_routers) = await asyncio.gather(
-            scrape_engines(self._session, engines, self._scrape_timeout),
-            scrape_held_requests(
-                self._session, ready_targets(of("router"), ROUTER_PORT), self._scrape_timeout
-            ),
+            self._scraper.engines(engines),
+            self._scraper.held_requests(ready_targets(of("router"), ROUTER_PORT)),
         )
         now = self._clock()
         uid = isvc["metadata"]["uid"]
@@ -244,7 +238,9 @@ class Autoscaler:
             "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
         )
         self._memory[uid] = (decision.history, decision.last_active)
-        patch = status_update(status, current, decision, decision.unanswered + silent_routers, now)
+        patch = status_update(
+            status, current, decision, decision.unanswered + tuple(silent_routers), now
+        )
         if patch:
             try:
                 await self._api.merge_patch(f"{url}/status", {"status": patch})
@@ -262,6 +258,4 @@ class Autoscaler:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._scraper.close()

@@ -3,9 +3,21 @@
 Targets are pods, not Services: the autoscaler needs each engine's own numbers, and a Service
 would answer from one pod at random. A pod is scraped once it is Ready and has an IP, on the
 container port named ``http`` (what the operator's Deployments declare; tests point it at their
-own servers), else the component's default port. Every pod is fetched concurrently with its own
-timeout; one that does not answer in time, answers with an error, or lacks a metric is reported
-as unanswered, never as idle.
+own servers), else the component's default port.
+
+A pod's /metrics is untrusted input: one pod must not exhaust the operator's memory, stall its
+event loop, or stop the other pods' signals. So a body is streamed and cut off past
+``max_body_bytes`` (counted after decompression) or at the deadline, whichever comes first; only
+the lines of the wanted metrics are kept, a line at a time, so memory stays a few chunks per
+scrape whatever the body; those lines are parsed off the event loop; every value is checked (see
+scaling_policy.out_of_range). A pod that does not answer in time, answers with an error, with a
+body too large, not UTF-8 or unparsable, lacks a metric or reports an impossible value is
+reported unanswered with the reason, never as idle, and counted in
+kvfleet_operator_scrape_failures_total{reason}.
+
+Scrapes share one connection pool sized for ``max_concurrent`` scrapes, and a semaphore of as
+many slots: the per-pod timeout starts once a slot is held, so waiting behind other pods never
+counts against a pod; the wait for a slot has its own deadline (``slot_wait``).
 
 Parsing is prometheus-client's text parser, so the exposition format (escapes, timestamps,
 comments) is read as Prometheus reads it. A metric with several series (several model_name
@@ -15,15 +27,18 @@ values) is summed.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.operator.scaling_policy import PodMetrics
+from kvfleet.operator.scaling_policy import MAX_REQUESTS, PodMetrics, out_of_range
 
 logger = logging.getLogger("kvfleet.operator.metrics")
 
@@ -33,6 +48,16 @@ KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 # The router's gauge of requests waiting for a ready engine (scale from zero).
 HELD_REQUESTS = "kvfleet_router_held_requests"
 METRICS_PATH = "/metrics"
+
+MAX_BODY_BYTES = 4 * 2**20  # an engine's whole exposition is tens of KiB
+# A line this long is no exposition line; keeping it would let one line hold the whole body.
+MAX_LINE_CHARS = 64 * 2**10
+
+SCRAPE_FAILURES = Counter(
+    "kvfleet_operator_scrape_failures",
+    "Pod /metrics scrapes whose numbers were not used, by reason.",
+    ["reason"],
+)
 
 
 @dataclass(frozen=True)
@@ -88,67 +113,184 @@ def parse_metrics(text: str, names: Iterable[str]) -> dict[str, float]:
     return found
 
 
-async def fetch(session: aiohttp.ClientSession, target: Target, timeout: float) -> str | None:
-    """The body of one scrape, or None when the pod did not answer in time or failed."""
-    try:
-        async with session.get(
-            target.url, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as response:
+class ScrapeError(Exception):
+    """Why a pod's metrics are not used: ``reason`` is the metric's label, a short fixed word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _sample_lines(names: Sequence[str]) -> re.Pattern[str]:
+    """Matches the whole sample lines of the named metrics (and of no metric they prefix)."""
+    alternatives = "|".join(re.escape(n) for n in names)
+    return re.compile(rf"^[ \t]*(?:{alternatives})[{{ \t].*$", re.MULTILINE)
+
+
+class Scraper:
+    """Scrapes pods' /metrics over one connection pool; ``close`` it when done."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 2.0,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_concurrent: int = 256,
+        slot_wait: float = 5.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        """``timeout``: per pod, from a held slot to the last byte. ``max_concurrent``: scrapes
+        in flight at once, over all services. ``slot_wait``: the longest wait for a slot before
+        the pod counts as unreachable. ``session``: a caller's own client, not closed here (its
+        connector's limit then applies too)."""
+        self.timeout = timeout
+        self.max_body_bytes = max_body_bytes
+        self.max_concurrent = max_concurrent
+        self.slot_wait = slot_wait
+        self._session = session
+        self._own_session = session is None
+        # Made on first use, in the loop that scrapes.
+        self._slots: asyncio.Semaphore | None = None
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._slots = None
+
+    async def __aenter__(self) -> Scraper:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                # As many connections as slots: a slot's holder never waits for one.
+                connector=aiohttp.TCPConnector(limit=self.max_concurrent, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None),  # each scrape has its own deadline
+            )
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        return self._session, self._slots
+
+    async def _values(self, target: Target, names: Sequence[str]) -> dict[str, float]:
+        """The named metrics of one pod, summed over series and checked; raises ScrapeError."""
+        session, slots = self._client()
+        try:
+            async with asyncio.timeout(self.slot_wait):
+                await slots.acquire()
+        except TimeoutError:
+            raise ScrapeError("no_slot", f"no scrape slot within {self.slot_wait:g}s") from None
+        try:
+            async with asyncio.timeout(self.timeout):
+                values = await self._fetch(session, target, names)
+        except TimeoutError:
+            raise ScrapeError("timeout", f"no metrics within {self.timeout:g}s") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise ScrapeError("connection", f"no metrics: {e!r}") from None
+        finally:
+            slots.release()
+        for name, value in values.items():
+            high = 1.0 if name == KV_CACHE_USAGE else MAX_REQUESTS
+            if why := out_of_range(value, high):
+                raise ScrapeError("out_of_range", f"{name}: {why}")
+        return values
+
+    async def _fetch(
+        self, session: aiohttp.ClientSession, target: Target, names: Sequence[str]
+    ) -> dict[str, float]:
+        async with session.get(target.url) as response:
             if response.status != 200:
-                logger.warning("%s: /metrics answered %d", target.name, response.status)
-                return None
-            return await response.text()
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        logger.warning("%s: no metrics from %s: %r", target.name, target.url, e)
-        return None
+                raise ScrapeError("http_status", f"/metrics answered {response.status}")
+            pattern = _sample_lines(names)
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            found: dict[str, float] = {}
+            size, rest = 0, ""
+            # Leaving the block early closes the connection: the rest of the body is not read.
+            async for chunk in response.content.iter_any():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise ScrapeError("too_large", f"metrics body over {self.max_body_bytes} bytes")
+                try:
+                    text = rest + decoder.decode(chunk)
+                except UnicodeDecodeError as e:
+                    raise ScrapeError("not_utf8", f"metrics body is not UTF-8: {e}") from None
+                end = text.rfind("\n") + 1
+                text, rest = text[:end], text[end:]
+                if len(rest) > MAX_LINE_CHARS:
+                    raise ScrapeError("too_large", f"a metrics line over {MAX_LINE_CHARS} chars")
+                await self._add(found, pattern.findall(text), names)
+            try:
+                rest += decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                raise ScrapeError("not_utf8", f"metrics body is not UTF-8: {e}") from None
+            await self._add(found, pattern.findall(rest), names)
+            return found
 
+    @staticmethod
+    async def _add(found: dict[str, float], lines: list[str], names: Sequence[str]) -> None:
+        if not lines:
+            return
+        try:
+            # Off the event loop: a hostile body may be all wanted lines.
+            values = await asyncio.to_thread(parse_metrics, "\n".join(lines) + "\n", names)
+        except ValueError as e:
+            raise ScrapeError("unparsable", f"unreadable metrics: {e}") from None
+        for name, value in values.items():
+            found[name] = found.get(name, 0.0) + value
 
-def _parsed(
-    target: Target, text: str | None, names: Sequence[str], *, required: bool
-) -> dict[str, float] | None:
-    if text is None:
-        return None
-    try:
-        values = parse_metrics(text, names)
-    except ValueError as e:
-        logger.warning("%s: unreadable metrics: %s", target.name, e)
-        return None
-    if required and (missing := [n for n in names if n not in values]):
-        logger.warning("%s: metrics lack %s", target.name, ", ".join(missing))
-        return None
-    return values
+    async def _scrape(
+        self, targets: Sequence[Target], names: Sequence[str], *, required: bool
+    ) -> list[dict[str, float] | str]:
+        """Per target, its values or why there are none. One pod's failure, whatever it is, never
+        stops the others'."""
+
+        async def one(target: Target) -> dict[str, float] | str:
+            try:
+                values = await self._values(target, names)
+                if required and (missing := [n for n in names if n not in values]):
+                    raise ScrapeError("missing", f"metrics lack {', '.join(missing)}")
+                return values
+            except ScrapeError as e:
+                reason, message = e.reason, str(e)
+            except Exception as e:  # a bug or a failure mode not foreseen, on untrusted input
+                logger.exception("%s: scraping %s failed", target.name, target.url)
+                reason, message = "error", f"scrape failed: {e!r}"
+            SCRAPE_FAILURES.labels(reason).inc()
+            logger.warning("%s: %s (%s)", target.name, message, target.url)
+            return message
+
+        return await asyncio.gather(*(one(t) for t in targets))
+
+    async def engines(self, targets: Sequence[Target]) -> list[PodMetrics]:
+        """Queue depth and KV-cache usage of each engine; a pod without them is unanswered, with
+        the reason as its ``error``."""
+        results = await self._scrape(targets, (RUNNING, WAITING, KV_CACHE_USAGE), required=True)
+        return [
+            PodMetrics(target.name, error=values)
+            if isinstance(values, str)
+            else PodMetrics(target.name, values[RUNNING], values[WAITING], values[KV_CACHE_USAGE])
+            for target, values in zip(targets, results, strict=True)
+        ]
+
+    async def held_requests(self, targets: Sequence[Target]) -> tuple[float, dict[str, str]]:
+        """Requests the routers hold for want of a ready engine, summed; and why each router that
+        did not count did not. A router that answers without the gauge holds nothing (a labelled
+        gauge has no series until first set)."""
+        results = await self._scrape(targets, (HELD_REQUESTS,), required=False)
+        held, failed = 0.0, {}
+        for target, values in zip(targets, results, strict=True):
+            if isinstance(values, str):
+                failed[target.name] = values
+            else:
+                held += values.get(HELD_REQUESTS, 0.0)
+        return held, failed
 
 
 async def scrape_engines(
     session: aiohttp.ClientSession, targets: Sequence[Target], timeout: float
 ) -> list[PodMetrics]:
-    """Queue depth and KV-cache usage of each engine; a pod without them is unanswered."""
-    names = (RUNNING, WAITING, KV_CACHE_USAGE)
-    texts = await asyncio.gather(*(fetch(session, t, timeout) for t in targets))
-    metrics = []
-    for target, text in zip(targets, texts, strict=True):
-        values = _parsed(target, text, names, required=True)
-        if values is None:
-            metrics.append(PodMetrics(target.name))
-        else:
-            metrics.append(
-                PodMetrics(target.name, values[RUNNING], values[WAITING], values[KV_CACHE_USAGE])
-            )
-    return metrics
-
-
-async def scrape_held_requests(
-    session: aiohttp.ClientSession, targets: Sequence[Target], timeout: float
-) -> tuple[float, tuple[str, ...]]:
-    """Requests the routers hold for want of a ready engine, summed; and the routers that did not
-    answer. A router that answers without the gauge holds nothing (a labelled gauge has no series
-    until first set)."""
-    texts = await asyncio.gather(*(fetch(session, t, timeout) for t in targets))
-    held, unanswered = 0.0, []
-    for target, text in zip(targets, texts, strict=True):
-        values = _parsed(target, text, (HELD_REQUESTS,), required=False)
-        if values is None:
-            unanswered.append(target.name)
-        else:
-            held += values.get(HELD_REQUESTS, 0.0)
-    return held, tuple(unanswered)
+    """Scraper.engines over a caller's own session, for one-off scrapes."""
+    return await Scraper(timeout=timeout, session=session).engines(targets)

@@ -8,7 +8,9 @@ that ignores small deviations); the larger wins. Then, as HPA does: clamp to [mi
 bound_replicas, which the reconciler uses too), scale up only to the lowest recommendation seen
 within the scale-up window and by a bounded step, and scale down only to the highest
 recommendation seen within the scale-down window.
-A pod that did not answer is never a reason to scale down, nor is a replica still starting; a
+A pod that did not answer, or answered with values no engine can report (not finite, negative,
+absurdly large, a KV-cache usage outside [0, 1]), is never a reason to scale: its numbers are left
+out, as if it had not answered, and it holds any scale-down. Nor is a replica still starting; a
 starting replica counts as idle when scaling up (it takes its share of the load once ready), as
 HPA counts unready pods, so a slow model load does not make the scaler climb to the maximum.
 
@@ -21,6 +23,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Requests one engine or router can hold: far beyond any real batch or queue, so a larger count is
+# a broken gauge, not load.
+MAX_REQUESTS = 1e6
+
+
+def out_of_range(value: float, high: float) -> str | None:
+    """Why value cannot be a reading in [0, high] (NaN and infinities fail too), or None."""
+    return None if 0 <= value <= high else f"{value:g} is outside [0, {high:g}]"
+
 
 @dataclass(frozen=True)
 class PodMetrics:
@@ -28,10 +39,27 @@ class PodMetrics:
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None  # 0..1
+    error: str | None = None  # why the metrics did not come
+
+    @property
+    def problem(self) -> str | None:
+        """Why these metrics cannot be used, or None when they can."""
+        if self.error is not None:
+            return self.error
+        for name, value, high in (
+            ("requests running", self.running, MAX_REQUESTS),
+            ("requests waiting", self.waiting, MAX_REQUESTS),
+            ("KV-cache usage", self.kv_cache_usage, 1.0),
+        ):
+            if value is None:
+                return f"no {name}"
+            if why := out_of_range(value, high):
+                return f"{name}: {why}"
+        return None
 
     @property
     def answered(self) -> bool:
-        return None not in (self.running, self.waiting, self.kv_cache_usage)
+        return self.problem is None
 
     @property
     def in_flight(self) -> float:
@@ -72,6 +100,7 @@ class ScaleDecision:
     last_active: float | None  # when work was last seen
     signals: dict[str, float] = field(default_factory=dict)
     unanswered: tuple[str, ...] = ()
+    problems: dict[str, str] = field(default_factory=dict)  # why each unanswered pod is
 
 
 def bound_replicas(replicas: int, min_replicas: int, max_replicas: int) -> int:
@@ -103,8 +132,13 @@ def decide(
     starting: int = 0,
 ) -> ScaleDecision:
     """``starting``: replicas asked for that are not ready yet, so not among ``pods``."""
-    answered = [p for p in pods if p.answered]
-    unanswered = tuple(p.pod for p in pods if not p.answered)
+    problems = {p.pod: why for p in pods if (why := p.problem) is not None}
+    answered = [p for p in pods if p.pod not in problems]
+    unanswered = tuple(problems)
+    if not 0 <= held_requests < math.inf:
+        # The scraper rejects such readings already; a broken caller must not scale on them, nor
+        # put a NaN into the signals written to status.
+        held_requests = 0.0
     in_flight = sum(p.in_flight for p in answered)
     busy = in_flight > 0 or held_requests > 0
     if busy:
@@ -181,4 +215,4 @@ def decide(
     bounded = bound_replicas(desired, policy.min_replicas, policy.max_replicas)
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
-    return ScaleDecision(desired, why, history, last_active, signals, unanswered)
+    return ScaleDecision(desired, why, history, last_active, signals, unanswered, problems)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -15,11 +14,10 @@ from kvfleet.operator.metrics_scraper import (
     KV_CACHE_USAGE,
     RUNNING,
     WAITING,
+    Scraper,
     Target,
     parse_metrics,
     ready_targets,
-    scrape_engines,
-    scrape_held_requests,
 )
 from kvfleet.operator.scaling_policy import PodMetrics
 
@@ -134,8 +132,8 @@ async def test_engines_answer_or_are_reported_unanswered(serve):
     ]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    async with aiohttp.ClientSession() as session:
-        metrics = await scrape_engines(session, targets, timeout=0.5)
+    async with Scraper(timeout=0.5) as scraper:
+        metrics = await scraper.engines(targets)
     # Concurrent, each bounded by its timeout: the hanging pod costs one timeout, not more.
     assert loop.time() - started < 3
     assert metrics[0] == PodMetrics("good", running=3.0, waiting=5.0, kv_cache_usage=0.25)
@@ -147,6 +145,14 @@ async def test_engines_answer_or_are_reported_unanswered(serve):
         "partial",
         "refused",
     ]
+    assert {m.pod: m.error for m in metrics[1:]} == {
+        "slow": "no metrics within 0.5s",
+        "error": "/metrics answered 500",
+        "garbage": f"metrics lack {RUNNING}, {WAITING}, {KV_CACHE_USAGE}",
+        "partial": f"metrics lack {KV_CACHE_USAGE}",
+        "refused": metrics[-1].error,
+    }
+    assert metrics[-1].error.startswith("no metrics: ClientConnectorError")
 
 
 @pytest.mark.asyncio
@@ -158,6 +164,7 @@ async def test_held_requests_are_summed_over_routers(serve):
         Target("r3", await serve(text("# nothing held yet\n"))),
         Target("r4", await serve(hang)),
     ]
-    async with aiohttp.ClientSession() as session:
-        held, silent = await scrape_held_requests(session, targets, timeout=0.5)
-    assert (held, silent) == (5.0, ("r4",))
+    async with Scraper(timeout=0.5) as scraper:
+        held, silent = await scraper.held_requests(targets)
+    assert (held, tuple(silent)) == (5.0, ("r4",))
+    assert silent["r4"] == "no metrics within 0.5s"
