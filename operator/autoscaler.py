@@ -17,19 +17,32 @@ and a watch event every few seconds, so it is written when a decision changes so
 its content (not just its times) changes, and otherwise at most every REFRESH_SECONDS; between
 writes the exact memory is kept in the process. After a restart a window may therefore close up
 to REFRESH_SECONDS early.
+
+A step that fails (the API, a scrape or the decision raising) leaves the replica count as it is
+and is tried again the next interval. It is made visible once per cause, not once per interval:
+status.autoscaling.failure names the cause (written when the cause changes, removed by the next
+step that succeeds), a Warning Event goes with each new cause and a Normal one with the recovery,
+and kvfleet_operator_autoscaling_failures_total{reason} counts every failed step. Each service has
+its own task, so one service's failures never delay another's steps.
+
+A loop ends when its service is gone: a watch event says so, or, should that event be missed
+(a watch that broke at the wrong moment), the loop's own GET answers 404.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
+from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
@@ -50,8 +63,22 @@ logger = logging.getLogger("kvfleet.operator.autoscaler")
 
 Memory = tuple[tuple[Recommendation, ...], float | None]  # (history, last active)
 
+
+class Gone:
+    """What a step returns for a service that no longer exists."""
+
+
+GONE = Gone()
+
 REFRESH_SECONDS = 60.0
 MAX_REASON = 1024  # the CRD's limit on lastScaleDecision.reason
+MAX_FAILURE_MESSAGE = 1024  # the CRD's limit on status.autoscaling.failure.message
+FAILURES = Counter(
+    "kvfleet_operator_autoscaling_failures",
+    "Autoscaling steps that failed, by cause: APIError (reading the service or its pods, or "
+    "writing its status), ScrapeFailed, DecisionFailed.",
+    ["reason"],
+)
 SIGNAL_NAMES = {
     "current": "current",
     "starting": "starting",
@@ -149,7 +176,40 @@ def status_update(
     return patch
 
 
+def failure_update(
+    previous: Mapping[str, Any], reason: str | None, message: str, now: float
+) -> dict[str, Any]:
+    """The status merge patch that records a step's failure (reason None: it succeeded); empty
+    when the recorded cause is already this one. The message alone never makes a write: one
+    that changes every interval (a timestamp, an address) would write every interval."""
+    recorded = (previous.get("autoscaling") or {}).get("failure")
+    if (recorded or {}).get("reason") == reason:
+        return {}
+    if reason is None:
+        return {"autoscaling": {"failure": None}}
+    failure = {"reason": reason, "message": message[:MAX_FAILURE_MESSAGE], "since": _rfc3339(now)}
+    return {"autoscaling": {"failure": failure}}
+
+
 # -- I/O -----------------------------------------------------------------------------------
+
+
+class StepFailed(Exception):
+    """A step that could not decide; reason is the cause's name in status and the counter."""
+
+    def __init__(self, reason: str, error: BaseException) -> None:
+        super().__init__(f"{reason}: {type(error).__name__}: {error}")
+        self.reason = reason
+
+
+@contextlib.contextmanager
+def _failing_as(reason: str) -> Iterator[None]:
+    try:
+        yield
+    except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
+        raise StepFailed("APIError", e) from e
+    except Exception as e:
+        raise StepFailed(reason, e) from e
 
 
 class Autoscaler:
@@ -166,6 +226,9 @@ class Autoscaler:
         self._clock = clock
         self._tasks: dict[k.Key, asyncio.Task[None]] = {}
         self._memory: dict[str, Memory] = {}  # by uid: a recreated object starts afresh
+        # The last InferenceService each loop read, to report a failure that comes before the
+        # next read succeeds.
+        self._seen: dict[k.Key, dict[str, Any]] = {}
         self._scraper = Scraper(timeout=scrape_timeout)
 
     def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
@@ -180,23 +243,64 @@ class Autoscaler:
                 )
         elif task := self._tasks.pop(key, None):
             task.cancel()
-            self._memory.pop(meta.get("uid", ""), None)
+            self._forget(key)
+
+    @property
+    def tracked(self) -> set[k.Key]:
+        """The services whose loop runs."""
+        return set(self._tasks)
+
+    def _forget(self, key: k.Key) -> None:
+        if body := self._seen.pop(key, None):
+            self._memory.pop(body["metadata"].get("uid", ""), None)
 
     async def _loop(self, key: k.Key) -> None:
         while True:
             await asyncio.sleep(self._interval)
             try:
-                await self.step(key)
-            except Exception:
-                logger.exception("%s/%s: autoscaling step failed", *key)
+                decision = await self.step(key)
+            except StepFailed as e:
+                await self._failed(key, e)
+                continue
+            if decision is GONE:
+                logger.info("%s/%s: gone, autoscaling stops", *key)
+                if self._tasks.get(key) is asyncio.current_task():
+                    del self._tasks[key]
+                self._forget(key)
+                return
 
-    async def step(self, key: k.Key) -> ScaleDecision | None:
-        """One scrape and decision; None when there is nothing to scale."""
+    async def _failed(self, key: k.Key, failure: StepFailed) -> None:
+        """Count a failed step; say so in status and an Event when its cause is new."""
+        FAILURES.labels(failure.reason).inc()
+        logger.warning("%s/%s: autoscaling step failed: %s", *key, failure)
+        isvc = self._seen.get(key)
+        if isvc is None:
+            return  # never read: nothing to report on yet
+        patch = failure_update(
+            isvc.get("status") or {}, failure.reason, str(failure), self._clock()
+        )
+        if not patch:
+            return
+        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key)
+        try:
+            await self._api.merge_patch(f"{url}/status", {"status": patch})
+        except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("%s/%s: cannot record the failure: %s", *key, e)
+            return
+        # Recorded: later steps compare against it and write nothing until the cause changes.
+        isvc.setdefault("status", {}).setdefault("autoscaling", {}).update(patch["autoscaling"])
+        kopf.event(isvc, type="Warning", reason="AutoscalingFailed", message=str(failure))
+
+    async def step(self, key: k.Key) -> ScaleDecision | Gone | None:
+        """One scrape and decision; None when there is nothing to scale, GONE when the service
+        no longer exists. Raises StepFailed."""
         namespace, name = key
         url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
-        isvc = await self._api.get(url)
+        with _failing_as("APIError"):
+            isvc = await self._api.get(url)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-            return None
+            return GONE
+        self._seen[key] = isvc
         try:
             spec = parse_spec(name, isvc.get("spec"))
         except SpecError:
@@ -207,16 +311,18 @@ class Autoscaler:
         # What the reconciler applies to the engine Deployment.
         current = engine_replicas(spec, status.get("desiredReplicas"))
 
-        pods = await list_pods(self._api, namespace, name)
+        with _failing_as("APIError"):
+            pods = await list_pods(self._api, namespace, name)
 
         def of(component: str) -> list[dict[str, Any]]:
             return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]
 
         engines = ready_targets(of("engine"), ENGINE_PORT)
-        metrics, (held, silent_routers) = await asyncio.gather(
-            self._scraper.engines(engines),
-            self._scraper.held_requests(ready_targets(of("router"), ROUTER_PORT)),
-        )
+        with _failing_as("ScrapeFailed"):
+            metrics, (held, silent_routers) = await asyncio.gather(
+                self._scraper.engines(engines),
+                self._scraper.held_requests(ready_targets(of("router"), ROUTER_PORT)),
+            )
         now = self._clock()
         uid = isvc["metadata"]["uid"]
         history, last_active = self._memory.get(uid) or load_memory(status)
@@ -224,16 +330,17 @@ class Autoscaler:
             # Never seen busy: the idle time counts from the first look, so a new endpoint keeps
             # its replica for the whole scale-to-zero delay.
             last_active = now
-        decision = decide(
-            current,
-            metrics,
-            policy_of(spec.autoscaling),
-            history,
-            last_active,
-            now,
-            held_requests=held,
-            starting=max(0, current - len(engines)),
-        )
+        with _failing_as("DecisionFailed"):
+            decision = decide(
+                current,
+                metrics,
+                policy_of(spec.autoscaling),
+                history,
+                last_active,
+                now,
+                held_requests=held,
+                starting=max(0, current - len(engines)),
+            )
         logger.debug(
             "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
         )
@@ -241,11 +348,22 @@ class Autoscaler:
         patch = status_update(
             status, current, decision, decision.unanswered + tuple(silent_routers), now
         )
+        recovered = failure_update(status, None, "", now)
+        if recovered:
+            # Merged into the memory's own patch, which replaces every other field it names.
+            patch["autoscaling"] = patch.get("autoscaling", {}) | recovered["autoscaling"]
         if patch:
             try:
-                await self._api.merge_patch(f"{url}/status", {"status": patch})
-            except k.APINotFoundError:
-                return None  # deleted meanwhile
+                with _failing_as("APIError"):
+                    await self._api.merge_patch(f"{url}/status", {"status": patch})
+            except StepFailed as e:
+                if isinstance(e.__cause__, k.APINotFoundError):
+                    return GONE
+                raise
+        if recovered:
+            message = "autoscaling steps succeed again"
+            logger.info("%s/%s: %s", namespace, name, message)
+            kopf.event(isvc, type="Normal", reason="AutoscalingRecovered", message=message)
         if decision.replicas != current:
             message = f"engine replicas {current} -> {decision.replicas}: {decision.reason}"
             logger.info("%s/%s: %s", namespace, name, message)
@@ -255,6 +373,7 @@ class Autoscaler:
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
+        self._seen.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,6 +10,14 @@ idempotent (children are created once, 409 from a racing replica is absorbed, ap
 status is a function of the cluster), so two active replicas only duplicate reads and Events.
 ``--peering`` (kopf's ClusterKopfPeering/KopfPeering objects, created by the chart) keeps one
 replica active and the others on standby, each with a random priority.
+
+Under API faults (docs/operations.md, "API outages"): every request kopf makes, watches
+included, is retried without end with exponential backoff and jitter (WatchBackoffs), so an
+outage of any length is waited out instead of ending the process; a watch stream kopf restarts
+waits RECONNECT_S (jittered per process) first. /healthz fails when the operator can no longer
+watch: a watch task of kopf's has ended (kopf ends one on an error it does not retry, such as an
+HTTP 410 answer to a watch request), or listing InferenceServices has failed for
+WATCH_STALE_S. Prometheus metrics (kvfleet_operator_*) are served at --metrics-address.
 """
 
 from __future__ import annotations
@@ -22,23 +30,65 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import kopf
+import prometheus_client
 import yaml
 
+from kvfleet.operator import kube as k
 from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
-from kvfleet.operator.resources import MANAGED_BY, OperatorConfig
+from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION, OperatorConfig
 
 logger = logging.getLogger("kvfleet.operator")
+
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+RECONNECT_S = 1.0  # .. 2 x this, per process
+# API servers end a watch after timeoutSeconds; the client gives up a little later, so a
+# connection a load balancer dropped silently is noticed too.
+WATCH_SERVER_TIMEOUT_S = 300
+WATCH_CLIENT_TIMEOUT_S = 330
+CONNECT_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 60.0
+WATCH_STALE_S = 300.0
+WATCHER_TASK_PREFIX = "watcher for "  # how kopf names its watch tasks
+
+
+class WatchBackoffs:
+    """kopf's retry delays for a failed request: exponential from FIRST_BACKOFF_S to
+    MAX_BACKOFF_S with jitter, and unbounded. kopf's default is eight delays (54 s in all), after
+    which the request's error escalates and a watch's error ends the operator. Iterable anew
+    for each request (kopf iterates it per request), and not Sized, which tells kopf there is no
+    last attempt."""
+
+    def __init__(self, first: float = FIRST_BACKOFF_S, cap: float = MAX_BACKOFF_S) -> None:
+        self.first, self.cap = first, cap
+
+    def __iter__(self) -> Iterator[float]:
+        rng = random.Random()
+        delay = self.first
+        while True:
+            # Half fixed, half random: replicas and watches that failed together spread out.
+            yield rng.uniform(delay / 2, delay)
+            delay = min(delay * 2, self.cap)
 
 
 def build_settings(peering: str | None = None) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
+    settings.networking.error_backoffs = WatchBackoffs()
+    settings.networking.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.request_timeout = REQUEST_TIMEOUT_S
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
+    settings.watching.connect_timeout = CONNECT_TIMEOUT_S
+    # A float in kopf: drawn once per process, so replicas that lost the API together do not
+    # come back in step.
+    settings.watching.reconnect_backoff = RECONNECT_S * random.uniform(1.0, 2.0)
     # No list/watch of CRDs (least privilege): the InferenceService CRD must exist when the
     # operator starts, which the chart guarantees by installing CRDs first.
     settings.scanning.disabled = True
@@ -66,11 +116,14 @@ def build_registry(
     scrape_timeout: float = 2.0,
     clock: Callable[[], float] = time.time,
     kube: Kube | None = None,
+    namespaces: Sequence[str] = (),
+    watch_stale_s: float = WATCH_STALE_S,
 ) -> kopf.OperatorRegistry:
     """A registry with the operator's handlers; kopf logs in with the credentials of the
     operator's own client (by default the ServiceAccount in a pod, else the kubeconfig).
 
-    clock: seconds since the epoch, for the autoscaler's windows (tests pass a fake one)."""
+    clock: seconds since the epoch, for the autoscaler's windows (tests pass a fake one).
+    namespaces: those served (none: all), where the liveness probe lists InferenceServices."""
     registry = kopf.OperatorRegistry()
     api = kube or Kube()
     reconciler = Reconciler(api, config)
@@ -84,6 +137,9 @@ def build_registry(
         autoscaler,
     )
     kopf.on.login(registry=registry)(api.login)
+    kopf.on.probe(id="watching", registry=registry)(
+        WatchProbe(api, namespaces, stale_after=watch_stale_s, clock=time.monotonic)
+    )
 
     # After the queue's cleanup (kopf runs them in order): its last requests use the client.
     @kopf.on.cleanup(registry=registry)
@@ -91,6 +147,54 @@ def build_registry(
         await api.close()
 
     return registry
+
+
+class WatchProbe:
+    """kopf's liveness probe (raising fails /healthz): whether the operator can still watch.
+
+    kopf keeps no public record of its watches, so two signs are checked: a watch task of kopf's
+    that has ended while the operator runs (it ends one only on an error it does not retry), and
+    a list of InferenceServices, the collection the operator watches, that has not succeeded for
+    stale_after seconds. The list asks for a label nothing carries, so its answer is empty
+    whatever the cluster holds; kopf calls a probe at most every 10 s."""
+
+    def __init__(
+        self,
+        api: Kube,
+        namespaces: Sequence[str],
+        *,
+        stale_after: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self._api = api
+        self._url = (
+            k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespaces[0])
+            if namespaces
+            else f"/apis/{GROUP}/{VERSION}/{PLURAL}"
+        )
+        self._stale_after = stale_after
+        self._clock = clock
+        self._listed = clock()
+        self._watchers: set[asyncio.Task[Any]] = set()
+
+    async def __call__(self, **_: Any) -> str:
+        self._watchers |= {
+            t for t in asyncio.all_tasks() if t.get_name().startswith(WATCHER_TASK_PREFIX)
+        }
+        if ended := sorted(t.get_name() for t in self._watchers if t.done()):
+            raise kopf.PermanentError(f"no longer watching: {', '.join(ended)} ended")
+        try:
+            await self._api.list(self._url, "kvfleet.dev/liveness-probe=none")
+            self._listed = self._clock()
+        except Exception as e:
+            # Within the threshold an outage is waited out: a restart would not end it.
+            since = self._clock() - self._listed
+            if since >= self._stale_after:
+                raise kopf.PermanentError(
+                    f"cannot list InferenceServices for {since:.0f}s: {e}"
+                ) from e
+            return f"listing fails for {since:.0f}s: {e}"
+        return "watching"
 
 
 async def _operate(kube: Kube, **operator_args: Any) -> int:
@@ -113,15 +217,18 @@ def _run(ns: argparse.Namespace) -> int:
     )
     settings = build_settings(ns.peering)
     kube = Kube()
+    given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
+    namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
     registry = build_registry(
         settings,
         config,
         autoscale_interval=ns.autoscale_interval,
         scrape_timeout=ns.scrape_timeout,
         kube=kube,
+        namespaces=namespaces,
     )
-    given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
-    namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
+    host, _, port = ns.metrics_address.rpartition(":")
+    prometheus_client.start_http_server(int(port), host or "0.0.0.0")
     logger.info(
         "kvfleet operator: namespaces=%s engine image %s, router image %s, "
         "allowed images %s, allowed secrets %s",
@@ -194,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-address",
         default=os.environ.get("KVFLEET_HEALTH_ADDRESS", "0.0.0.0:8081"),
         help="where /healthz answers for liveness probes (default: 0.0.0.0:8081)",
+    )
+    run.add_argument(
+        "--metrics-address",
+        default=os.environ.get("KVFLEET_METRICS_ADDRESS", "0.0.0.0:8082"),
+        help="where /metrics answers with the operator's Prometheus metrics "
+        "(env KVFLEET_METRICS_ADDRESS; default: 0.0.0.0:8082)",
     )
     run.add_argument(
         "--peering",

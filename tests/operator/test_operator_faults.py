@@ -1,0 +1,289 @@
+"""Issue 17: the operator under API faults, on the kmock emulator with faults injected before the
+emulator stores anything, counting requests.
+
+Stated rates (docs/operations.md, "API outages"), per service, in autoscaling intervals:
+* a service whose every autoscaling step fails: at most MAX_FAILING_PER_INTERVAL requests per
+  interval (the loop's read, its failed list and the reconciler's backed-off retries), one
+  status write and one Warning Event for the cause, however many intervals it lasts;
+* a service deleted without its watch event: at most one more read by its loop;
+* kopf's own requests while the InferenceService list answers 503: at most
+  MAX_OUTAGE_RPS a second, and the operator is still there and reconciling afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import kmock
+import kopf
+import pytest
+from prometheus_client import REGISTRY
+
+from kvfleet.operator.autoscaler import failure_update
+from kvfleet.operator.main import (
+    MAX_BACKOFF_S,
+    WATCHER_TASK_PREFIX,
+    WatchBackoffs,
+    WatchProbe,
+    build_registry,
+    build_settings,
+)
+from tests.support.kmock import (
+    CONFIG,
+    DEMO,
+    DEPLOYMENTS,
+    EVENTS,
+    ISVCS,
+    NS,
+    PODS,
+    APIServer,
+    Fault,
+    api,
+    by_operator,
+    create,
+    eventually,
+    kube_for,
+    run_operator,
+    url,
+)
+
+INTERVAL = 0.25
+MAX_FAILING_PER_INTERVAL = 4
+MAX_OUTAGE_RPS = 5
+ISVC_COLLECTION = "/apis/kvfleet.dev/v1alpha1/inferenceservices"
+
+
+# -- pure parts ------------------------------------------------------------------------------
+
+
+def test_a_failure_is_written_once_per_cause_and_cleared_once():
+    first = failure_update({}, "APIError", "GET pods: 500", 1_750_000_000.0)
+    assert first == {
+        "autoscaling": {
+            "failure": {
+                "reason": "APIError",
+                "message": "GET pods: 500",
+                "since": "2025-06-15T15:06:40Z",
+            }
+        }
+    }
+    status = {"autoscaling": {"recommendations": [], **first["autoscaling"]}}
+    # Another message, same cause: nothing to write.
+    assert failure_update(status, "APIError", "GET pods: 503", 1_750_000_010.0) == {}
+    assert (
+        failure_update(status, "DecisionFailed", "x", 1_750_000_010.0)["autoscaling"]["failure"][
+            "reason"
+        ]
+        == "DecisionFailed"
+    )
+    assert failure_update(status, None, "", 0) == {"autoscaling": {"failure": None}}
+    assert failure_update({}, None, "", 0) == {}
+
+
+def test_kopf_retries_without_end_with_jitter_below_the_cap():
+    backoffs = build_settings().networking.error_backoffs
+    assert isinstance(backoffs, WatchBackoffs)
+    first = list(itertools.islice(backoffs, 100))
+    second = list(itertools.islice(backoffs, 100))  # anew for every request
+    assert len(first) == 100 and first != second  # kopf's default gives up after 8 (54 s)
+    assert 0.5 <= first[0] <= 1.0 and max(first) <= MAX_BACKOFF_S
+    assert sum(first[:8]) < sum(first)  # it grows, and keeps going past kopf's 54 s
+    assert not hasattr(backoffs, "__len__")  # kopf counts a Sized one as the last attempt
+    settings = build_settings()
+    assert settings.watching.reconnect_backoff >= 1.0
+    assert settings.watching.server_timeout and settings.watching.client_timeout
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.failing: Exception | None = None
+        self.lists = 0
+
+    async def list(self, url: str, label_selector: str) -> list[dict[str, Any]]:
+        self.lists += 1
+        if self.failing is not None:
+            raise self.failing
+        return []
+
+
+@pytest.mark.asyncio
+async def test_the_probe_fails_once_listing_has_failed_too_long():
+    api, now = FakeKube(), [0.0]
+    probe = WatchProbe(api, ["team-a"], stale_after=300, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert await probe() == "watching"
+    api.failing = ConnectionError("refused")
+    now[0] = 299.0
+    assert "listing fails" in await probe()  # an outage is waited out for a while
+    now[0] = 300.0
+    with pytest.raises(kopf.PermanentError, match="cannot list"):
+        await probe()
+    api.failing = None
+    assert await probe() == "watching"
+
+
+@pytest.mark.asyncio
+async def test_the_probe_fails_once_a_watch_task_has_ended():
+    probe = WatchProbe(FakeKube(), [], stale_after=300, clock=lambda: 0.0)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(stop.wait(), name=f"{WATCHER_TASK_PREFIX}inferenceservices")
+    await asyncio.sleep(0)
+    assert await probe() == "watching"
+    stop.set()
+    await watcher
+    with pytest.raises(kopf.PermanentError, match="no longer watching"):
+        await probe()
+
+
+# -- under kopf --------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def operator(k: APIServer, **settings_changes: Any) -> AsyncIterator[None]:
+    settings = build_settings()
+    for name, value in settings_changes.items():
+        section, attr = name.split("__")
+        setattr(getattr(settings, section), attr, value)
+    registry = build_registry(
+        settings,
+        CONFIG,
+        debounce=0.02,
+        backoff=0.2,
+        autoscale_interval=INTERVAL,
+        scrape_timeout=0.2,
+        kube=kube_for(k),
+    )
+    async with run_operator(registry, settings):
+        yield
+
+
+def service(name: str, autoscaling: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = copy.deepcopy(DEMO)
+    body["spec"]["autoscaling"] = autoscaling or {"minReplicas": 1, "maxReplicas": 4}
+    return body | {"metadata": {"name": name}}
+
+
+class PodListFault:
+    """The pod list of one InferenceService answers 403, as when a Role lost a rule; not a
+    status the client retries, so every step fails at once (Fault matches paths, not
+    selectors)."""
+
+    def __init__(self, isvc: str) -> None:
+        self.selector = f"kvfleet.dev/inferenceservice={isvc}"
+        self.hits = 0
+
+    def answer(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        if request.url.path != url(PODS) or request.params.get("labelSelector") != self.selector:
+            return None
+        self.hits += 1
+        return aiohttp.web.json_response({"kind": "Status", "code": 403}, status=403)
+
+
+def failures(reason: str) -> float:
+    labels = {"reason": reason}
+    return REGISTRY.get_sample_value("kvfleet_operator_autoscaling_failures_total", labels) or 0.0
+
+
+def events_of(k: APIServer, isvc: str, reason: str) -> list[dict[str, Any]]:
+    return [
+        e for e in k.every(EVENTS) if e["involvedObject"]["name"] == isvc and e["reason"] == reason
+    ]
+
+
+def status_of(k: APIServer, isvc: str) -> dict[str, Any]:
+    return (k.live(ISVCS, NS, isvc) or {}).get("status") or {}
+
+
+def requests_for(k: APIServer, isvc: str, since: int) -> list[kmock.Request]:
+    selector = f"kvfleet.dev/inferenceservice={isvc}"
+    return [
+        r
+        for r in by_operator(k, since)
+        if r.url.path.startswith(url(ISVCS, isvc)) or r.params.get("labelSelector") == selector
+    ]
+
+
+@pytest.mark.asyncio
+async def test_a_failing_step_is_visible_once_and_never_holds_up_another_service(cluster):
+    k = cluster
+    fault = PodListFault("bad")
+    async with operator(k):
+        await create(k, service("good"))
+        await create(k, service("bad"))
+        await eventually(lambda: k.live(DEPLOYMENTS, NS, "good-engine"))
+        before = failures("APIError")
+        k.faults.append(fault)  # type: ignore[arg-type]
+        mark = len(k)
+        await eventually(lambda: status_of(k, "bad").get("autoscaling", {}).get("failure"))
+        failure = status_of(k, "bad")["autoscaling"]["failure"]
+        assert failure["reason"] == "APIError" and "403" in failure["message"]
+
+        # The other service's loop goes on: a spec change is decided within two intervals.
+        await api(k, "patch", url(ISVCS, "good"), {"spec": {"autoscaling": {"minReplicas": 3}}})
+        await eventually(lambda: status_of(k, "good").get("desiredReplicas") == 3, 10 * INTERVAL)
+
+        # Tried again every interval; reported once.
+        start = asyncio.get_running_loop().time()
+        hits = fault.hits
+        await asyncio.sleep(12 * INTERVAL)
+        elapsed = asyncio.get_running_loop().time() - start
+        assert fault.hits - hits >= 6, "the next intervals did not try again"
+        assert failures("APIError") - before >= 6
+        assert len(events_of(k, "bad", "AutoscalingFailed")) == 1
+        status_writes = [
+            r
+            for r in requests_for(k, "bad", mark)
+            if r.method.value == "PATCH" and "autoscaling" in (r.data.get("status") or {})
+        ]
+        assert len(status_writes) == 1
+        rate = len(requests_for(k, "bad", mark)) / (elapsed / INTERVAL + 8)
+        assert rate <= MAX_FAILING_PER_INTERVAL, rate
+        assert "failure" not in status_of(k, "good").get("autoscaling", {})
+
+        # Fixed: the next step clears it, once.
+        k.faults.remove(fault)  # type: ignore[arg-type]
+        await eventually(lambda: "failure" not in status_of(k, "bad").get("autoscaling", {}))
+        await eventually(lambda: events_of(k, "bad", "AutoscalingRecovered"))
+        await asyncio.sleep(4 * INTERVAL)
+        assert len(events_of(k, "bad", "AutoscalingRecovered")) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_missed_deleted_event_stops_the_loop(cluster):
+    k = cluster
+    gone = url(ISVCS, "gone")
+    async with operator(k):
+        await create(k, service("gone"))
+
+        def polled() -> int:
+            return sum(1 for r in by_operator(k) if r.method.value == "GET" and r.url.path == gone)
+
+        await eventually(lambda: polled() >= 2)
+        # Gone from the store, and no watch event says so.
+        k.objects[ISVCS, NS, "gone"].delete()
+        await eventually(lambda: k.live(ISVCS, NS, "gone") is None)
+        count = polled()
+        await asyncio.sleep(12 * INTERVAL)
+        # The step under way, then the 404 that ends the loop: at most two more reads.
+        assert polled() - count <= 2, polled() - count
+
+
+@pytest.mark.asyncio
+async def test_an_outage_of_the_inferenceservice_list_is_waited_out(cluster):
+    """More 503s than kopf's default eight retries survive, at a bounded rate; delays are
+    shortened so the test waits seconds, not minutes."""
+    k = cluster
+    outage = k.inject(Fault("GET", ISVC_COLLECTION, 503, times=20))
+    start = asyncio.get_running_loop().time()
+    async with operator(k, networking__error_backoffs=WatchBackoffs(first=0.1, cap=0.4)):
+        await eventually(lambda: outage.hits >= 20, timeout=30)
+        elapsed = asyncio.get_running_loop().time() - start
+        assert outage.hits / elapsed <= MAX_OUTAGE_RPS, outage.hits / elapsed
+        # Still watching: a new service is reconciled.
+        await create(k, service("after"))
+        await eventually(lambda: k.live(DEPLOYMENTS, NS, "after-engine"), timeout=15)
