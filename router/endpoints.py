@@ -5,8 +5,9 @@ ServiceAccount in a cluster, the kubeconfig outside one).
 The watch is the plain list-then-watch protocol: list the slices (label
 ``kubernetes.io/service-name=<service>``), then watch from the list's resourceVersion with
 bookmarks, resuming from the last event or bookmark seen when the stream ends, and listing afresh
-when the API says the version is gone (410). Failures, and streams that end at once without an
-event, are retried after a backoff with jitter. While the API cannot be reached the last known
+when the API says the version is gone (410). Failures, streams that end at once without an
+event, and a 410 again before any stream stayed open (an API that keeps expiring what it just
+listed), are retried after a backoff with jitter. While the API cannot be reached the last known
 endpoints stay in use: a control plane outage must not take the data path down with it.
 
 The requests go through the generated DiscoveryV1Api (URL, credentials, TLS) but the responses
@@ -168,6 +169,10 @@ class EndpointSliceWatcher:
         # A stream that ends sooner without an event did no work: come back after a backoff.
         self.min_stream_s = min_stream_s
         self.backoff = Backoff(initial_backoff_s, max_backoff_s)
+        # Its own: bookmarks reset the other one, and a bookmark-then-410 cycle must not relist
+        # at full speed.
+        self.relist_backoff = Backoff(initial_backoff_s, max_backoff_s)
+        self._expiries = 0  # 410s since a stream last stayed open min_stream_s
         self.slices = SliceSet(port)
         self._published: frozenset[str] | None = None
         self._watched = False  # a stream did work since the last list
@@ -189,9 +194,16 @@ class EndpointSliceWatcher:
                         api_client = client.ApiClient(await self.connect())
                     await self._list_and_watch(client.DiscoveryV1Api(api_client))
                 except _Expired:
-                    logger.info("endpointslice watch expired, listing again")
-                    if self._watched:
+                    self._expiries += 1
+                    if self._watched and self._expiries == 1:
+                        logger.info("endpointslice watch expired, listing again")
                         continue
+                    logger.info(
+                        "endpointslice watch expired again, listing again in about %.1fs",
+                        self.relist_backoff.next_s,
+                    )
+                    await self.relist_backoff.sleep()
+                    continue
                 except _Unauthorized:
                     logger.warning("endpointslice watch: unauthorized, reloading credentials")
                     if api_client is not None:
@@ -224,6 +236,9 @@ class EndpointSliceWatcher:
         while True:
             started = loop.time()
             version, events = await self._watch(api, version)
+            if loop.time() - started >= self.min_stream_s:
+                self._expiries = 0
+                self.relist_backoff.reset()
             if events or loop.time() - started >= self.min_stream_s:
                 self._watched = True
                 self.backoff.reset()

@@ -128,6 +128,33 @@ async def test_expired_version_relists_and_bookmarks_advance_the_version() -> No
 
 
 @pytest.mark.asyncio
+async def test_repeated_410s_relist_after_a_growing_backoff() -> None:
+    """Issue 17: a bookmark, then 410, every time (161 requests/s before): at most 12 lists in
+    the first second, and fewer each second after (the backoff's cap: 30 s by default)."""
+    lists: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if "watch" not in request.query:
+            lists.append(loop.time())
+            return _list("7", "10.0.0.1")
+        if request.query["resourceVersion"] == "20":
+            return web.json_response({"kind": "Status", "code": 410}, status=410)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        bookmark = {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "20"}}}
+        await resp.write(json.dumps(bookmark).encode() + b"\n")
+        return resp
+
+    changes: list[frozenset[str]] = []
+    async with api(handler) as watcher:
+        await run_for(watcher(changes.append, initial_backoff_s=0.05, max_backoff_s=0.4), 1.0)
+    assert changes == [{"10.0.0.1:8000"}]
+    # The first 410 lists at once; then 0.05, 0.1, 0.2, 0.4 ... (times 0.5 to 1).
+    assert 3 <= len(lists) <= 12, len(lists)
+
+
+@pytest.mark.asyncio
 async def test_401_reloads_the_credentials() -> None:
     tokens = iter(["expired", "fresh"])
     auth: list[str] = []
