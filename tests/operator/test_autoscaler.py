@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -220,3 +222,17 @@ def test_compaction_never_changes_a_decision(policy, current, history, load, sta
     )
     assert (full.replicas, full.reason) == (compact.replicas, compact.reason)
     assert full.history == compact.history
+
+
+readings = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies, st.integers(0, 16), st.lists(st.tuples(readings, readings, readings), max_size=6),
+       readings)  # fmt: skip
+def test_any_reading_at_all_gives_a_decision_within_bounds(policy, current, raw, held):
+    metrics = [PodMetrics(f"p{i}", r, w, kv) for i, (r, w, kv) in enumerate(raw)]
+    d = decide(current, metrics, policy, (), None, 1000.0, held)
+    assert policy.min_replicas <= d.replicas <= policy.max_replicas
+    assert all(math.isfinite(v) for v in d.signals.values())
+    assert set(d.unanswered) == set(d.problems) == {p.pod for p in metrics if not p.answered}
