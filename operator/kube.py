@@ -38,6 +38,10 @@ USER_AGENT = f"kvfleet-operator/{version('kvfleet')}"
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # 5xx and 429 are the API server (or a proxy in front of it) asking to come back later.
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+# A 409 on a patch is a write that raced another one (a forced apply or a merge patch without a
+# resourceVersion holds no precondition): the same patch again succeeds. A 409 on a create
+# (AlreadyExists) is an answer, not a race.
+RETRIED_PATCH_STATUSES = RETRIED_STATUSES | {409}
 MAX_RETRY_AFTER_S = 10.0
 RETIRE_AFTER_S = 60.0
 Key = tuple[str, str]  # (namespace, name) of an object
@@ -238,7 +242,8 @@ class Kube:
                 except NoClusterError as e:
                     raise APIError(status, f"unauthorized; reloading credentials: {e}") from e
                 continue
-            if status in RETRIED_STATUSES and (delay := next(delays, None)) is not None:
+            retried = RETRIED_PATCH_STATUSES if method == "PATCH" else RETRIED_STATUSES
+            if status in retried and (delay := next(delays, None)) is not None:
                 delay = max(delay, min(_retry_after(headers), MAX_RETRY_AFTER_S))
                 logger.debug("%s %s: %d, retrying in %.1fs", method, url, status, delay)
                 await asyncio.sleep(delay)

@@ -11,8 +11,10 @@ through the owner references.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,6 +44,7 @@ from kvfleet.operator.resources import (
     service_url,
 )
 from kvfleet.operator.spec import (
+    MSG_SCALE_BUILTIN,
     InferenceServiceSpec,
     SpecError,
     engine_replicas,
@@ -78,7 +81,11 @@ class RetryLater(Exception):
 class WorkQueue:
     """At most one reconcile per key at a time; events arriving meanwhile coalesce into one rerun.
 
-    A failed reconcile is retried with exponential backoff, sooner if a new event arrives.
+    A failed reconcile is retried with exponential backoff and jitter, per key: after n failures
+    in a row the next attempt waits ``backoff * 2**(n-1)`` (at most ``max_backoff``) times a
+    random factor in [0.5, 1]. Only an urgent event (a change of the object itself, by someone
+    else) cuts the wait short; the others (its children's, which a failing reconcile may cause
+    itself) wait for it to end. Only a success resets the count.
     """
 
     def __init__(
@@ -93,39 +100,48 @@ class WorkQueue:
         self._debounce = debounce
         self._backoff = backoff
         self._max_backoff = max_backoff
-        self._dirty: dict[k.Key, asyncio.Event] = {}
+        # Per key: any event since the last start, and an urgent one since then.
+        self._dirty: dict[k.Key, tuple[asyncio.Event, asyncio.Event]] = {}
         self._tasks: dict[k.Key, asyncio.Task[None]] = {}
 
-    def enqueue(self, key: k.Key) -> None:
-        if key in self._tasks:
-            self._dirty[key].set()
-            return
-        self._dirty[key] = asyncio.Event()
-        self._dirty[key].set()
-        self._tasks[key] = asyncio.create_task(self._run(key), name=f"reconcile {key[0]}/{key[1]}")
+    def enqueue(self, key: k.Key, *, urgent: bool = True) -> None:
+        if key not in self._tasks:
+            self._dirty[key] = (asyncio.Event(), asyncio.Event())
+            self._tasks[key] = asyncio.create_task(
+                self._run(key), name=f"reconcile {key[0]}/{key[1]}"
+            )
+        dirty, hurry = self._dirty[key]
+        dirty.set()
+        if urgent:
+            hurry.set()
+
+    def _delay(self, failures: int) -> float:
+        nominal = min(self._backoff * 2 ** (failures - 1), self._max_backoff)
+        # Jitter spreads the retries of services that failed together (an API outage).
+        return nominal * random.uniform(0.5, 1.0)
 
     async def _run(self, key: k.Key) -> None:
-        dirty = self._dirty[key]
+        dirty, hurry = self._dirty[key]
         failures = 0
         try:
             while dirty.is_set():
                 # A create or a rollout fires a burst of child events: let it settle first.
                 await asyncio.sleep(self._debounce)
                 dirty.clear()
+                hurry.clear()
                 try:
                     await self._work(key)
                     failures = 0
                 except Exception as e:
                     failures += 1
-                    delay = min(self._backoff * 2 ** (failures - 1), self._max_backoff)
+                    delay = self._delay(failures)
                     if isinstance(e, RetryLater):
                         logger.warning("%s/%s: %s; retrying in %.1fs", *key, e, delay)
                     else:
                         logger.exception("%s/%s: reconcile failed; retrying in %.1fs", *key, delay)
-                    try:
-                        await asyncio.wait_for(dirty.wait(), timeout=delay)
-                    except TimeoutError:
-                        dirty.set()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(hurry.wait(), timeout=delay)
+                    dirty.set()
         finally:
             del self._tasks[key]
             del self._dirty[key]
@@ -163,12 +179,15 @@ class Reconciler:
         self._api = api
         self._config = config
         self._clock = clock
+        # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
+        self._replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
 
     async def reconcile(self, key: k.Key) -> None:
         namespace, name = key
         url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         isvc = await self._api.get(url)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
+            self._replicas_seen.pop(key, None)
             return  # the garbage collector removes the children
         owner = Owner(name=name, namespace=namespace, uid=isvc["metadata"]["uid"])
         previous = isvc.get("status") or {}
@@ -187,6 +206,8 @@ class Reconciler:
         ]
         for problem in refused:
             logger.warning("%s/%s: not applied: %s", namespace, name, problem.message)
+        if spec is not None:
+            self._refuse_scale_request(key, isvc, spec)
         if spec is not None and not refused:
             replicas = engine_replicas(spec, previous.get("desiredReplicas"))
             live, problems = await self._converge(owner, spec, replicas)
@@ -219,6 +240,28 @@ class Reconciler:
             kopf.event(isvc, type=event.type, reason=event.reason, message=event.message)
         if problems:
             raise RetryLater("; ".join(p.message for p in problems))
+
+    def _refuse_scale_request(
+        self, key: k.Key, isvc: dict[str, Any], spec: InferenceServiceSpec
+    ) -> None:
+        """Say so when spec.replicas is set or changed in builtin mode (``kubectl scale``),
+        where the autoscaler's decision overrides it.
+
+        The CRD's transition rule refuses that update; this covers an API server that does not
+        enforce it. A restarted operator has not seen the previous value and says nothing.
+        """
+        seen = (isvc["metadata"]["uid"], spec.autoscaling.mode, spec.replicas)
+        before = self._replicas_seen.get(key)
+        self._replicas_seen[key] = seen
+        if (
+            before is not None
+            and before[0] == seen[0]
+            and before[1] == seen[1] == "builtin"
+            and spec.replicas is not None
+            and before[2] != spec.replicas
+        ):
+            logger.warning("%s/%s: replicas %s ignored: %s", *key, spec.replicas, MSG_SCALE_BUILTIN)
+            kopf.event(isvc, type="Warning", reason="ScaleIgnored", message=MSG_SCALE_BUILTIN)
 
     async def _converge(
         self, owner: Owner, spec: InferenceServiceSpec, replicas: int
@@ -292,6 +335,18 @@ class Reconciler:
             await self._api.delete(url)
 
 
+def _reconcile_input(body: kopf.Body) -> object:
+    """What of an InferenceService a reconcile acts on: everything but the status, which the
+    operator writes itself (its own writes must not trigger reconciles, or each failed one
+    would retry at once), except the autoscaler's decision, which the reconcile applies."""
+    meta = {
+        key: value
+        for key, value in (body.get("metadata") or {}).items()
+        if key not in ("resourceVersion", "managedFields")
+    }
+    return meta, body.get("spec"), (body.get("status") or {}).get("desiredReplicas")
+
+
 def register(
     registry: kopf.OperatorRegistry,
     settings: kopf.OperatorSettings,
@@ -301,17 +356,28 @@ def register(
     """Wire the kopf handlers that feed the queue and start or stop the autoscaling loops;
     settings gain server-side label selectors."""
 
+    # What each service's last queued event had of what a reconcile acts on.
+    seen: dict[k.Key, object] = {}
+
     # async: kopf runs sync handlers in threads, and the queue belongs to the event loop.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def inference_service_event(
         name: str, namespace: str, type: str, body: kopf.Body, **_: Any
     ) -> None:
-        queue.enqueue((namespace, name))
-        autoscaler.track((namespace, name), body, deleted=type == "DELETED")
+        key = (namespace, name)
+        autoscaler.track(key, body, deleted=type == "DELETED")
+        if type == "DELETED":
+            seen.pop(key, None)
+            queue.enqueue(key)
+        elif seen.get(key) != (current := _reconcile_input(body)):
+            seen[key] = current
+            queue.enqueue(key)
 
     async def child_event(labels: kopf.Labels, namespace: str, **_: Any) -> None:
         if owner := labels.get(LABEL_ISVC):
-            queue.enqueue((namespace, owner))
+            # Not urgent: a failing reconcile's own writes to children must not cut its
+            # backoff short.
+            queue.enqueue((namespace, owner), urgent=False)
 
     managed = {LABEL_MANAGED_BY: MANAGED_BY}
     for group, version, plural in CHILD_RESOURCES:

@@ -51,6 +51,13 @@ MSG_REPLICAS_BOUNDS = (
 MSG_EXTERNAL_REPLICAS = (
     "autoscaling.mode external needs replicas: HPA and KEDA read and write it through /scale"
 )
+# A transition rule (the API server checks it on updates, /scale included): parse_spec sees one
+# object, so the reconciler, which remembers the previous one, says it with a Warning Event.
+MSG_SCALE_BUILTIN = (
+    "with autoscaling.mode builtin the autoscaler owns the replica count: replicas (kubectl "
+    "scale) cannot be set or changed; change autoscaling.minReplicas and maxReplicas, or use "
+    "autoscaling.mode external"
+)
 MSG_TP_GPUS = "tensorParallelSize > 1 needs resources.gpus equal to it (one GPU per shard)"
 MSG_MODEL_CACHE_HF = "modelCache is only used to download hf:// models"
 MSG_HF_TOKEN_HF = "hfTokenSecretRef is only used with hf:// sources"

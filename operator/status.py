@@ -322,16 +322,31 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
     }
 
 
+def _outcome(conditions: Sequence[Mapping[str, Any]] | None) -> list[tuple[Any, ...]]:
+    return [(c.get("type"), c.get("status"), c.get("reason")) for c in conditions or []]
+
+
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch that turns the live status into the computed one; empty when equal."""
+    """The merge patch that turns the live status into the computed one; empty when nothing
+    worth a write changed.
+
+    A condition's message alone is not worth one: messages carry details that change from one
+    attempt to the next (an API server's error text, counts during a rollout), and a write per
+    new message is a watch event per failed reconcile. A write made for anything else carries
+    the current messages along.
+    """
     patch: dict[str, Any] = {}
     for key in OWNED_KEYS:
         value = new.get(key)
         if value is None:
             if previous.get(key) is not None:
                 patch[key] = None
+        elif key == "conditions" and _outcome(previous.get(key)) == _outcome(value):
+            continue
         elif previous.get(key) != value:
             patch[key] = value
+    if patch and "conditions" not in patch and previous.get("conditions") != new["conditions"]:
+        patch["conditions"] = new["conditions"]
     return patch
 
 

@@ -120,37 +120,45 @@ def typed(value: Any, schema: dict[str, Any]) -> Any:
     return value
 
 
-def cel_rule_holds(rule: str, value: Any, schema: dict[str, Any]) -> bool:
+def cel_rule_holds(rule: str, value: Any, schema: dict[str, Any], old: Any = None) -> bool:
     program = CEL_ENV.program(CEL_ENV.compile(rule))
-    return bool(program.evaluate({"self": celpy.json_to_cel(typed(value, schema))}))
+    activation = {"self": celpy.json_to_cel(typed(value, schema))}
+    if old is not None:
+        activation["oldSelf"] = celpy.json_to_cel(typed(old, schema))
+    return bool(program.evaluate(activation))
 
 
-def cel_failures(value: Any, schema: dict[str, Any]) -> list[str]:
+def cel_failures(value: Any, schema: dict[str, Any], old: Any = None) -> list[str]:
+    """With old (an update), transition rules too: the API server skips them on a create."""
     failures = [
         rule["message"]
         for rule in schema.get("x-kubernetes-validations", [])
-        if not cel_rule_holds(rule["rule"], value, schema)
+        if ("oldSelf" not in rule["rule"] or old is not None)
+        and not cel_rule_holds(rule["rule"], value, schema, old)
     ]
     if isinstance(value, dict):
         for key, item in value.items():
             if key in schema.get("properties", {}):
-                failures += cel_failures(item, schema["properties"][key])
+                before = old.get(key) if isinstance(old, dict) else None
+                failures += cel_failures(item, schema["properties"][key], before)
     elif isinstance(value, list) and "items" in schema:
         for item in value:
             failures += cel_failures(item, schema["items"])
     return failures
 
 
-def crd_problems(obj: dict[str, Any]) -> list[str]:
-    """Why the API server would refuse the object (empty: it would store it)."""
+def crd_problems(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Why the API server would refuse the object, or the update from old (empty: it would
+    store it)."""
     obj = apply_defaults(copy.deepcopy(obj), SCHEMA)
+    old = apply_defaults(copy.deepcopy(old), SCHEMA) if old is not None else None
     problems = [
         e.message for e in jsonschema.Draft4Validator(as_jsonschema(SCHEMA)).iter_errors(obj)
     ]
     problems += unknown_fields(obj["spec"], SPEC_SCHEMA, "spec")
     problems += duplicate_keys(obj["spec"], SPEC_SCHEMA, "spec")
     if not problems:  # the API server evaluates CEL on objects that pass the schema
-        problems += cel_failures(obj, SCHEMA)
+        problems += cel_failures(obj, SCHEMA, old)
     return problems
 
 
@@ -443,8 +451,39 @@ def test_invalid_specs_are_rejected_by_the_crd_and_the_operator(name, spec, mess
         assert message in str(raised.value)
 
 
+# Updates (id, old spec, new spec, the CEL message expected or None when stored). kubectl scale
+# writes spec.replicas through /scale, which the API server validates like any update.
+UPDATES: list[tuple[str, dict[str, Any], dict[str, Any], str | None]] = [
+    ("scale-builtin-unset", {"autoscaling": {"maxReplicas": 4}},
+     {"replicas": 3, "autoscaling": {"maxReplicas": 4}}, M.MSG_SCALE_BUILTIN),
+    ("scale-builtin-set", {"replicas": 2, "autoscaling": {"maxReplicas": 4}},
+     {"replicas": 3, "autoscaling": {"maxReplicas": 4}}, M.MSG_SCALE_BUILTIN),
+    ("builtin-unchanged", {"replicas": 2, "autoscaling": {"maxReplicas": 4}},
+     {"replicas": 2, "autoscaling": {"maxReplicas": 5}}, None),
+    ("builtin-unset-replicas", {"replicas": 2, "autoscaling": {"maxReplicas": 4}},
+     {"autoscaling": {"maxReplicas": 4}}, None),
+    ("scale-external", {"replicas": 2, "autoscaling": {"mode": "external"}},
+     {"replicas": 3, "autoscaling": {"mode": "external"}}, None),
+    ("to-external", {"autoscaling": {"maxReplicas": 4}},
+     {"replicas": 3, "autoscaling": {"mode": "external", "maxReplicas": 4}}, None),
+    ("to-builtin", {"replicas": 2, "autoscaling": {"mode": "external", "maxReplicas": 4}},
+     {"replicas": 3, "autoscaling": {"maxReplicas": 4}}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"), [c[1:] for c in UPDATES], ids=[c[0] for c in UPDATES]
+)
+def test_builtin_mode_refuses_a_scale_request(old, new, message):
+    assert crd_problems(isvc(new), isvc(old)) == ([message] if message else [])
+    # Each spec alone is valid: creating it is allowed, and the operator acts on it (and says
+    # with a Warning Event that it ignores the new replicas: test_status_backoff.py).
+    assert crd_problems(isvc(new)) == []
+    parse_spec("llm", new)
+
+
 def test_every_cel_rule_has_an_invalid_case():
-    exercised = {c[3] for c in INVALID}
+    exercised = {c[3] for c in INVALID} | {c[3] for c in UPDATES}
     assert {message for _, _, message in cel_rules(SCHEMA)} <= exercised
     assert len(INVALID) >= 10
 

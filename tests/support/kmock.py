@@ -18,9 +18,11 @@ import itertools
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp.web
 import kmock
 import kopf
 import yaml
@@ -68,10 +70,45 @@ def _merge(base: Any, patch: Any) -> Any:
     return out
 
 
+@dataclass
+class Fault:
+    """Requests `method path` are answered with `status` `times` times (None: every time), before
+    the emulator stores anything; the n-th answer's message is message(n)."""
+
+    method: str
+    path: str
+    status: int
+    times: int | None = 1
+    message: Callable[[int], str] = lambda n: f"injected fault #{n}"
+    headers: dict[str, str] = field(default_factory=dict)
+    hits: int = 0
+
+    def answer(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        if (request.method.value, request.url.path) != (self.method, self.path):
+            return None
+        if self.times is not None and self.hits >= self.times:
+            return None
+        self.hits += 1
+        status = {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                  "message": self.message(self.hits), "code": self.status}  # fmt: skip
+        return aiohttp.web.json_response(status, status=self.status, headers=self.headers)
+
+
 class APIServer(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults: list[Fault] = []
+
+    def inject(self, fault: Fault) -> Fault:
+        self.faults.append(fault)
+        return fault
+
     async def _handle(self, request: kmock.Request) -> Any:
+        for fault in self.faults:
+            if (response := fault.answer(request)) is not None:
+                return response
         if request.resource is not None and isinstance(request.data, dict):
             self._stamp(request)
         return await super()._handle(request)
