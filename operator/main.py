@@ -56,6 +56,7 @@ WATCH_CLIENT_TIMEOUT_S = 330
 CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 WATCH_STALE_S = 300.0
+PROBE_LIST_TIMEOUT_S = 3.0  # under the chart's livenessProbe timeoutSeconds (5)
 WATCHER_TASK_PREFIX = "watcher for "  # how kopf names its watch tasks
 
 
@@ -184,7 +185,9 @@ class WatchProbe:
         if ended := sorted(t.get_name() for t in self._watchers if t.done()):
             raise kopf.PermanentError(f"no longer watching: {', '.join(ended)} ended")
         try:
-            await self._api.list(self._url, "kvfleet.dev/liveness-probe=none")
+            # Bounded: the client's own retries must not outlast the kubelet's probe timeout.
+            async with asyncio.timeout(PROBE_LIST_TIMEOUT_S):
+                await self._api.list(self._url, "kvfleet.dev/liveness-probe=none")
             self._listed = self._clock()
         except Exception as e:
             # Within the threshold an outage is waited out: a restart would not end it.
