@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import functools
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -121,7 +122,8 @@ class ScrapeError(Exception):
         self.reason = reason
 
 
-def _sample_lines(names: Sequence[str]) -> re.Pattern[str]:
+@functools.cache
+def _sample_lines(names: tuple[str, ...]) -> re.Pattern[str]:
     """Matches the whole sample lines of the named metrics (and of no metric they prefix)."""
     alternatives = "|".join(re.escape(n) for n in names)
     return re.compile(rf"^[ \t]*(?:{alternatives})[{{ \t].*$", re.MULTILINE)
@@ -204,7 +206,7 @@ class Scraper:
         async with session.get(target.url) as response:
             if response.status != 200:
                 raise ScrapeError("http_status", f"/metrics answered {response.status}")
-            pattern = _sample_lines(names)
+            pattern = _sample_lines(tuple(names))
             decoder = codecs.getincrementaldecoder("utf-8")()
             found: dict[str, float] = {}
             size, rest = 0, ""
