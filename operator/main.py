@@ -15,9 +15,10 @@ Under API faults (docs/operations.md, "API outages"): every request kopf makes, 
 included, is retried without end with exponential backoff and jitter (WatchBackoffs), so an
 outage of any length is waited out instead of ending the process; a watch stream kopf restarts
 waits RECONNECT_S (jittered per process) first. /healthz fails when the operator can no longer
-watch: a watch task of kopf's has ended (kopf ends one on an error it does not retry, such as an
-HTTP 410 answer to a watch request), or listing InferenceServices has failed for
-WATCH_STALE_S. Prometheus metrics (kvfleet_operator_*) are served at --metrics-address.
+watch: a watch task of kopf's has ended, or listing InferenceServices has failed for
+WATCH_STALE_S. (An HTTP 410 answer to a list or watch, which kopf does not retry, stops all of
+kopf's tasks, its /healthz server included: the probe fails by not being answered.)
+Prometheus metrics (kvfleet_operator_*) are served at --metrics-address.
 """
 
 from __future__ import annotations
@@ -138,9 +139,9 @@ def build_registry(
         autoscaler,
     )
     kopf.on.login(registry=registry)(api.login)
-    kopf.on.probe(id="watching", registry=registry)(
-        WatchProbe(api, namespaces, stale_after=watch_stale_s, clock=time.monotonic)
-    )
+    probe = WatchProbe(api, namespaces, stale_after=watch_stale_s, clock=time.monotonic)
+    # A bound method: kopf runs a callable object that is not a coroutine function in a thread.
+    kopf.on.probe(id="watching", registry=registry)(probe.check)
 
     # After the queue's cleanup (kopf runs them in order): its last requests use the client.
     @kopf.on.cleanup(registry=registry)
@@ -178,7 +179,7 @@ class WatchProbe:
         self._listed = clock()
         self._watchers: set[asyncio.Task[Any]] = set()
 
-    async def __call__(self, **_: Any) -> str:
+    async def check(self, **_: Any) -> str:
         self._watchers |= {
             t for t in asyncio.all_tasks() if t.get_name().startswith(WATCHER_TASK_PREFIX)
         }

@@ -7,7 +7,9 @@ Stated rates (docs/operations.md, "API outages"), per service, in autoscaling in
   status write and one Warning Event for the cause, however many intervals it lasts;
 * a service deleted without its watch event: at most one more read by its loop;
 * kopf's own requests while the InferenceService list answers 503: at most
-  MAX_OUTAGE_RPS a second, and the operator is still there and reconciling afterwards.
+  MAX_OUTAGE_RPS a second, and the operator is still there and reconciling afterwards;
+* an HTTP 410 answer to kopf's list or watch: kopf 1.45 stops watching (no setting changes
+  that), and /healthz stops answering 200 at once, so the kubelet restarts the operator.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from tests.support.kmock import (
     run_operator,
     url,
 )
+from tests.support.net import free_port
 
 INTERVAL = 0.25
 MAX_FAILING_PER_INTERVAL = 4
@@ -116,15 +119,15 @@ class FakeKube:
 async def test_the_probe_fails_once_listing_has_failed_too_long():
     api, now = FakeKube(), [0.0]
     probe = WatchProbe(api, ["team-a"], stale_after=300, clock=lambda: now[0])  # type: ignore[arg-type]
-    assert await probe() == "watching"
+    assert await probe.check() == "watching"
     api.failing = ConnectionError("refused")
     now[0] = 299.0
-    assert "listing fails" in await probe()  # an outage is waited out for a while
+    assert "listing fails" in await probe.check()  # an outage is waited out for a while
     now[0] = 300.0
     with pytest.raises(kopf.PermanentError, match="cannot list"):
-        await probe()
+        await probe.check()
     api.failing = None
-    assert await probe() == "watching"
+    assert await probe.check() == "watching"
 
 
 @pytest.mark.asyncio
@@ -133,18 +136,20 @@ async def test_the_probe_fails_once_a_watch_task_has_ended():
     stop = asyncio.Event()
     watcher = asyncio.create_task(stop.wait(), name=f"{WATCHER_TASK_PREFIX}inferenceservices")
     await asyncio.sleep(0)
-    assert await probe() == "watching"
+    assert await probe.check() == "watching"
     stop.set()
     await watcher
     with pytest.raises(kopf.PermanentError, match="no longer watching"):
-        await probe()
+        await probe.check()
 
 
 # -- under kopf --------------------------------------------------------------------------------
 
 
 @contextlib.asynccontextmanager
-async def operator(k: APIServer, **settings_changes: Any) -> AsyncIterator[None]:
+async def operator(
+    k: APIServer, liveness_endpoint: str | None = None, **settings_changes: Any
+) -> AsyncIterator[None]:
     settings = build_settings()
     for name, value in settings_changes.items():
         section, attr = name.split("__")
@@ -158,7 +163,7 @@ async def operator(k: APIServer, **settings_changes: Any) -> AsyncIterator[None]
         scrape_timeout=0.2,
         kube=kube_for(k),
     )
-    async with run_operator(registry, settings):
+    async with run_operator(registry, settings, liveness_endpoint=liveness_endpoint):
         yield
 
 
@@ -287,3 +292,28 @@ async def test_an_outage_of_the_inferenceservice_list_is_waited_out(cluster):
         # Still watching: a new service is reconciled.
         await create(k, service("after"))
         await eventually(lambda: k.live(DEPLOYMENTS, NS, "after-engine"), timeout=15)
+
+
+async def healthz(endpoint: str) -> int | None:
+    try:
+        async with aiohttp.ClientSession() as session, session.get(endpoint) as resp:
+            return resp.status
+    except aiohttp.ClientError:
+        return None  # not answering: the kubelet counts it as a failure too
+
+
+@pytest.mark.asyncio
+async def test_liveness_fails_once_a_410_ends_kopfs_watching(cluster):
+    k = cluster
+    endpoint = f"http://127.0.0.1:{free_port()}/healthz"
+    async with operator(k, liveness_endpoint=endpoint):
+        await eventually(lambda: any(r.params.get("watch") for r in by_operator(k)))
+        assert await healthz(endpoint) == 200
+    # An API server answers 410 to a list or watch whose resourceVersion it no longer has.
+    gone = k.inject(Fault("GET", ISVC_COLLECTION, 410))
+    # kopf 1.45 stops all its tasks, /healthz included, and raises the 410 when stopped.
+    with pytest.raises(AssertionError, match="'code': 410"):
+        async with operator(k, liveness_endpoint=endpoint):
+            await eventually(lambda: gone.hits == 1)
+            await asyncio.sleep(1.0)
+            assert await healthz(endpoint) != 200

@@ -165,9 +165,11 @@ async def run_operator(
     registry: kopf.OperatorRegistry,
     settings: kopf.OperatorSettings,
     namespaces: list[str] | None = None,
+    liveness_endpoint: str | None = None,
 ) -> AsyncIterator[None]:
     """The operator in a thread of its own, with its own event loop, as in its own process: on
-    exit kopf waits for and cancels every task of its loop, which must not include kmock's."""
+    exit kopf waits for and cancels every task of its loop, which must not include kmock's.
+    With liveness_endpoint, kopf serves /healthz there."""
     stop, ready = threading.Event(), threading.Event()
     failure: list[BaseException] = []
 
@@ -181,6 +183,7 @@ async def run_operator(
                     namespaces=namespaces or [],
                     stop_flag=stop,
                     ready_flag=ready,
+                    liveness_endpoint=liveness_endpoint,
                 )
             )
         except BaseException as e:
