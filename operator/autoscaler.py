@@ -198,7 +198,7 @@ class StepFailed(Exception):
     """A step that could not decide; reason is the cause's name in status and the counter."""
 
     def __init__(self, reason: str, error: BaseException) -> None:
-        super().__init__(f"{reason}: {type(error).__name__}: {error}")
+        super().__init__(f"{type(error).__name__}: {error}")
         self.reason = reason
 
 
@@ -272,7 +272,7 @@ class Autoscaler:
     async def _failed(self, key: k.Key, failure: StepFailed) -> None:
         """Count a failed step; say so in status and an Event when its cause is new."""
         FAILURES.labels(failure.reason).inc()
-        logger.warning("%s/%s: autoscaling step failed: %s", *key, failure)
+        logger.warning("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
         isvc = self._seen.get(key)
         if isvc is None:
             return  # never read: nothing to report on yet
@@ -289,7 +289,8 @@ class Autoscaler:
             return
         # Recorded: later steps compare against it and write nothing until the cause changes.
         isvc.setdefault("status", {}).setdefault("autoscaling", {}).update(patch["autoscaling"])
-        kopf.event(isvc, type="Warning", reason="AutoscalingFailed", message=str(failure))
+        message = f"{failure.reason}: {failure}; the replica count stays, retried every interval"
+        kopf.event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
 
     async def step(self, key: k.Key) -> ScaleDecision | Gone | None:
         """One scrape and decision; None when there is nothing to scale, GONE when the service
