@@ -229,6 +229,9 @@ class Autoscaler:
         # The last InferenceService each loop read, to report a failure that comes before the
         # next read succeeds.
         self._seen: dict[k.Key, dict[str, Any]] = {}
+        # The cause last reported per service: kept here too, so that a status the API server
+        # pruned (a CRD without the field) still gets one write and one Event per cause.
+        self._failing: dict[k.Key, str] = {}
         self._scraper = Scraper(timeout=scrape_timeout)
 
     def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
@@ -251,6 +254,7 @@ class Autoscaler:
         return set(self._tasks)
 
     def _forget(self, key: k.Key) -> None:
+        self._failing.pop(key, None)
         if body := self._seen.pop(key, None):
             self._memory.pop(body["metadata"].get("uid", ""), None)
 
@@ -274,21 +278,21 @@ class Autoscaler:
         FAILURES.labels(failure.reason).inc()
         logger.warning("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
         isvc = self._seen.get(key)
-        if isvc is None:
-            return  # never read: nothing to report on yet
+        if isvc is None or self._failing.get(key) == failure.reason:
+            return  # never read (nothing to report on yet), or reported
         patch = failure_update(
             isvc.get("status") or {}, failure.reason, str(failure), self._clock()
         )
+        if patch:
+            url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key)
+            try:
+                await self._api.merge_patch(f"{url}/status", {"status": patch})
+            except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
+                logger.warning("%s/%s: cannot record the failure: %s", *key, e)
+                return
+        self._failing[key] = failure.reason
         if not patch:
-            return
-        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key)
-        try:
-            await self._api.merge_patch(f"{url}/status", {"status": patch})
-        except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
-            logger.warning("%s/%s: cannot record the failure: %s", *key, e)
-            return
-        # Recorded: later steps compare against it and write nothing until the cause changes.
-        isvc.setdefault("status", {}).setdefault("autoscaling", {}).update(patch["autoscaling"])
+            return  # recorded before a restart: reported then
         message = f"{failure.reason}: {failure}; the replica count stays, retried every interval"
         kopf.event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
 
@@ -349,6 +353,7 @@ class Autoscaler:
         patch = status_update(
             status, current, decision, decision.unanswered + tuple(silent_routers), now
         )
+        was_failing = self._failing.pop(key, None) is not None
         recovered = failure_update(status, None, "", now)
         if recovered:
             # Merged into the memory's own patch, which replaces every other field it names.
@@ -361,7 +366,7 @@ class Autoscaler:
                 if isinstance(e.__cause__, k.APINotFoundError):
                     return GONE
                 raise
-        if recovered:
+        if recovered or was_failing:
             message = "autoscaling steps succeed again"
             logger.info("%s/%s: %s", namespace, name, message)
             kopf.event(isvc, type="Normal", reason="AutoscalingRecovered", message=message)

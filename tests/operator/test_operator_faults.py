@@ -231,6 +231,7 @@ async def test_a_failing_step_is_visible_once_and_never_holds_up_another_service
         # The other service's loop goes on: a spec change is decided within two intervals.
         await api(k, "patch", url(ISVCS, "good"), {"spec": {"autoscaling": {"minReplicas": 3}}})
         await eventually(lambda: status_of(k, "good").get("desiredReplicas") == 3, 10 * INTERVAL)
+        await eventually(lambda: k.live(DEPLOYMENTS, NS, "good-engine")["spec"]["replicas"] == 3)
 
         # Tried again every interval; reported once.
         start = asyncio.get_running_loop().time()
