@@ -73,6 +73,7 @@ GONE = Gone()
 REFRESH_SECONDS = 60.0
 MAX_REASON = 1024  # the CRD's limit on lastScaleDecision.reason
 MAX_FAILURE_MESSAGE = 1024  # the CRD's limit on status.autoscaling.failure.message
+MAX_UNREACHABLE_REASON = 256  # the CRD's limit on each status.autoscaling.unreachableReasons value
 FAILURES = Counter(
     "kvfleet_operator_autoscaling_failures",
     "Autoscaling steps that failed, by cause: APIError (reading the service or its pods, or "
@@ -120,20 +121,25 @@ def load_memory(status: Mapping[str, Any]) -> Memory:
     return history, _epoch(last_active) if last_active else None
 
 
-def memory_state(decision: ScaleDecision, unreachable: tuple[str, ...]) -> dict[str, Any]:
+def memory_state(decision: ScaleDecision, unreachable: Mapping[str, str]) -> dict[str, Any]:
     """status.autoscaling for a decision: its history as [unix seconds, replicas] pairs, when
-    work was last seen, and the pods whose metrics did not come."""
+    work was last seen, and the pods whose metrics did not come or could not be used, with why."""
     state: dict[str, Any] = {
         "recommendations": [[round(r.time, 3), r.replicas] for r in decision.history],
         "unreachablePods": sorted(unreachable),
     }
+    if unreachable:
+        state["unreachableReasons"] = {
+            pod: why[:MAX_UNREACHABLE_REASON] for pod, why in sorted(unreachable.items())
+        }
     if decision.last_active is not None:
         state["lastActiveTime"] = _rfc3339(decision.last_active)
     return state
 
 
 def _content(state: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a state says, without its times."""
+    """What a state says, without its times (nor the wording of why a pod was unreachable, which
+    may change from one scrape to the next: it rides along with the next write)."""
     return (
         [n for _, n in state.get("recommendations") or []],
         state.get("unreachablePods") or [],
@@ -150,7 +156,7 @@ def status_update(
     previous: Mapping[str, Any],
     current: int,
     decision: ScaleDecision,
-    unreachable: tuple[str, ...],
+    unreachable: Mapping[str, str],
     now: float,
 ) -> dict[str, Any]:
     """The status merge patch that records a decision; empty when nothing needs writing."""
@@ -350,9 +356,8 @@ class Autoscaler:
             "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
         )
         self._memory[uid] = (decision.history, decision.last_active)
-        patch = status_update(
-            status, current, decision, decision.unanswered + tuple(silent_routers), now
-        )
+        unreachable = {**decision.problems, **silent_routers}
+        patch = status_update(status, current, decision, unreachable, now)
         was_failing = self._failing.pop(key, None) is not None
         recovered = failure_update(status, None, "", now)
         if recovered:

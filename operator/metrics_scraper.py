@@ -289,10 +289,3 @@ class Scraper:
             else:
                 held += values.get(HELD_REQUESTS, 0.0)
         return held, failed
-
-
-async def scrape_engines(
-    session: aiohttp.ClientSession, targets: Sequence[Target], timeout: float
-) -> list[PodMetrics]:
-    """Scraper.engines over a caller's own session, for one-off scrapes."""
-    return await Scraper(timeout=timeout, session=session).engines(targets)

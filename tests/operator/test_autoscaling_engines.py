@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvfleet.operator.metrics_scraper import Target, scrape_engines
+from kvfleet.operator.metrics_scraper import Scraper, Target
 from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
 from tests.support.net import free_port
 
@@ -91,7 +91,7 @@ async def _scrape_until(
 ) -> list[PodMetrics]:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        metrics = await scrape_engines(session, targets, timeout=5)
+        metrics = await Scraper(timeout=5, session=session).engines(targets)
         if done(metrics):
             return metrics
         assert asyncio.get_running_loop().time() < deadline, metrics

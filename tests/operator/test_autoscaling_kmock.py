@@ -65,7 +65,7 @@ def decision(replicas: int, history: list[tuple[float, int]], last_active: float
 
 
 def test_a_change_is_recorded_with_its_metrics_and_the_memory():
-    patch = status_update({"desiredReplicas": 2}, 2, decision(3, [(T0, 3)], T0), (), T0)
+    patch = status_update({"desiredReplicas": 2}, 2, decision(3, [(T0, 3)], T0), {}, T0)
     assert patch["desiredReplicas"] == 3
     assert patch["lastScaleDecision"] == {
         "time": "2025-06-15T15:06:40Z",
@@ -84,18 +84,25 @@ def test_a_change_is_recorded_with_its_metrics_and_the_memory():
 
 def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
     status = {"desiredReplicas": 2}
-    status |= status_update(status, 2, decision(2, [(T0, 2)], T0), (), T0)
+    status |= status_update(status, 2, decision(2, [(T0, 2)], T0), {}, T0)
     # Only the times moved: nothing to write for a while.
-    assert status_update(status, 2, decision(2, [(T0 + 10, 2)], T0 + 10), (), T0 + 10) == {}
+    assert status_update(status, 2, decision(2, [(T0 + 10, 2)], T0 + 10), {}, T0 + 10) == {}
     later = T0 + REFRESH_SECONDS
-    assert set(status_update(status, 2, decision(2, [(later, 2)], later), (), later)) == {
+    assert set(status_update(status, 2, decision(2, [(later, 2)], later), {}, later)) == {
         "autoscaling"
     }
     # A new value inside the window, or a pod that stopped answering, is written at once.
     two_values = decision(2, [(T0, 2), (T0 + 10, 1)], T0)
-    assert set(status_update(status, 2, two_values, (), T0 + 10)) == {"autoscaling"}
-    silent = status_update(status, 2, decision(2, [(T0 + 10, 2)], T0), ("p1",), T0 + 10)
+    assert set(status_update(status, 2, two_values, {}, T0 + 10)) == {"autoscaling"}
+    silent = status_update(
+        status, 2, decision(2, [(T0 + 10, 2)], T0), {"p1": "timed out after 2.0 s"}, T0 + 10
+    )
     assert silent["autoscaling"]["unreachablePods"] == ["p1"]
+    assert silent["autoscaling"]["unreachableReasons"] == {"p1": "timed out after 2.0 s"}
+    status |= silent
+    # The wording of why alone is no reason to write again.
+    reworded = {"p1": "timed out after 2.1 s"}
+    assert status_update(status, 2, decision(2, [(T0 + 20, 2)], T0), reworded, T0 + 20) == {}
 
 
 def test_builtin_mode_owns_the_count_and_external_mode_follows_the_spec():

@@ -72,6 +72,7 @@ SCENARIOS: dict[str, list[str]] = {
         "monitoring.kind=ServiceMonitor",
         "monitoring.engines.enabled=true",
         "monitoring.router.enabled=true",
+        "monitoring.operator.enabled=true",
         "replicaCount=2",
         "networkPolicy.enabled=true",
     ],
@@ -375,7 +376,11 @@ def test_operator_pod_is_restricted_and_probed_where_it_listens():
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     port = int(operator_args(docs).health_address.rsplit(":", 1)[1])
-    assert container["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
+    metrics = int(operator_args(docs).metrics_address.rsplit(":", 1)[1])
+    assert container["ports"] == [
+        {"name": "health", "containerPort": port, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": metrics, "protocol": "TCP"},
+    ]
     # kopf serves liveness at the path of liveness_endpoint (operator/main.py).
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
 
@@ -400,7 +405,7 @@ def _children() -> dict[str, dict]:
 def test_monitors_select_engine_and_router_metrics_ports(scenario: str):
     docs = render(scenario)
     kind = "ServiceMonitor" if scenario == "service-monitors" else "PodMonitor"
-    monitors = by_kind(docs, kind)
+    monitors = [m for m in by_kind(docs, kind) if not m["metadata"]["name"].endswith("-operator")]
     assert len(monitors) == 2
     children = _children()
     for monitor in monitors:
@@ -502,3 +507,20 @@ def test_notes_say_what_to_apply_next():
     assert (ROOT / "examples" / "inferenceservice-cpu-demo.yaml").is_file()
     demo = yaml.safe_load((ROOT / "examples" / "inferenceservice-cpu-demo.yaml").read_text())
     assert demo["metadata"]["name"] == "tiny-demo"
+
+
+def test_the_operator_serves_its_metrics_and_a_monitor_scrapes_them():
+    """kvfleet_operator_* (scrape and autoscaling failures) on --metrics-address, the port the
+    pod declares, scraped by a PodMonitor (the operator has no Service) that selects the pod."""
+    docs = render("service-monitors")
+    (deploy,) = by_kind(docs, "Deployment")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"--metrics-address=0.0.0.0:{ports['metrics']}" in container["args"]
+    (monitor,) = [
+        m for m in by_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-operator")
+    ]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    assert not [m for m in by_kind(render("default"), "PodMonitor")]
