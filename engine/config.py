@@ -94,16 +94,24 @@ class ModelConfig(BaseModel):
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from transformers import AutoConfig
 
+        from kvfleet.engine.models import gguf_checkpoint
+
         path = Path(args.model)
-        if not (path / "config.json").is_file():
+        gguf_file = gguf_checkpoint.find_gguf(path)
+        if gguf_file is not None:
+            path = gguf_file
+            hf_config = gguf_checkpoint.load_config(gguf_file)
+        elif (path / "config.json").is_file():
+            hf_config = AutoConfig.from_pretrained(path)
+        else:
             raise FileNotFoundError(
-                f"{args.model!r} has no config.json: kvfleet loads models from a local directory "
-                "(HF layout: config.json + *.safetensors); it never downloads from a hub"
+                f"{args.model!r} has no config.json: kvfleet loads models from a local GGUF file "
+                "or directory (HF layout: config.json + *.safetensors); it never downloads from "
+                "a hub"
             )
-        hf_config = AutoConfig.from_pretrained(path)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
-            raise ValueError(f"{path / 'config.json'} names no architecture")
+            raise ValueError(f"{path} names no architecture")
 
         native_len = int(hf_config.max_position_embeddings)
         if args.max_model_len is not None and args.max_model_len > native_len:

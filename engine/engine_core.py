@@ -4,6 +4,7 @@ front ends (offline LLM, AsyncEngine) drive it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,11 @@ logger = logging.getLogger(__name__)
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
+    from kvfleet.engine.models import gguf_checkpoint
+
+    gguf_file = gguf_checkpoint.find_gguf(path)
+    if gguf_file is not None:
+        return gguf_checkpoint.load_tokenizer(gguf_file)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -34,11 +40,11 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> frozenset[int]:
     from transformers import GenerationConfig
 
     ids: set[int] = set()
-    try:
-        gen = GenerationConfig.from_pretrained(model_config.path)
-        declared = [gen.eos_token_id]
-    except OSError:
-        declared = [getattr(model_config.hf_config, "eos_token_id", None)]
+    declared = [getattr(model_config.hf_config, "eos_token_id", None)]
+    # A GGUF file has no generation_config: its metadata (the config) says.
+    if model_config.path.is_dir():
+        with contextlib.suppress(OSError):
+            declared = [GenerationConfig.from_pretrained(model_config.path).eos_token_id]
     for value in declared:
         if isinstance(value, int):
             ids.add(value)

@@ -1,4 +1,4 @@
-"""Weights into a model: HF safetensors (one file or sharded with an index), or random
+"""Weights into a model: HF safetensors (one file or sharded with an index), a GGUF file, or random
 ("dummy") weights of the architecture for benchmarks."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvfleet.engine.layers.layernorm import LayerNorm, RMSNorm
+from kvfleet.engine.models import gguf_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.suffix == gguf_checkpoint.SUFFIX:
+        yield from gguf_checkpoint.iter_tensors(path)
+        return
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping

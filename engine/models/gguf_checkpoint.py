@@ -1,0 +1,185 @@
+"""GGUF checkpoints (llama.cpp's single-file format): the HF config and tokenizer built by
+transformers from the file's metadata, and the tensors dequantized at load with the `gguf`
+package, renamed to HF's names and with llama.cpp's rope permutation of q/k undone."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".gguf"
+
+# GGUF's general.architecture -> the HF architecture that serves it.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp's converter interleaves q/k rows for its rope layout for these architectures only;
+# Qwen's GGUFs keep HF's (NeoX) layout.
+_PERMUTED = frozenset({"llama", "mistral"})
+
+QUANT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Precomputed rope frequencies (Llama 3): HF derives them from the config instead.
+_SKIPPED = frozenset({"rope_freqs.weight"})
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file `model` names: the file itself, or the only *.gguf of a directory that has
+    no HF config.json. None for anything else (an HF directory)."""
+    path = Path(model)
+    if path.suffix == SUFFIX and path.is_file():
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob(f"*{SUFFIX}"))
+    if len(files) > 1:
+        raise ValueError(
+            f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
+            "name one of them as the model"
+        )
+    return files[0] if files else None
+
+
+def _reader(file: Path) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(file)
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _gguf_architecture(reader: Any, file: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{file.name}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _check_quant_types(reader: Any, file: Path) -> None:
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(QUANT_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"{file.name}: GGUF tensor type(s) {', '.join(unsupported)} not supported; "
+            f"supported: {', '.join(QUANT_TYPES)}"
+        )
+
+
+def load_config(file: Path) -> Any:
+    """The HF config of a GGUF checkpoint, after checking its architecture and tensor types."""
+    from transformers import AutoConfig
+
+    reader = _reader(file)
+    arch = _gguf_architecture(reader, file)
+    _check_quant_types(reader, file)
+    config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    config.architectures = [ARCHITECTURES[arch]]
+    # transformers reads no head size for some architectures (Qwen3) and falls back to its
+    # class default; the file's key length is the one the weights have.
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)
+    return config
+
+
+def load_tokenizer(file: Path) -> Any:
+    """The tokenizer the GGUF metadata carries; a file without one needs --tokenizer."""
+    from transformers import AutoTokenizer
+
+    if _field(_reader(file), "tokenizer.ggml.model") is None:
+        raise ValueError(
+            f"{file.name} carries no tokenizer: pass --tokenizer (an HF tokenizer directory)"
+        )
+    return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+
+
+def _unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert_hf_to_gguf `permute`: per head, its rows were reordered
+    from HF's two rotary halves to interleaved pairs."""
+    w = weights.reshape(n_head, weights.shape[0] // n_head // 2, 2, *weights.shape[1:])
+    return w.swapaxes(1, 2).reshape(weights.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK.fullmatch(name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+
+
+def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    from gguf.quants import dequantize
+
+    reader = _reader(file)
+    arch = _gguf_architecture(reader, file)
+    _check_quant_types(reader, file)
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED:
+            continue
+        name = _hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{file.name}: GGUF tensor {tensor.name!r} has no HF counterpart")
+        # GGUF lists dimensions fastest-first; numpy (and torch) want them slowest-first.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if arch in _PERMUTED and ".q_proj." in name:
+            values = _unpermute(values, n_head)
+        elif arch in _PERMUTED and ".k_proj." in name:
+            values = _unpermute(values, n_kv_head)
+        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
+        yield name, torch.from_numpy(np.array(values, dtype=np.float32))
