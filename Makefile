@@ -54,9 +54,10 @@ test: lint tools
 	KVFLEET_REQUIRE_TOOLS=1 $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# End to end on a kind cluster (docker, kind, kubectl needed; skips saying what is missing).
+# End to end on a kind cluster (docker, kind, kubectl needed): fails in one line saying what is
+# missing rather than passing on skips.
 e2e: install-dev tools
-	PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m pytest -q e2e
+	KVFLEET_E2E_REQUIRED=1 PATH="$(CURDIR)/$(TOOLS):$$PATH" $(PY) -m pytest -q e2e
 
 # The API fuzzer with a long, random example budget (CI runs a small, fixed one).
 FUZZ_EXAMPLES ?= 3000

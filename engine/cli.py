@@ -161,9 +161,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return ns.func(ns)
-    except (ValidationError, ValueError, OSError) as e:
+    except ValidationError as e:
+        logger.error("%s", one_line(e))
+        return 2
+    except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
+
+
+def one_line(e: ValidationError) -> str:
+    """A settings error as a person reads it: each field and what is wrong with it, no dump."""
+    parts = []
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{field}: {message}" if field else message)
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import hmac
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -262,6 +263,20 @@ def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngi
     return engine, metrics
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError, in one line, if nothing could listen on host:port now (0: any port)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As aiohttp binds: SO_REUSEADDR lets a port in TIME_WAIT pass, never a live listener.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror} (--port)") from None
+
+
 class EngineServer:
     """The engine behind its HTTP API: started, then drained and stopped."""
 
@@ -273,6 +288,8 @@ class EngineServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
+        # Loading a model takes from seconds to minutes: a port that is taken is said first.
+        check_port_free(self.settings.host, self.settings.port)
         self.engine, metrics = await asyncio.to_thread(create_engine, self.args, self.settings)
         self.app = build_app(self.engine, metrics, self.settings)
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its

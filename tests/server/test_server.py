@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -455,3 +456,19 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(model_dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_port_in_use_is_one_line_before_any_model_loads(model_dirs):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "kvfleet.engine.cli", "serve", "--model",
+             str(model_dirs["llama"]), "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0], run.stderr
+    assert "Traceback" not in run.stderr and "engine ready" not in run.stderr

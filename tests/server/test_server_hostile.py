@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,9 +21,11 @@ from http.client import HTTPResponse
 
 import aiohttp
 import pytest
+import torch
 
 from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError
 from kvfleet.engine.cli import build_parser, server_settings_from
+from kvfleet.engine.cli import main as cli_main
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
 from kvfleet.engine.server.validation import MAX_JSON_ITEMS
@@ -446,6 +449,18 @@ def test_flag_abbreviations_are_errors(argv):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", *argv])
     assert exc.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_settings_error_is_one_line(model_dirs, caplog):
+    """--device cuda without a GPU: what is wrong, in one line, not a validation dump."""
+    argv = ["generate", "--prompt", "hi", "--model", str(model_dirs["llama"]), "--device", "cuda"]
+    with caplog.at_level(logging.ERROR, logger="kvfleet.engine"):
+        assert cli_main(argv) == 2
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    message = record.getMessage()
+    assert "\n" not in message and "no CUDA device" in message, message
+    assert "pydantic" not in message and "validation error" not in message
 
 
 def test_api_key_from_environment_guards_a_live_server(model_dirs):
