@@ -10,8 +10,8 @@
 
     python bench/router_bench.py --engines 3 --conversations 24 --turns 6 --result-json out.json
 
-Engines serve a random-weight Llama built here (``--hidden-size``, ``--layers``; the built-in
-default model's tokenizer); the routers get its tokenizer (``--tokenizer``).
+Engines serve a random-weight Llama built here (``--hidden-size``, ``--layers``; the tiny test
+model's tokenizer); the routers get its tokenizer (``--tokenizer``).
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def engines(n: int, model: Path, log_dir: Path, *extra: str) -> Iterator[list[tu
 
 
 def bench_model(cache_dir: Path, hidden_size: int, layers: int) -> Path:
-    """A random Llama with the default model's tokenizer (vocab 1024), large enough that
+    """A random Llama with the tiny test model's tokenizer (vocab 1024), large enough that
     prefill costs something on a CPU, so that cache hits show in TTFT."""
     from kvfleet.engine.tiny_model import build_tiny_model
 

@@ -150,9 +150,9 @@ def _health_poller(engines: list[tuple[Proc, str]], deadline: float, tally: Tall
 
 
 def soak(duration: float, clients: int, log_dir: Path) -> dict[str, Any]:
-    from kvfleet.engine.default_model import default_model_path
+    from kvfleet.engine.tiny_model import tiny_model_path
 
-    model = default_model_path()
+    model = tiny_model_path()
     engines: list[tuple[Proc, str]] = []
     router_proc: Proc | None = None
     try:

@@ -45,8 +45,9 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], tit
             group.add_argument(
                 flag,
                 default=None,
-                help="HF model directory (config.json + *.safetensors); default: a built-in tiny "
-                "random-weight Llama (meaningless text)",
+                help="HF model directory (config.json + *.safetensors), or a .gguf file or a "
+                "directory holding one; default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched "
+                "once into ~/.cache/kvfleet and served as smollm2-135m-instruct",
             )
         elif field.annotation is bool:
             group.add_argument(
@@ -104,20 +105,21 @@ def _serve(ns: argparse.Namespace) -> int:
 
     settings = server_settings_from(ns)
     args = engine_args_from(ns)
-    if settings.served_model_name is None and ns.model is None:
-        from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
-
-        settings.served_model_name = [DEFAULT_MODEL_NAME]
     return asyncio.run(serve(args, settings))
 
 
 def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     """The server's settings from `serve` flags, the API key resolved (flag, file, environment)
-    so that a missing or empty key file fails at startup."""
+    so that a missing or empty key file fails at startup; the default model is served under its
+    short name rather than its cache path."""
     from kvfleet.engine.server.app import ServerSettings, resolve_api_key
 
     settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
     settings.api_key = resolve_api_key(settings)
+    if settings.served_model_name is None and ns.model is None:
+        from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
+
+        settings.served_model_name = [DEFAULT_MODEL_NAME]
     return settings
 
 

@@ -20,7 +20,12 @@ PromptType = str | TokensPrompt
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            # The built-in default model, as `kvfleet-engine generate` without --model.
+            from kvfleet.engine.default_model import default_model_path
+
+            model = str(default_model_path())
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 

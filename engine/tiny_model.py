@@ -64,6 +64,8 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
+from kvfleet.engine.default_model import cache_dir
+
 logger = logging.getLogger(__name__)
 
 #: The Llama family: one config shape, one engine implementation.
@@ -712,3 +714,22 @@ def build_tiny_model(
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("built tiny %s model at %s", arch, path)
     return path
+
+
+TINY_MODEL_NAME = "kvfleet-tiny-random-llama"
+
+
+def tiny_model_path() -> Path:
+    """The tests' and benchmarks' small random Llama, built once in the user's cache directory:
+    fast on any machine, nothing downloaded, its text meaningless."""
+    return build_tiny_model(
+        cache_dir() / TINY_MODEL_NAME,
+        "llama",
+        seed=0,
+        vocab_size=1024,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        max_position_embeddings=2048,
+    )

@@ -32,7 +32,7 @@ from kvfleet.operator.scaling_policy import bound_replicas
 # Served name of the engine's built-in demo model (kvfleet.engine.default_model.DEFAULT_MODEL_NAME;
 # not imported, because importing the engine package pulls in torch, which the operator image
 # does not have).
-DEMO_MODEL_NAME = "kvfleet-tiny-random-llama"
+DEMO_MODEL_NAME = "smollm2-135m-instruct"
 
 # Children are named "<name>-engine" etc. and the router Service is "<name>": a DNS-1035 label
 # of at most 63 characters, so the longest suffix ("-engine", "-router": 7) leaves 56.
@@ -171,7 +171,7 @@ class APIKeySecretRef(_Model):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where the weights come from. kind "demo": the engine's built-in tiny random model."""
+    """Where the weights come from. kind "demo": the engine's built-in default model."""
 
     kind: Literal["demo", "hf", "pvc", "path"]
     repo: str = ""  # hf: "org/name"

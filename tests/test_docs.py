@@ -151,7 +151,7 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 # Flags of other tools used in the docs' commands.
 OTHER_TOOLS_FLAGS = {
     "--namespace", "--create-namespace", "--reuse-values", "--server-side", "--previous",
-    "--as", "--build-arg", "--set", "--dry-run", "--include-crds", "--kube-context",
+    "--as", "--build-arg", "--set", "--dry-run", "--include-crds", "--kube-context", "--no-deps",
 }  # fmt: skip
 
 

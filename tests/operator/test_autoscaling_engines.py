@@ -30,13 +30,13 @@ POLICY = ScalingPolicy(min_replicas=1, max_replicas=8, target_queue_depth=4,
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache with the default model built once, before two engines would race to build it."""
+    """A cache with the tiny model built once, before two engines would race to build it."""
     cache = tmp_path_factory.mktemp("kvfleet-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVFLEET_CACHE_DIR", str(cache))
-        from kvfleet.engine.default_model import default_model_path
+        from kvfleet.engine.tiny_model import tiny_model_path
 
-        default_model_path()
+        tiny_model_path()
     return cache
 
 

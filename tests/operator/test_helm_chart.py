@@ -503,7 +503,7 @@ def test_notes_say_what_to_apply_next():
     assert "examples/inferenceservice-cpu-demo.yaml" in notes
     assert "kubectl get kvis tiny-demo" in notes
     assert "kubectl port-forward svc/tiny-demo" in notes
-    assert "kvfleet-tiny-random-llama" in notes
+    assert "smollm2-135m-instruct" in notes
     assert (ROOT / "examples" / "inferenceservice-cpu-demo.yaml").is_file()
     demo = yaml.safe_load((ROOT / "examples" / "inferenceservice-cpu-demo.yaml").read_text())
     assert demo["metadata"]["name"] == "tiny-demo"

@@ -32,9 +32,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache = tmp_path_factory.mktemp("kvfleet-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVFLEET_CACHE_DIR", str(cache))
-        from kvfleet.engine.default_model import default_model_path
+        from kvfleet.engine.tiny_model import tiny_model_path
 
-        model = default_model_path()
+        model = tiny_model_path()
         with bench.engines(3, model, cache) as procs:
             yield {
                 "procs": [p for p, _ in procs],
