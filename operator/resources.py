@@ -291,7 +291,7 @@ def policy_violations(spec: InferenceServiceSpec, config: OperatorConfig) -> lis
 
 
 def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
-    """``kvfleet-engine`` arguments for a spec; model_path None serves the built-in default model."""
+    """``kvfleet-engine`` arguments for a spec; model_path None serves the built-in default."""
     e = spec.engine
     args = ["serve"]
     if model_path is not None:

