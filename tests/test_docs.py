@@ -5,7 +5,11 @@ exist, cited benchmark figures are in bench/RESULTS.md, and relative links resol
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +196,30 @@ def test_cited_benchmark_figures_are_in_results():
     assert len(quoted) >= 4, paragraph
     for figure in quoted:
         assert figure in results, figure
+
+
+def _readme_block(lang: str, after: str) -> str:
+    """The first ```lang block of the README after the heading `after`."""
+    text = README.read_text().split(after, 1)[1]
+    return re.search(rf"```{lang}\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_readme_engine_examples_run_as_written(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """The LLM example and the generate command, verbatim, on the built-in default model (from
+    the cache, as after `make run`)."""
+    env = {**os.environ, "KVFLEET_CACHE_DIR": str(smollm2_gguf.parents[1])}
+    code = _readme_block("python", "## The engine")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    # Two outputs, each "cached-tokens text finish-reason" (the text may hold newlines).
+    assert (
+        re.match(r"\d+ ", run.stdout)
+        and len(re.findall(r" (?:length|stop)$", run.stdout, re.M)) >= 2
+    )
+    command = shlex.split(_readme_block("sh", "From the shell").replace("\\\n", " "))
+    assert command[0] == "kvfleet-engine"
+    run = subprocess.run([sys.executable, "-m", "kvfleet.engine.cli", *command[1:]], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("prompt: 'The capital of France is'"), run.stdout
