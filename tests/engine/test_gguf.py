@@ -9,13 +9,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.tiny_model import build_tiny_model
-from tests.support.engine import MAX_TOKENS, assert_no_leak
+from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
 from tests.support.gguf_files import write_gguf
 
 # The quantized types gguf's Python package can write; the K-quants it only reads.
@@ -23,22 +22,7 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 
 def _hf_greedy(file: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(
-        file.parent, gguf_file=file.name, dtype=torch.float32
-    ).eval()
-    eos = model.generation_config.eos_token_id
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=eos,
-            )[0, len(p) :].tolist()
-            outs.append(ids[: ids.index(eos) + 1] if eos in ids else ids)
-    return outs
+    return hf_greedy(file.parent, prompts, max_tokens, gguf_file=file.name)
 
 
 def _engine_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -47,6 +47,7 @@ from kvfleet.router.routing_key import (
     routing_key,
     token_prefix_key,
 )
+from tests.support.servers import serving
 
 POLICY = KeyPolicy(prefix_length=32)
 SYSTEM = "You are a helpful assistant. " * 20
@@ -279,19 +280,6 @@ def kubeconfig(path: Path, server: str, user: dict[str, Any]) -> Path:
         "contexts": [{"name": "dev", "context": {"cluster": "dev", "user": "dev"}}],
     }))  # fmt: skip
     return path
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """The app on a free port with the router's runner settings; yields host:port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.asyncio

@@ -22,7 +22,7 @@ from kvfleet.router.breaker import BreakerPolicy, Breakers, State
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import KeyPolicy
-from tests.support.servers import serving
+from tests.support.servers import running, serving
 
 CHAT = "/v1/chat/completions"
 
@@ -77,14 +77,8 @@ def _err(status: int, code: str, headers: dict[str, str] | None = None) -> web.R
 @asynccontextmanager
 async def routed(router: Router) -> AsyncIterator[str]:
     """The router with its own runner settings (deadlines, keep-alive); yields its URL."""
-    runner = build_runner(router)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with running(build_runner(router)) as addr:
+        yield f"http://{addr}"
 
 
 @asynccontextmanager

@@ -22,7 +22,7 @@ from openai import OpenAI
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.serving import SERVING
-from tests.support.net import free_port
+from tests.support.net import free_port, http_call
 from tests.support.servers import engine_server
 
 API_KEY = "test-key"
@@ -54,16 +54,10 @@ def http(
     method: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> tuple[int, dict, dict]:
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-    hdrs.update(headers or {})
-    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        return e.code, dict(e.headers), json.loads(raw) if raw else {}
+    status, hdrs, raw = http_call(url, body, method, headers, API_KEY)
+    if status >= 400:
+        return status, hdrs, json.loads(raw) if raw else {}
+    return status, hdrs, json.loads(raw or b"null")
 
 
 def metric(server, name: str) -> float:

@@ -29,7 +29,7 @@ from kvfleet.engine.cli import main as cli_main
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
 from kvfleet.engine.server.validation import MAX_JSON_ITEMS
-from tests.support.net import free_port
+from tests.support.net import free_port, http_call
 from tests.support.servers import engine_server
 
 API_KEY = "hostile-key"
@@ -65,15 +65,7 @@ def http(
     method: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> tuple[int, dict, bytes]:
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-    hdrs.update(headers or {})
-    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+    return http_call(url, body, method, headers, API_KEY)
 
 
 def assert_openai_error(status: int, raw: bytes, expected: int | tuple[int, ...]) -> dict:

@@ -14,12 +14,21 @@ PROMPT_LENS = (1, 7, 16, 33, 64, 100, 161, 200)
 MAX_TOKENS = 32
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, **gen_kwargs) -> list:
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    gguf_file: str | None = None,
+    **gen_kwargs,
+) -> list:
     """Greedy continuation of each prompt by HF transformers, one prompt at a time (no padding),
-    stopping at EOS as the engine does."""
+    stopping at EOS as the engine does. ``gguf_file``: the checkpoint is that GGUF file in
+    ``model_dir``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf_file, dtype=torch.float32
+    ).eval()
     eos = model.generation_config.eos_token_id
     outs = []
     with torch.no_grad():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from types import SimpleNamespace
 
 from aiohttp import web
@@ -33,9 +33,8 @@ def engine_server(args: EngineArgs, settings: ServerSettings) -> Iterator[Simple
 
 
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """The app on a free port with the router's runner settings; yields host:port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def running(runner: web.AppRunner) -> AsyncIterator[str]:
+    """An aiohttp runner on a free port of 127.0.0.1; yields host:port."""
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -45,6 +44,11 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+def serving(app: web.Application) -> AbstractAsyncContextManager[str]:
+    """The app on a free port with the router's runner settings; yields host:port."""
+    return running(web.AppRunner(app, handler_cancellation=True, access_log=None))
+
+
 @contextmanager
 def runner_in_thread(runner: web.AppRunner) -> Iterator[SimpleNamespace]:
     """An aiohttp runner (the router's, with its connection settings) on a free port of
@@ -52,17 +56,12 @@ def runner_in_thread(runner: web.AppRunner) -> Iterator[SimpleNamespace]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-
-    async def start() -> int:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner.addresses[0][1]
-
+    served = running(runner)
     try:
-        port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-        yield SimpleNamespace(host="127.0.0.1", port=port, url=f"http://127.0.0.1:{port}")
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        addr = asyncio.run_coroutine_threadsafe(served.__aenter__(), loop).result(30)
+        host, port = addr.rsplit(":", 1)
+        yield SimpleNamespace(host=host, port=int(port), url=f"http://{addr}")
+        asyncio.run_coroutine_threadsafe(served.__aexit__(None, None, None), loop).result(30)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
