@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -23,7 +22,7 @@ from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.serving import SERVING
 from tests.support.net import free_port, http_call
-from tests.support.servers import engine_server
+from tests.support.servers import EngineProcess, engine_server, sse_data_lines
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -379,60 +378,20 @@ def test_health_reports_a_wedged_engine_loop(server):
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(model_dirs):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvfleet.engine.cli",
-            "serve",
-            "--model",
-            str(model_dirs["llama"]),
-            "--dtype",
-            "float32",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            MODEL,
-            "--shutdown-timeout",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if http(url + "/ready", method="GET")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    server = EngineProcess(model_dirs["llama"], free_port(), ["--shutdown-timeout", "60"], MODEL)
+    with server as url:
 
         async def stream(session: aiohttp.ClientSession, started: asyncio.Event) -> list[str]:
             body = {"model": MODEL, "prompt": "go", "max_tokens": 400, "ignore_eos": True,
                     "stream": True}  # fmt: skip
-            lines = []
-            async with session.post(url + COMP, json=body) as resp:
-                async for line in resp.content:
-                    if line.startswith(b"data: "):
-                        lines.append(line.decode().strip())
-                        started.set()
-            return lines
+            return await sse_data_lines(session, url + COMP, body, started)
 
         async def main():
             async with aiohttp.ClientSession() as session:
                 started = [asyncio.Event() for _ in range(3)]
                 tasks = [asyncio.create_task(stream(session, e)) for e in started]
                 await asyncio.gather(*(e.wait() for e in started))
-                proc.send_signal(signal.SIGTERM)
+                server.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 async with session.post(url + COMP, json={"prompt": "late"}) as resp:
                     late = resp.status, await resp.json()
@@ -445,11 +404,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(model_dirs):
             tokens = sum(len(json.loads(x[6:])["choices"]) for x in lines[:-1])
             assert tokens >= 1
             assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert server.proc.wait(60) == 0
 
 
 def test_a_port_in_use_is_one_line_before_any_model_loads(model_dirs):

@@ -11,8 +11,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,7 +28,7 @@ from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
 from kvfleet.engine.server.validation import MAX_JSON_ITEMS
 from tests.support.net import free_port, http_call
-from tests.support.servers import engine_server
+from tests.support.servers import EngineProcess, engine_server, sse_data_lines
 
 API_KEY = "hostile-key"
 MODEL = "tiny"
@@ -471,37 +469,8 @@ def test_api_key_from_environment_guards_a_live_server(model_dirs):
 # -- the shutdown deadline -----------------------------------------------------------------
 
 
-class _serve_process:
-    def __init__(self, model_dirs, port: int, extra: list[str], env: dict | None = None):
-        self.argv = [
-            sys.executable, "-m", "kvfleet.engine.cli", "serve",
-            "--model", str(model_dirs["llama"]), "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, *extra,
-        ]  # fmt: skip
-        self.env = env or {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> str:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env
-        )
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if http(self.url + "/ready", method="GET")[0] == 200:
-                    return self.url
-            except OSError:
-                pass
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-
-    def __exit__(self, *exc) -> None:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def _serve_process(model_dirs, port: int, extra: list[str], env: dict | None = None):
+    return EngineProcess(model_dirs["llama"], port, extra, MODEL, env)
 
 
 def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
@@ -511,13 +480,7 @@ def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
 
         async def stream(session: aiohttp.ClientSession, started: asyncio.Event) -> list[str]:
             body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-            lines = []
-            async with session.post(url + COMP, json=body) as resp:
-                async for line in resp.content:
-                    if line.startswith(b"data: "):
-                        lines.append(line.decode().strip())
-                        started.set()
-            return lines
+            return await sse_data_lines(session, url + COMP, body, started)
 
         async def main() -> tuple[float, list[list[str]]]:
             async with aiohttp.ClientSession() as session:

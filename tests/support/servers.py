@@ -4,15 +4,23 @@ app (the router's) on a free port."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import EngineServer, ServerSettings
+from tests.support.net import http_call
 
 
 @contextmanager
@@ -65,3 +73,59 @@ def runner_in_thread(runner: web.AppRunner) -> Iterator[SimpleNamespace]:
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+class EngineProcess:
+    """``kvfleet-engine serve`` as a child process on 127.0.0.1 (fp32, ``served_name``); entered,
+    it waits until /ready and yields the base URL; on exit it kills what is still running."""
+
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        extra: list[str],
+        served_name: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.argv = [
+            sys.executable, "-m", "kvfleet.engine.cli", "serve", "--model", str(model),
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", served_name, *extra,
+        ]  # fmt: skip
+        self.env = env or {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if http_call(self.url + "/ready", method="GET")[0] == 200:
+                    return self.url
+            except OSError:
+                pass
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def sse_data_lines(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], started: asyncio.Event
+) -> list[str]:
+    """The `data:` lines of one streamed request, in order; ``started`` is set at the first."""
+    lines = []
+    async with session.post(url, json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                lines.append(line.decode().strip())
+                started.set()
+    return lines
