@@ -261,6 +261,43 @@ def test_schema_is_structural():
     assert SCHEMA["properties"]["metadata"] == {"type": "object"}
 
 
+# The CRDs Helm installs: crds/ (copied byte for byte, test_helm_chart.py) and kopf's peerings.
+CHART_CRDS = [
+    (path.name, crd)
+    for path in sorted((ROOT / "charts" / "kvfleet" / "crds").glob("*.yaml"))
+    for crd in yaml.safe_load_all(path.read_text())
+]
+
+
+def _stated_default(value: Any) -> str:
+    if value == "":
+        return "empty"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@pytest.mark.parametrize(
+    "crd", [crd for _, crd in CHART_CRDS], ids=[crd["metadata"]["name"] for _, crd in CHART_CRDS]
+)
+def test_every_field_describes_itself(crd: dict[str, Any]):
+    """`kubectl explain inferenceservice.spec --recursive` reads as documentation: every field
+    has a description (metadata excepted: the API server publishes ObjectMeta's own), a scalar
+    default is stated as "Default: <value>", and a *Seconds field says its unit."""
+    assert len(CHART_CRDS) == 3
+    for version in crd["spec"]["versions"]:
+        schema = version["schema"]["openAPIV3Schema"]
+        # Array items and map values are described by the field that holds them.
+        fields = [(p, n) for p, n in walk(schema) if not p.endswith(("[]", "{}"))]
+        undescribed = [p for p, n in fields if p != ".metadata" and not n.get("description")]
+        assert undescribed == [], f"fields of {crd['metadata']['name']} without a description"
+        for path, node in fields:
+            default = node.get("default")
+            if isinstance(default, str | int | float | bool):
+                stated = re.escape(f"Default: {_stated_default(default)}")
+                assert re.search(stated + r"([. ]|$)", node["description"]), path
+            if path.endswith("Seconds"):
+                assert "second" in node["description"].lower(), path
+
+
 def test_every_cel_rule_compiles_and_mirrors_a_spec_check():
     rules = cel_rules(SCHEMA)
     for _, rule, _ in rules:
