@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
+from tqdm import tqdm
+
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
@@ -53,11 +55,15 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order. A request the
         engine failed alone (an error in its own sampling or detokenization, logged) comes back
         finished with `error` saying what failed and finish_reason "error" on each choice; the
-        others complete as if it had not been there."""
+        others complete as if it had not been there.
+
+        use_tqdm: a "Processed prompts" bar with token rates on stderr; None (the default) shows
+        it when stderr is a terminal, True always, False never."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
@@ -80,11 +86,33 @@ class LLM:
                 results[rid] = RequestOutput(
                     rid, ids, [CompletionOutput(index=i) for i in range(sp.n)], prompt=text
                 )
-            while self.engine.has_unfinished_requests():
-                for delta in self.engine.step():
-                    results[delta.request_id].add(delta)
+            self._run(results, disable=None if use_tqdm is None else not use_tqdm)
         except BaseException:
             for rid in order:
                 self.engine.abort_request(rid)
             raise
         return [results[rid] for rid in order]
+
+    def _run(self, results: dict[str, RequestOutput], disable: bool | None) -> None:
+        """Step the engine until every request is done, counting finished prompts on a bar."""
+        prompt_tokens = generated_tokens = 0
+        with tqdm(
+            total=len(results), desc="Processed prompts", unit="prompt", disable=disable
+        ) as bar:
+            while self.engine.has_unfinished_requests():
+                finished = 0
+                for delta in self.engine.step():
+                    out = results[delta.request_id]
+                    out.add(delta)
+                    if out.finished:
+                        finished += 1
+                        prompt_tokens += len(out.prompt_token_ids)
+                        generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+                if finished and not bar.disable:
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(
+                        f"input: {prompt_tokens / elapsed:.1f} tok/s, "
+                        f"output: {generated_tokens / elapsed:.1f} tok/s",
+                        refresh=False,
+                    )
+                    bar.update(finished)

@@ -149,7 +149,8 @@ class ModelRunner:
         if self.args.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
-            load_weights(model, mc.path)
+            # One bar for the process group: every rank loads the same tensors.
+            load_weights(model, mc.path, progress=tp_rank() == 0)
         return model.eval()
 
     def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,9 @@ def _hf_name(name: str) -> str | None:
     return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
 
 
-def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+def iter_tensors(file: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
+    progress: a bar on stderr when it is a terminal; False for none."""
     from gguf.quants import dequantize
 
     reader = _reader(file)
@@ -168,7 +170,13 @@ def iter_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     _check_quant_types(reader, file)
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)
-    for tensor in reader.tensors:
+    tensors = tqdm(
+        reader.tensors,
+        desc=f"Dequantizing {file.name}",
+        unit="tensor",
+        disable=None if progress else True,
+    )
+    for tensor in tensors:
         if tensor.name in _SKIPPED:
             continue
         name = _hf_name(tensor.name)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from kvfleet.engine.layers.layernorm import LayerNorm, RMSNorm
 from kvfleet.engine.models import gguf_checkpoint
@@ -36,19 +37,36 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a checkpoint. progress: a bar on stderr when it is a terminal
+    (tqdm's disable=None); False for none at all (tensor-parallel ranks other than the first)."""
     if path.suffix == gguf_checkpoint.SUFFIX:
-        yield from gguf_checkpoint.iter_tensors(path)
+        yield from gguf_checkpoint.iter_tensors(path, progress=progress)
         return
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    # Only the headers are read here: the bar counts tensors, which a single-file model has
+    # many of, rather than shards.
+    total = 0
+    for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    with tqdm(
+        total=total,
+        desc="Loading safetensors weights",
+        unit="tensor",
+        disable=None if progress else True,
+    ) as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, f.get_tensor(name)
+                    bar.update()
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None:
     """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
     Unknown tensors and parameters left unloaded are errors, not silent random weights.
+    progress: as for iter_checkpoint.
 
     A model whose checkpoint layout differs from its parameters (GPT-2: transposed Conv1D
     matrices, q/k/v in one tensor) defines ``checkpoint_tensors`` to rewrite the stream of
@@ -59,7 +77,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     rewrite: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
     rewrite = getattr(model, "checkpoint_tensors", lambda tensors: tensors)
     loaded: set[str] = set()
-    for name, tensor in rewrite(iter_checkpoint(path)):
+    for name, tensor in rewrite(iter_checkpoint(path, progress=progress)):
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         target, shard = name, None
