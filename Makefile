@@ -20,13 +20,16 @@ $(VENV)/.sources: FORCE | $(PY)
 	@find engine kernels operator router protocol -name '*.py' -not -path '*/__pycache__/*' | sort > $@.new
 	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
 
+# Not -q: the first install downloads torch and the rest (a minute or more), which pip's
+# progress bars show; a repeated one prints a line per requirement already satisfied.
+PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml setup.py $(VENV)/.sources | $(PY)
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e . $(EDITABLE)
+	$(PIP_INSTALL) "$(TORCH)"
+	$(PIP_INSTALL) -e . $(EDITABLE)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[dev]" $(EDITABLE)
+	$(PIP_INSTALL) -e ".[dev]" $(EDITABLE)
 	touch $@
 
 install: $(VENV)/.installed
@@ -39,8 +42,9 @@ $(TOOLS)/helm: scripts/fetch_tools.py
 	touch $@
 tools: $(TOOLS)/helm
 
-# The main job: the OpenAI-compatible server on the built-in default model (a tiny
-# random-weight Llama: meaningless text). MODEL=/path/to/hf-model serves a real one.
+# The main job: the OpenAI-compatible server on the built-in default model,
+# SmolLM2-135M-Instruct (a Q4_1 GGUF fetched once into ~/.cache/kvfleet, served as
+# smollm2-135m-instruct). MODEL=/path/to/hf-model-or.gguf serves another.
 run: install
 	$(VENV)/bin/kvfleet-engine serve $(MODEL) --port $(PORT)
 
