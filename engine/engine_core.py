@@ -225,6 +225,7 @@ class EngineCore:
             kv_cache_usage_perc=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_usable_blocks=self.kv_cache_manager.pool.num_usable_blocks,
+            num_cached_blocks=len(self.kv_cache_manager.pool.cached),
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,

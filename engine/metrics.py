@@ -52,6 +52,9 @@ class _EngineStateCollector(Collector):
                     s.num_requests_waiting)  # fmt: skip
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
                     s.kv_cache_usage_perc)  # fmt: skip
+        yield gauge("kvfleet_engine_prefix_cache_blocks",
+                    "KV-cache blocks holding reusable prompt prefixes, in use or not.",
+                    s.num_cached_blocks)  # fmt: skip
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV-cache configuration.",

@@ -74,6 +74,9 @@ class EngineStats:
     kv_cache_usage_perc: float  # fraction of KV-cache blocks in use (0..1)
     num_free_blocks: int
     num_usable_blocks: int
+    # Blocks holding reusable prompt prefixes, in use or not: how warm the cache is, which the
+    # operator weighs when it picks the engine a scale-down removes.
+    num_cached_blocks: int
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found

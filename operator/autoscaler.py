@@ -45,6 +45,7 @@ import kopf
 from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
+from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
@@ -55,7 +56,13 @@ from kvfleet.operator.resources import (
     ROUTER_PORT,
     VERSION,
 )
-from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    PodMetrics,
+    Recommendation,
+    ScaleDecision,
+    ScalingPolicy,
+    decide,
+)
 from kvfleet.operator.spec import AutoscalingSpec, SpecError, engine_replicas, parse_spec
 from kvfleet.operator.status import timestamp
 
@@ -79,6 +86,10 @@ FAILURES = Counter(
     "Autoscaling steps that failed, by cause: APIError (reading the service or its pods, or "
     "writing its status), ScrapeFailed, DecisionFailed.",
     ["reason"],
+)
+DELETION_COST_FAILURES = Counter(
+    "kvfleet_operator_deletion_cost_failures",
+    "Pod-deletion-cost writes that failed before a scale-down (which went ahead regardless).",
 )
 SIGNAL_NAMES = {
     "current": "current",
@@ -293,7 +304,7 @@ class Autoscaler:
             url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key)
             try:
                 await self._api.merge_patch(f"{url}/status", {"status": patch})
-            except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
+            except k.APIError as e:
                 logger.warning("%s/%s: cannot record the failure: %s", *key, e)
                 return
         self._failing[key] = failure.reason
@@ -356,6 +367,9 @@ class Autoscaler:
             "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
         )
         self._memory[uid] = (decision.history, decision.last_active)
+        if 0 < decision.replicas < current:
+            # Before the status write that makes the reconciler shrink the Deployment.
+            await self._rank_for_deletion(namespace, of("engine"), metrics)
         unreachable = {**decision.problems, **silent_routers}
         patch = status_update(status, current, decision, unreachable, now)
         was_failing = self._failing.pop(key, None) is not None
@@ -380,6 +394,21 @@ class Autoscaler:
             logger.info("%s/%s: %s", namespace, name, message)
             kopf.event(isvc, type="Normal", reason="Scaled", message=message)
         return decision
+
+    async def _rank_for_deletion(
+        self, namespace: str, pods: list[dict[str, Any]], metrics: list[PodMetrics]
+    ) -> None:
+        """Marks the coldest, idlest engines as the ones the ReplicaSet deletes first. A failed
+        write leaves the choice to the ReplicaSet's own order; the scale-down goes ahead, since
+        holding it would keep idle GPUs for a ranking."""
+        for pod, patch in cost_patches(pods, deletion_costs(metrics)).items():
+            try:
+                await self._api.merge_patch(k.resource_url("v1", "pods", namespace, pod), patch)
+            except k.APINotFoundError:
+                pass  # gone already
+            except k.APIError as e:
+                DELETION_COST_FAILURES.inc()
+                logger.warning("%s/%s: pod-deletion-cost not written: %s", namespace, pod, e)
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())

@@ -39,13 +39,15 @@ import aiohttp
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.operator.scaling_policy import MAX_REQUESTS, PodMetrics, out_of_range
+from kvfleet.operator.scaling_policy import MAX_BLOCKS, MAX_REQUESTS, PodMetrics, out_of_range
 
 logger = logging.getLogger("kvfleet.operator.metrics")
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+# Optional: engines before it lack it, and the autoscaler then ranks warmth by KV-cache usage.
+CACHED_BLOCKS = "kvfleet_engine_prefix_cache_blocks"
 # The router's gauge of requests waiting for a ready engine (scale from zero).
 HELD_REQUESTS = "kvfleet_router_held_requests"
 METRICS_PATH = "/metrics"
@@ -195,7 +197,7 @@ class Scraper:
         finally:
             slots.release()
         for name, value in values.items():
-            high = 1.0 if name == KV_CACHE_USAGE else MAX_REQUESTS
+            high = {KV_CACHE_USAGE: 1.0, CACHED_BLOCKS: MAX_BLOCKS}.get(name, MAX_REQUESTS)
             if why := out_of_range(value, high):
                 raise ScrapeError("out_of_range", f"{name}: {why}")
         return values
@@ -244,7 +246,7 @@ class Scraper:
             found[name] = found.get(name, 0.0) + value
 
     async def _scrape(
-        self, targets: Sequence[Target], names: Sequence[str], *, required: bool
+        self, targets: Sequence[Target], names: Sequence[str], *, required: Sequence[str] = ()
     ) -> list[dict[str, float] | str]:
         """Per target, its values or why there are none. One pod's failure, whatever it is, never
         stops the others'."""
@@ -252,7 +254,7 @@ class Scraper:
         async def one(target: Target) -> dict[str, float] | str:
             try:
                 values = await self._values(target, names)
-                if required and (missing := [n for n in names if n not in values]):
+                if missing := [n for n in required if n not in values]:
                     raise ScrapeError("missing", f"metrics lack {', '.join(missing)}")
                 return values
             except ScrapeError as e:
@@ -267,13 +269,20 @@ class Scraper:
         return await asyncio.gather(*(one(t) for t in targets))
 
     async def engines(self, targets: Sequence[Target]) -> list[PodMetrics]:
-        """Queue depth and KV-cache usage of each engine; a pod without them is unanswered, with
-        the reason as its ``error``."""
-        results = await self._scrape(targets, (RUNNING, WAITING, KV_CACHE_USAGE), required=True)
+        """Queue depth, KV-cache usage and cached blocks of each engine; a pod without the first
+        two is unanswered, with the reason as its ``error``."""
+        required = (RUNNING, WAITING, KV_CACHE_USAGE)
+        results = await self._scrape(targets, (*required, CACHED_BLOCKS), required=required)
         return [
             PodMetrics(target.name, error=values)
             if isinstance(values, str)
-            else PodMetrics(target.name, values[RUNNING], values[WAITING], values[KV_CACHE_USAGE])
+            else PodMetrics(
+                target.name,
+                values[RUNNING],
+                values[WAITING],
+                values[KV_CACHE_USAGE],
+                cached_blocks=values.get(CACHED_BLOCKS),
+            )
             for target, values in zip(targets, results, strict=True)
         ]
 
@@ -281,7 +290,7 @@ class Scraper:
         """Requests the routers hold for want of a ready engine, summed; and why each router that
         did not count did not. A router that answers without the gauge holds nothing (a labelled
         gauge has no series until first set)."""
-        results = await self._scrape(targets, (HELD_REQUESTS,), required=False)
+        results = await self._scrape(targets, (HELD_REQUESTS,))
         held, failed = 0.0, {}
         for target, values in zip(targets, results, strict=True):
             if isinstance(values, str):

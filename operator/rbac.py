@@ -54,8 +54,9 @@ _RULES: tuple[PolicyRule, ...] = (
         "resources": ["roles", "rolebindings"],
         "verbs": MANAGE,
     },
-    # Status comes from the pods too: crash loops and image pull errors show only there.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # Status comes from the pods too: crash loops and image pull errors show only there. patch:
+    # the pod-deletion-cost annotation that makes a scale-down remove the coldest engine.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Held so that the operator may grant it to routers (see the module docstring).
     *ROUTER_RULES,

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 # Requests one engine or router can hold: far beyond any real batch or queue, so a larger count is
 # a broken gauge, not load.
 MAX_REQUESTS = 1e6
+# KV-cache blocks one engine can hold: past a terabyte of cache, so a larger count is broken too.
+MAX_BLOCKS = 1e9
 
 
 def out_of_range(value: float, high: float) -> str | None:
@@ -39,6 +41,8 @@ class PodMetrics:
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None  # 0..1
+    # Blocks of reusable prompt prefixes; None from an engine that does not export the gauge.
+    cached_blocks: float | None = None
     error: str | None = None  # why the metrics did not come
 
     @property
@@ -55,6 +59,8 @@ class PodMetrics:
                 return f"no {name}"
             if why := out_of_range(value, high):
                 return f"{name}: {why}"
+        if self.cached_blocks is not None and (why := out_of_range(self.cached_blocks, MAX_BLOCKS)):
+            return f"cached blocks: {why}"
         return None
 
     @property

@@ -21,6 +21,7 @@ import yaml
 from aiohttp import web
 
 from kvfleet.operator.autoscaler import REFRESH_SECONDS, load_memory, status_update
+from kvfleet.operator.deletion_cost import DELETION_COST
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.metrics_scraper import KV_CACHE_USAGE, RUNNING, WAITING
 from kvfleet.operator.resources import common_labels
@@ -152,7 +153,7 @@ class MetricsServer:
 
     def __init__(self, router: bool = False) -> None:
         self.router = router
-        self.running = self.waiting = self.kv = self.held = 0.0
+        self.running = self.waiting = self.kv = self.held = self.cached = 0.0
         self.silent = False
         self.scrapes = 0
         self.port = 0
@@ -171,8 +172,8 @@ class MetricsServer:
         assert self._runner is not None
         await self._runner.cleanup()
 
-    def load(self, running: float, waiting: float = 0.0, kv: float = 0.0) -> None:
-        self.running, self.waiting, self.kv = running, waiting, kv
+    def load(self, running: float, waiting: float = 0.0, kv: float = 0.0, cached: float = 0.0):
+        self.running, self.waiting, self.kv, self.cached = running, waiting, kv, cached
 
     async def _metrics(self, _: web.Request) -> web.Response:
         self.scrapes += 1
@@ -189,6 +190,7 @@ class MetricsServer:
                     ("vllm:num_requests_running", self.running),
                     ("vllm:num_requests_waiting", self.waiting),
                     ("vllm:kv_cache_usage_perc", self.kv),
+                    ("kvfleet_engine_prefix_cache_blocks", self.cached),
                 )
             )
         return web.Response(text=body, content_type="text/plain")
@@ -343,11 +345,28 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
         await steps(engines[0])
         assert engine_replicas_of(k, "llm") == 4
         assert status_of(k, "llm")["autoscaling"]["unreachablePods"] == []
+        # The scale-down marks which engines go: the coldest (fewest cached blocks at equal
+        # load) costs least, so the ReplicaSet deletes it first; the warmest stays.
+        for engine, cached in zip(engines, (10, 500, 0, 50), strict=True):
+            engine.load(running=0.5, cached=cached)
+        await steps(engines[0])
+        mark_down = len(k)
         clock.now = T0 + 620
         await eventually(lambda: engine_replicas_of(k, "llm") == 1)
         last = status_of(k, "llm")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (4, 1)
         assert by_operator(k, mark)
+        costs = [
+            k.live(PODS, NS, f"llm-engine-{e.port}")["metadata"]["annotations"][DELETION_COST]
+            for e in engines
+        ]
+        assert costs == ["1", "3", "0", "2"]
+        # Written before the Deployment shrinks, and only then (no pod write in earlier steps).
+        done = writes(k, mark_down)
+        shrink = next(i for i, w in enumerate(done) if w.endswith("/deployments/llm-engine"))
+        patched = [f"PATCH /api/v1/namespaces/{NS}/pods/llm-engine-{e.port}" for e in engines]
+        assert [w for w in done[:shrink] if "/pods/" in w] == patched
+        assert [w for w in writes(k, mark) if "/pods/" in w] == patched
     assert_rbac_covers(k)
 
 

@@ -87,6 +87,16 @@ def assert_engine_idle(server, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def test_cached_prefix_blocks_are_exported_and_outlive_their_request(client, server):
+    """The gauge the operator weighs to keep warm engines on scale-down: a finished request's full
+    prompt blocks stay cached (and counted) after it ends."""
+    before = metric(server, "kvfleet_engine_prefix_cache_blocks")
+    # 64 tokens no other test sends: four full 16-token blocks.
+    client.completions.create(model=MODEL, prompt=list(range(400, 464)), max_tokens=1)
+    assert_engine_idle(server)
+    assert metric(server, "kvfleet_engine_prefix_cache_blocks") >= before + 4
+
+
 # -- the official client -------------------------------------------------------------------
 
 

@@ -13,11 +13,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
-{{- define "kvfleet.labels" -}}
-{{ include "kvfleet.selectorLabels" . }}
+{{/* Labels of everything the release creates, but its component. */}}
+{{- define "kvfleet.releaseLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "kvfleet.labels" -}}
+{{ include "kvfleet.releaseLabels" . }}
+app.kubernetes.io/component: operator
 {{- end -}}
 
 {{- define "kvfleet.serviceAccountName" -}}
@@ -82,7 +89,7 @@ any: true
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [list, watch, patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
