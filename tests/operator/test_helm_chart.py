@@ -11,20 +11,24 @@ locally and fail under CI=true or KVFLEET_REQUIRE_TOOLS=1 (what `make test` sets
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import prometheus_client
 import pytest
 import yaml
 
-from kvfleet.operator.main import build_parser, split_list
+from kvfleet.operator.main import build_parser, build_registry, build_settings, split_list
 from kvfleet.operator.rbac import NAMESPACED_OPERATOR_RULES, OPERATOR_RULES, as_manifest
 from kvfleet.operator.resources import (
     ENGINE_PORT,
@@ -37,6 +41,9 @@ from kvfleet.operator.resources import (
     router_service,
 )
 from kvfleet.operator.spec import parse_spec
+from tests.support.kmock import CONFIG as KMOCK_CONFIG
+from tests.support.kmock import kube_for, run_operator
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfleet"
@@ -91,9 +98,13 @@ def tool(name: str, *extra: Path) -> str:
     pytest.skip(message)
 
 
-def helm(*args: str) -> str:
+def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
     exe = tool("helm", ROOT / ".tools" / "bin" / "helm")
-    proc = subprocess.run([exe, *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def helm(*args: str) -> str:
+    proc = run_helm(*args)
     assert proc.returncode == 0, f"helm {' '.join(args)}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -473,18 +484,21 @@ def test_labels_the_chart_selects_are_the_operators():
 # values and NOTES
 
 
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """The leaf values of values.yaml by path (".image.tag"); an empty map is a leaf."""
+    if isinstance(node, dict) and node:
+        return {p: x for k, v in node.items() for p, x in leaves(v, f"{prefix}.{k}").items()}
+    return {prefix: node}
+
+
 def test_every_value_is_used_by_a_template():
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    templates = "".join(p.read_text() for p in (CHART / "templates").iterdir())
-
-    def leaves(node: Any, prefix: str) -> list[str]:
-        if isinstance(node, dict) and node:
-            return [p for k, v in node.items() for p in leaves(v, f"{prefix}.{k}")]
-        return [prefix]
-
+    templates = "".join(p.read_text() for p in (CHART / "templates").rglob("*.*"))
     # Read through a variable (index $.Values.monitoring $component): counted by name.
     dynamic = {".monitoring.engines.enabled", ".monitoring.router.enabled"}
-    for path in leaves(values, ""):
+    for path in leaves(VALUES):
         if path in dynamic:
             continue
         # The value itself, or an enclosing object used whole (toYaml .Values.resources).
@@ -524,3 +538,167 @@ def test_the_operator_serves_its_metrics_and_a_monitor_scrapes_them():
     assert selector.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
     assert not [m for m in by_kind(render("default"), "PodMonitor")]
+
+
+# ---------------------------------------------------------------------------------------------
+# values.schema.json and the chart README: every value typed, checked and documented
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+README = (CHART / "README.md").read_text()
+
+
+def schema_node(path: str) -> dict[str, Any] | None:
+    """The schema of a values path (".image.tag"), $refs followed; None inside a free-form object
+    (podSecurityContext.runAsUser: the API server checks those)."""
+    node: dict[str, Any] = SCHEMA
+    for key in path.split(".")[1:]:
+        if key in node.get("properties", {}):
+            node = node["properties"][key]
+        else:
+            assert node.get("additionalProperties") is not False, f"{path}: not in the schema"
+            return None
+        while "$ref" in node:
+            node = SCHEMA["definitions"][node["$ref"].rsplit("/", 1)[1]]
+    return node
+
+
+def readme_rows() -> dict[str, tuple[str, Any]]:
+    """The README's values table: path -> (type, default parsed as YAML)."""
+    rows = re.findall(r"^\| `([\w.]+)` \| ([\w ]+) \| `([^`]*)` \|", README, re.M)
+    return {f".{key}": (kind, yaml.safe_load(default)) for key, kind, default in rows}
+
+
+# README type -> (JSON Schema type, Python type of the YAML value)
+README_TYPES: dict[str, tuple[str, Any]] = {
+    "string": ("string", str), "integer": ("integer", int), "boolean": ("boolean", bool),
+    "list": ("array", list), "map": ("object", dict), "list or null": ("array,null", list | None),
+}  # fmt: skip
+
+
+def test_values_yaml_meets_its_schema():
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
+    jsonschema.Draft7Validator(SCHEMA).validate(VALUES)
+    # Typos are refused at every level a user types keys into, but free-form Kubernetes objects.
+    assert SCHEMA["additionalProperties"] is False
+    for path in leaves(VALUES):
+        schema_node(path)
+
+
+def test_readme_lists_every_value_with_its_type_and_default():
+    rows = readme_rows()
+    values = leaves(VALUES)
+    assert sorted(rows) == sorted(values), "charts/kvfleet/README.md's table drifted"
+    for path, (kind, default) in rows.items():
+        assert default == values[path], path
+        schema_type, python_type = README_TYPES[kind]
+        assert isinstance(default, python_type), path
+        node = schema_node(path)
+        if node is not None:
+            declared = node["type"]
+            assert schema_type == (",".join(declared) if isinstance(declared, list) else declared)
+
+
+# (value set, the path helm names, words of its message)
+BAD_VALUES = [
+    ("logLevel=verbose", "/logLevel", "must be one of"),
+    ("replicaCount=-1", "/replicaCount", "minimum"),
+    ("replicas=2", "''", "additional properties 'replicas' not allowed"),
+    ("image.pullPolicy=Sometimes", "/image/pullPolicy", "must be one of"),
+    ("healthPort=70000", "/healthPort", "maximum"),
+    ("metricsPort=http", "/metricsPort", "want integer"),
+    ("watchNamespaces={Team_A}", "/watchNamespaces/0", "does not match pattern"),
+    ("monitoring.kind=Probe", "/monitoring/kind", "must be one of"),
+    ("monitoring.interval=fast", "/monitoring/interval", "does not match pattern"),
+    ("monitoring.engines.enable=true", "/monitoring/engines", "'enable' not allowed"),
+    ("networkPolicy.apiServer.cidr=10.0.0.1", "/networkPolicy/apiServer/cidr", "pattern"),
+    ("allowList.images={registry.example.com/a b}", "/allowList/images/0", "pattern"),
+    ("serviceAccount.create=yes", "/serviceAccount/create", "want boolean"),
+]
+
+
+@pytest.mark.parametrize(("value", "path", "words"), BAD_VALUES, ids=[v[0] for v in BAD_VALUES])
+def test_a_bad_value_is_refused_with_its_path(value: str, path: str, words: str):
+    for command in (
+        ["lint", "--strict", str(CHART)],
+        ["template", "kvfleet", str(CHART)],
+        ["install", "kvfleet", str(CHART), "--dry-run=client", "--namespace", NAMESPACE],
+    ):
+        proc = run_helm(*command, "--set", value)
+        assert proc.returncode != 0, (command, value)
+        out = proc.stdout + proc.stderr
+        assert f"at '{path.strip(chr(39))}'" in out and words in out, out
+
+
+def test_the_chart_can_be_a_dependency():
+    """Helm passes `global` to a subchart: the schema must not refuse it."""
+    helm("template", "kvfleet", str(CHART), "--set", "global.imageRegistry=registry.example.com")
+
+
+# ---------------------------------------------------------------------------------------------
+# helm test
+
+
+def hook_pod(docs: list[dict]) -> dict:
+    (pod,) = by_kind(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    return pod
+
+
+@pytest.mark.parametrize("scenario", ["default", "non-default"])
+def test_helm_test_pod_checks_the_operator_through_its_service(scenario: str):
+    docs = render(scenario)
+    pod = hook_pod(docs)
+    (service,) = by_kind(docs, "Service")
+    operator_pod = one(docs, "Deployment")["spec"]["template"]
+    selector = service["spec"]["selector"]
+    assert selector.items() <= operator_pod["metadata"]["labels"].items()
+    assert not selector.items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    container_ports = {p["name"]: p["containerPort"] for p in operator_container(docs)["ports"]}
+    host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    for name, path in (("health", "healthz"), ("metrics", "metrics")):
+        assert ports[name]["targetPort"] == name and name in container_ports
+        assert env[f"{name.upper()}_URL"] == f"http://{host}:{ports[name]['port']}/{path}"
+    # The operator's image, hardened as the operator is, with no API credentials.
+    assert container["image"] == operator_container(docs)["image"]
+    assert container["securityContext"] == operator_container(docs)["securityContext"]
+    assert pod["spec"]["securityContext"] == operator_pod["spec"]["securityContext"]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def _run_hook_script(pod: dict, health_url: str, metrics_url: str) -> subprocess.CompletedProcess:
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][:2] == ["python", "-c"]
+    env = {**os.environ, "HEALTH_URL": health_url, "METRICS_URL": metrics_url}
+    return subprocess.run(
+        [sys.executable, "-c", container["command"][2]],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_helm_test_script_passes_on_a_running_operator_only(cluster):
+    """The hook's own script, against kopf's /healthz of an operator on kmock and the operator's
+    metrics server as main.py starts it; a port that does not answer fails it in one line."""
+    pod = hook_pod(render("default"))
+    health = f"http://127.0.0.1:{free_port()}/healthz"
+    metrics_port = free_port()
+    server, thread = prometheus_client.start_http_server(metrics_port, "127.0.0.1")
+    try:
+        settings = build_settings()
+        registry = build_registry(settings, KMOCK_CONFIG, kube=kube_for(cluster))
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        async with run_operator(registry, settings, liveness_endpoint=health):
+            ok = await asyncio.to_thread(_run_hook_script, pod, health, metrics)
+            assert ok.returncode == 0, ok.stderr
+            dead = f"http://127.0.0.1:{free_port()}/healthz"
+            failed = await asyncio.to_thread(_run_hook_script, pod, dead, metrics)
+        assert failed.returncode == 1
+        assert failed.stderr.startswith(f"FAILED: {dead}: ") and failed.stderr.count("\n") == 1
+    finally:
+        server.shutdown()
+        thread.join(5)
