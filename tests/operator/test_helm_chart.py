@@ -630,6 +630,11 @@ def test_a_bad_value_is_refused_with_its_path(value: str, path: str, words: str)
         assert f"at '{path.strip(chr(39))}'" in out and words in out, out
 
 
+def test_one_port_for_health_and_metrics_is_refused():
+    proc = run_helm("template", "kvfleet", str(CHART), "--set", "metricsPort=8081")
+    assert proc.returncode != 0 and "healthPort and metricsPort must differ" in proc.stderr
+
+
 def test_the_chart_can_be_a_dependency():
     """Helm passes `global` to a subchart: the schema must not refuse it."""
     helm("template", "kvfleet", str(CHART), "--set", "global.imageRegistry=registry.example.com")
