@@ -46,6 +46,7 @@ from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
+from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
@@ -98,13 +99,16 @@ SIGNAL_NAMES = {
     "held": "heldRequests",
     "queue_per_replica": "queuePerReplica",
     "kv_cache_usage": "kvCacheUsage",
+    "latency": "latencySeconds",
 }
+LATENCY_NAMES = {"ttft": "TTFT", "queueTime": "queue time"}
 
 
 # -- pure ----------------------------------------------------------------------------------
 
 
 def policy_of(a: AutoscalingSpec) -> ScalingPolicy:
+    latency = a.latency_target
     return ScalingPolicy(
         min_replicas=a.min_replicas,
         max_replicas=a.max_replicas,
@@ -113,6 +117,10 @@ def policy_of(a: AutoscalingSpec) -> ScalingPolicy:
         scale_up_stabilization_s=a.scale_up_stabilization_seconds,
         scale_down_stabilization_s=a.scale_down_stabilization_seconds,
         scale_to_zero_delay_s=a.scale_to_zero_delay_seconds,
+        latency_target_s=latency.target_seconds if latency else None,
+        latency_name=f"p{latency.quantile * 100:g} {LATENCY_NAMES[latency.metric]}"
+        if latency
+        else "latency",
     )
 
 
@@ -180,6 +188,7 @@ def status_update(
             "from": current,
             "to": decision.replicas,
             "reason": decision.reason[:MAX_REASON],
+            "signal": decision.signal,
             "metrics": {
                 SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
             },
@@ -243,6 +252,10 @@ class Autoscaler:
         self._clock = clock
         self._tasks: dict[k.Key, asyncio.Task[None]] = {}
         self._memory: dict[str, Memory] = {}  # by uid: a recreated object starts afresh
+        # Each engine's latency buckets at the last scrape, by uid then pod: the next scrape's
+        # difference is the interval's latency. Not persisted: after a restart the latency
+        # signal is absent for one interval.
+        self._buckets: dict[str, dict[str, Buckets]] = {}
         # The last InferenceService each loop read, to report a failure that comes before the
         # next read succeeds.
         self._seen: dict[k.Key, dict[str, Any]] = {}
@@ -274,6 +287,7 @@ class Autoscaler:
         self._failing.pop(key, None)
         if body := self._seen.pop(key, None):
             self._memory.pop(body["metadata"].get("uid", ""), None)
+            self._buckets.pop(body["metadata"].get("uid", ""), None)
 
     async def _loop(self, key: k.Key) -> None:
         while True:
@@ -340,13 +354,20 @@ class Autoscaler:
             return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]
 
         engines = ready_targets(of("engine"), ENGINE_PORT)
+        target = spec.autoscaling.latency_target
+        histogram = LATENCY_METRICS[target.metric] if target is not None else None
         with _failing_as("ScrapeFailed"):
             metrics, (held, silent_routers) = await asyncio.gather(
-                self._scraper.engines(engines),
+                self._scraper.engines(engines, histogram),
                 self._scraper.held_requests(ready_targets(of("router"), ROUTER_PORT)),
             )
         now = self._clock()
         uid = isvc["metadata"]["uid"]
+        latency = None
+        if target is not None:
+            buckets = {m.pod: m.latency for m in metrics if m.answered and m.latency is not None}
+            latency = service_quantile(target.quantile, self._buckets.get(uid, {}), buckets)
+            self._buckets[uid] = buckets
         history, last_active = self._memory.get(uid) or load_memory(status)
         if last_active is None:
             # Never seen busy: the idle time counts from the first look, so a new endpoint keeps
@@ -362,6 +383,7 @@ class Autoscaler:
                 now,
                 held_requests=held,
                 starting=max(0, current - len(engines)),
+                latency=latency,
             )
         logger.debug(
             "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason

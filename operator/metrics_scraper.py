@@ -30,6 +30,7 @@ import asyncio
 import codecs
 import functools
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import aiohttp
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfleet.operator.latency import Buckets
 from kvfleet.operator.scaling_policy import MAX_BLOCKS, MAX_REQUESTS, PodMetrics, out_of_range
 
 logger = logging.getLogger("kvfleet.operator.metrics")
@@ -52,6 +54,8 @@ CACHED_BLOCKS = "kvfleet_engine_prefix_cache_blocks"
 HELD_REQUESTS = "kvfleet_router_held_requests"
 METRICS_PATH = "/metrics"
 
+# A counter past 2**53 can no longer count by ones in a float: broken, not busy.
+MAX_COUNT = float(2**53)
 MAX_BODY_BYTES = 4 * 2**20  # an engine's whole exposition is tens of KiB
 # A line this long is no exposition line; keeping it would let one line hold the whole body.
 MAX_LINE_CHARS = 64 * 2**10
@@ -102,8 +106,15 @@ def ready_targets(pods: Iterable[Mapping[str, Any]], default_port: int) -> list[
     return sorted(targets, key=lambda t: t.name)
 
 
+def bucket_key(histogram: str, le: str) -> str:
+    """The key of one histogram bucket among parse_metrics' results, as Prometheus names the
+    series: ``<histogram>_bucket{le="..."}``."""
+    return f'{histogram}_bucket{{le="{le}"}}'
+
+
 def parse_metrics(text: str, names: Iterable[str]) -> dict[str, float]:
     """The sum over series of each named metric found in an exposition; absent ones are left out.
+    A named ``<histogram>_bucket`` is kept per bucket, under bucket_key.
 
     Raises ValueError on text that is not the Prometheus exposition format.
     """
@@ -112,8 +123,28 @@ def parse_metrics(text: str, names: Iterable[str]) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
-                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+                key = sample.name
+                if key.endswith("_bucket") and "le" in sample.labels:
+                    key = bucket_key(key.removesuffix("_bucket"), sample.labels["le"])
+                found[key] = found.get(key, 0.0) + sample.value
     return found
+
+
+def histogram_buckets(values: Mapping[str, float], histogram: str) -> Buckets | None:
+    """One histogram's buckets out of parse_metrics' results, by bound; None when it has none
+    or no +Inf bucket (a cut-off or broken exposition)."""
+    prefix = f'{histogram}_bucket{{le="'
+    buckets = []
+    for key, count in values.items():
+        if key.startswith(prefix):
+            try:
+                buckets.append((float(key[len(prefix) : -2]), count))
+            except ValueError:
+                return None
+    buckets.sort()
+    if not buckets or not math.isinf(buckets[-1][0]):
+        return None
+    return tuple(buckets)
 
 
 class ScrapeError(Exception):
@@ -198,6 +229,8 @@ class Scraper:
             slots.release()
         for name, value in values.items():
             high = {KV_CACHE_USAGE: 1.0, CACHED_BLOCKS: MAX_BLOCKS}.get(name, MAX_REQUESTS)
+            if name.endswith("}"):  # a histogram bucket: a count since the engine started
+                high = MAX_COUNT
             if why := out_of_range(value, high):
                 raise ScrapeError("out_of_range", f"{name}: {why}")
         return values
@@ -268,11 +301,17 @@ class Scraper:
 
         return await asyncio.gather(*(one(t) for t in targets))
 
-    async def engines(self, targets: Sequence[Target]) -> list[PodMetrics]:
-        """Queue depth, KV-cache usage and cached blocks of each engine; a pod without the first
-        two is unanswered, with the reason as its ``error``."""
+    async def engines(
+        self, targets: Sequence[Target], latency_histogram: str | None = None
+    ) -> list[PodMetrics]:
+        """Queue depth, KV-cache usage and cached blocks of each engine, and the cumulative
+        buckets of ``latency_histogram`` if named; a pod without the first two is unanswered,
+        with the reason as its ``error``."""
         required = (RUNNING, WAITING, KV_CACHE_USAGE)
-        results = await self._scrape(targets, (*required, CACHED_BLOCKS), required=required)
+        names = (*required, CACHED_BLOCKS)
+        if latency_histogram is not None:
+            names = (*names, f"{latency_histogram}_bucket")
+        results = await self._scrape(targets, names, required=required)
         return [
             PodMetrics(target.name, error=values)
             if isinstance(values, str)
@@ -282,6 +321,7 @@ class Scraper:
                 values[WAITING],
                 values[KV_CACHE_USAGE],
                 cached_blocks=values.get(CACHED_BLOCKS),
+                latency=histogram_buckets(values, latency_histogram) if latency_histogram else None,
             )
             for target, values in zip(targets, results, strict=True)
         ]

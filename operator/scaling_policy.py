@@ -3,11 +3,13 @@ reported, the policy, recent recommendations and the time. No I/O, so every rule
 with a fake clock.
 
 Two signals, as the engines report them: requests in flight (running + waiting) per replica over
-a target, and mean KV-cache usage over a target. Each gives a replica count (with a tolerance band
-that ignores small deviations); the larger wins. Then, as HPA does: clamp to [min, max] (with
-bound_replicas, which the reconciler uses too), scale up only to the lowest recommendation seen
-within the scale-up window and by a bounded step, and scale down only to the highest
-recommendation seen within the scale-down window.
+a target, and mean KV-cache usage over a target; and optionally a third, a latency quantile of
+the service over the last interval (TTFT or queue time, from the engines' histograms: latency.py)
+over a target. Each gives a replica count (with a tolerance band that ignores small
+deviations); the largest wins, and the decision names it (``signal``). Then, as HPA does: clamp
+to [min, max] (with bound_replicas, which the reconciler uses too), scale up only to the lowest
+recommendation seen within the scale-up window and by a bounded step, and scale down only to the
+highest recommendation seen within the scale-down window.
 A pod that did not answer, or answered with values no engine can report (not finite, negative,
 absurdly large, a KV-cache usage outside [0, 1]), is never a reason to scale: its numbers are left
 out, as if it had not answered, and it holds any scale-down. Nor is a replica still starting; a
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from kvfleet.operator.latency import Buckets
 
 # Requests one engine or router can hold: far beyond any real batch or queue, so a larger count is
 # a broken gauge, not load.
@@ -43,6 +47,8 @@ class PodMetrics:
     kv_cache_usage: float | None = None  # 0..1
     # Blocks of reusable prompt prefixes; None from an engine that does not export the gauge.
     cached_blocks: float | None = None
+    # Cumulative buckets of the latency histogram the policy targets, if it targets one.
+    latency: Buckets | None = None
     error: str | None = None  # why the metrics did not come
 
     @property
@@ -84,12 +90,18 @@ class ScalingPolicy:
     scale_to_zero_delay_s: float = 600.0
     # Per decision, grow by at most max(this many pods, 100% of the current count), as HPA does.
     max_scale_up_pods: int = 4
+    # The optional third signal: a latency quantile of the service over the last interval
+    # against a target, in seconds; ``latency_name`` words it in the reason ("p90 TTFT").
+    latency_target_s: float | None = None
+    latency_name: str = "latency"
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         if self.target_queue_depth <= 0 or not 0 < self.target_kv_cache_usage <= 1:
             raise ValueError("targets must be positive (KV-cache usage at most 1)")
+        if self.latency_target_s is not None and not 0 < self.latency_target_s < math.inf:
+            raise ValueError("a latency target must be a positive number of seconds")
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,9 @@ class ScaleDecision:
     reason: str
     history: tuple[Recommendation, ...]  # to persist for the next decision
     last_active: float | None  # when work was last seen
+    # What set the count before windows and bounds: queueDepth, kvCacheUsage, latency,
+    # heldRequests (scale from zero), idle, or unknown (no engine answered).
+    signal: str = "unknown"
     signals: dict[str, float] = field(default_factory=dict)
     unanswered: tuple[str, ...] = ()
     problems: dict[str, str] = field(default_factory=dict)  # why each unanswered pod is
@@ -136,8 +151,11 @@ def decide(
     now: float,
     held_requests: float = 0.0,
     starting: int = 0,
+    latency: float | None = None,
 ) -> ScaleDecision:
-    """``starting``: replicas asked for that are not ready yet, so not among ``pods``."""
+    """``starting``: replicas asked for that are not ready yet, so not among ``pods``.
+    ``latency``: the service's latency quantile over the last interval, in seconds (None: no
+    request finished in it, or the policy has no latency target)."""
     problems = {p.pod: why for p in pods if (why := p.problem) is not None}
     answered = [p for p in pods if p.pod not in problems]
     unanswered = tuple(problems)
@@ -160,30 +178,49 @@ def decide(
     if current == 0:
         if held_requests > 0:
             raw, why = max(1, policy.min_replicas), f"{held_requests:g} requests held at zero"
+            signal = "heldRequests"
         else:
-            raw, why = policy.min_replicas, "idle at zero"
+            raw, why, signal = policy.min_replicas, "idle at zero", "idle"
     elif not answered:
-        raw, why = current, "no engine answered its metrics"
+        raw, why, signal = current, "no engine answered its metrics", "unknown"
     else:
         serving = len(answered) + starting
         per_replica = in_flight / serving
         kv = sum(p.kv_cache_usage or 0.0 for p in answered) / serving
         signals.update(queue_per_replica=per_replica, kv_cache_usage=kv)
-        by_queue = _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance)
-        by_kv = _from_ratio(current, kv / policy.target_kv_cache_usage, policy.tolerance)
-        raw = max(by_queue, by_kv)
-        if by_queue >= by_kv:
-            why = f"{per_replica:.2f} requests per replica, target {policy.target_queue_depth:g}"
-        else:
-            why = f"KV-cache usage {kv:.0%}, target {policy.target_kv_cache_usage:.0%}"
+        # Each signal's count and why; the largest wins, the first of equals.
+        candidates = [
+            (
+                _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance),
+                f"{per_replica:.2f} requests per replica, target {policy.target_queue_depth:g}",
+                "queueDepth",
+            ),
+            (
+                _from_ratio(current, kv / policy.target_kv_cache_usage, policy.tolerance),
+                f"KV-cache usage {kv:.0%}, target {policy.target_kv_cache_usage:.0%}",
+                "kvCacheUsage",
+            ),
+        ]
+        target = policy.latency_target_s
+        if target is not None and latency is not None and 0 <= latency < math.inf:
+            signals["latency"] = latency
+            by_latency = _from_ratio(current, latency / target, policy.tolerance)
+            if starting:
+                # Latency stays high until the replicas already asked for serve: asking for
+                # more meanwhile would climb to the maximum on a slow model load.
+                by_latency = min(by_latency, current)
+            why = f"{policy.latency_name} {latency:.3g}s, target {target:g}s"
+            candidates.append((by_latency, why, "latency"))
+        raw, why, signal = max(candidates, key=lambda c: c[0])
         idle_for = now - last_active if last_active is not None else math.inf
         if raw == 0 and idle_for < policy.scale_to_zero_delay_s:
             raw, why = (
                 1,
                 f"idle for {idle_for:.0f}s, zero only after {policy.scale_to_zero_delay_s:g}s",
             )
+            signal = "idle"
         elif raw == 0:
-            why = f"no work for {policy.scale_to_zero_delay_s:g}s"
+            why, signal = f"no work for {policy.scale_to_zero_delay_s:g}s", "idle"
     raw = bound_replicas(raw, policy.min_replicas, policy.max_replicas)
     if unanswered and raw < current:
         raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
@@ -221,4 +258,4 @@ def decide(
     bounded = bound_replicas(desired, policy.min_replicas, policy.max_replicas)
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
-    return ScaleDecision(desired, why, history, last_active, signals, unanswered, problems)
+    return ScaleDecision(desired, why, history, last_active, signal, signals, unanswered, problems)

@@ -284,6 +284,15 @@ class SchedulingSpec(_Model):
     runtime_class_name: DnsSubdomain | None = None
 
 
+class LatencyTarget(_Model):
+    """A latency the autoscaler holds the service to, beside queue depth and KV-cache usage."""
+
+    # ttft: arrival to first token; queueTime: arrival to first scheduling.
+    metric: Literal["ttft", "queueTime"] = "ttft"
+    quantile: float = Field(default=0.9, ge=0.5, le=0.99)
+    target_seconds: float = Field(gt=0.0, le=3600.0)
+
+
 class AutoscalingSpec(_Model):
     mode: Literal["builtin", "external"] = "builtin"
     min_replicas: int = Field(default=1, ge=0, le=1000)
@@ -293,6 +302,7 @@ class AutoscalingSpec(_Model):
     scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
     scale_to_zero_delay_seconds: int = Field(default=600, ge=0, le=86400)
+    latency_target: LatencyTarget | None = None
 
     @model_validator(mode="after")
     def _cel(self) -> AutoscalingSpec:

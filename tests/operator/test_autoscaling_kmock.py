@@ -154,6 +154,8 @@ class MetricsServer:
     def __init__(self, router: bool = False) -> None:
         self.router = router
         self.running = self.waiting = self.kv = self.held = self.cached = 0.0
+        # Cumulative TTFT observations under 0.1 s, under 1 s, and in all.
+        self.ttft = (0.0, 0.0, 0.0)
         self.silent = False
         self.scrapes = 0
         self.port = 0
@@ -192,6 +194,11 @@ class MetricsServer:
                     ("vllm:kv_cache_usage_perc", self.kv),
                     ("kvfleet_engine_prefix_cache_blocks", self.cached),
                 )
+            )
+            name = "vllm:time_to_first_token_seconds"
+            body += f"# TYPE {name} histogram\n" + "".join(
+                f'{name}_bucket{{le="{le}",model_name="m"}} {count}\n'
+                for le, count in zip(("0.1", "1.0", "+Inf"), self.ttft, strict=True)
             )
         return web.Response(text=body, content_type="text/plain")
 
@@ -484,4 +491,37 @@ async def test_scale_up_waits_for_the_scale_up_window_of_the_spec(cluster, serve
         await eventually(lambda: engine_replicas_of(k, "burst") == 4)
         last = status_of(k, "burst")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (1, 4)
+    assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
+async def test_a_latency_target_scales_on_the_intervals_ttft(cluster, servers):
+    k, clock = cluster, Clock(T0)
+    spec = service("slo", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 100,
+                           "latencyTarget": {"metric": "ttft", "targetSeconds": 0.5}})  # fmt: skip
+    engine = await servers()
+    async with operator(k, clock):
+        await create(k, spec)
+        await eventually(lambda: engine_replicas_of(k, "slo") == 1)
+        await add_pod(k, "slo", "engine", engine)
+        engine.load(running=2)
+        # Many slow first tokens long ago (before the operator's first look), then only fast
+        # ones: the interval's p90 is under the target, whatever the engine's lifetime says.
+        engine.ttft = (0.0, 0.0, 1000.0)
+        await steps(engine)
+        engine.ttft = (50.0, 50.0, 1050.0)
+        await steps(engine)
+        assert engine_replicas_of(k, "slo") == 1
+
+        # Now every first token of the interval takes 0.1-1 s: p90 0.91 s against 0.5 s.
+        count = 1050.0
+        for _ in range(3):
+            count += 100
+            engine.ttft = (50.0, count - 1000, count)
+            await steps(engine, 1)
+        await eventually(lambda: engine_replicas_of(k, "slo") == 2)
+        last = status_of(k, "slo")["lastScaleDecision"]
+        assert (last["from"], last["to"], last["signal"]) == (1, 2, "latency")
+        assert last["reason"].startswith("p90 TTFT 0.9")
+        assert 0.85 < last["metrics"]["latencySeconds"] < 0.95
     assert_rbac_covers(k)
