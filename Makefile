@@ -17,7 +17,7 @@ $(PY):
 # files below changes, and so triggers the install again.
 EDITABLE := --config-settings editable_mode=strict
 $(VENV)/.sources: FORCE | $(PY)
-	@find engine kernels operator router protocol -name '*.py' -not -path '*/__pycache__/*' | sort > $@.new
+	@find engine kernels operator router protocol telemetry -name '*.py' -not -path '*/__pycache__/*' | sort > $@.new
 	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
 
 # Not -q: the first install downloads torch and the rest (a minute or more), which pip's

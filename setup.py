@@ -5,7 +5,7 @@ from pathlib import Path
 
 from setuptools import setup
 
-FOLDERS = ("engine", "kernels", "operator", "router", "protocol")
+FOLDERS = ("engine", "kernels", "operator", "router", "protocol", "telemetry")
 
 
 def packages() -> list[str]:

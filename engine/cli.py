@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from kvfleet.engine.config import EngineArgs
+from kvfleet.telemetry.logs import add_log_flags, configure_logging
+from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, tracing_from
 
 if TYPE_CHECKING:
     from kvfleet.engine.server.app import ServerSettings
@@ -105,7 +107,13 @@ def _serve(ns: argparse.Namespace) -> int:
 
     settings = server_settings_from(ns)
     args = engine_args_from(ns)
-    return asyncio.run(serve(args, settings))
+    # Before the model loads: a missing SDK or a bad endpoint is said at once.
+    tracing = tracing_from(ns.otlp_traces_endpoint, "engine")
+    try:
+        return asyncio.run(serve(args, settings, tracing))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
@@ -127,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: "--por 9999" must not be taken for "--port", or a prefix
     # could slip a managed flag past a check that looks for the full name (the operator's).
     parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -141,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
+    add_log_flags(gen, defaults=False)
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
@@ -149,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfleet.engine.server.app import ServerSettings
 
     add_model_flags(srv, ServerSettings, "server")
+    add_tracing_flag(srv)
+    add_log_flags(srv, defaults=False)
     srv.set_defaults(func=_serve)
     return parser
 
@@ -158,15 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if getattr(ns, "model_tag", None) and ns.model is None:
         ns.model = ns.model_tag
-    logging.basicConfig(
-        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(ns.log_level, ns.log_format)
     try:
         return ns.func(ns)
     except ValidationError as e:
         logger.error("%s", one_line(e))
         return 2
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TracingUnavailable) as e:
         logger.error("%s", e)
         return 2
 

@@ -57,6 +57,9 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--health-stall-timeout": None,
     "--header-timeout": None,
     "--body-timeout": None,
+    "--otlp-traces-endpoint": None,
+    "--log-level": None,
+    "--log-format": None,
 }
 # END GENERATED
 

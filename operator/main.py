@@ -44,6 +44,7 @@ from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION, OperatorConfig
+from kvfleet.telemetry.logs import add_log_flags, configure_logging
 
 logger = logging.getLogger("kvfleet.operator")
 
@@ -278,9 +279,10 @@ def _print_rbac(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet-operator", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="reconcile InferenceService objects")
+    add_log_flags(run, defaults=False)
     run.add_argument(
         "-n",
         "--namespace",
@@ -369,9 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # kopf.operator() adds no log handler of its own (only its CLI does): kopf's lines, its
+    # per-object ones included, reach this root handler and come out in the same format.
+    configure_logging(ns.log_level, ns.log_format)
     # Kopf logs every handler call; ours only queue a reconcile, which logs what it changes.
     logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.root.level))
     return ns.func(ns)

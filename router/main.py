@@ -22,6 +22,8 @@ from kvfleet.router.prompt_tokenizer import load_tokenizer
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.telemetry.logs import add_log_flags, configure_logging
+from kvfleet.telemetry.tracing import Tracing, TracingUnavailable, add_tracing_flag, tracing_from
 
 logger = logging.getLogger("kvfleet.router")
 
@@ -57,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breaker-backoff", type=float, default=BreakerPolicy.backoff_s,
                    help="seconds of the first ejection; doubles per ejection in a row")  # fmt: skip
     p.add_argument("--breaker-max-backoff", type=float, default=BreakerPolicy.max_backoff_s)
-    p.add_argument("--log-level", default="INFO")
+    add_tracing_flag(p)
+    add_log_flags(p)
     return p
 
 
@@ -94,8 +97,8 @@ def settings_from(ns: argparse.Namespace) -> RouterSettings:
     )
 
 
-async def serve(ns: argparse.Namespace) -> int:
-    router = Router(settings_from(ns), load_tokenizer(ns.tokenizer))
+async def serve(ns: argparse.Namespace, tracing: Tracing | None = None) -> int:
+    router = Router(settings_from(ns), load_tokenizer(ns.tokenizer), tracing)
     watch: asyncio.Task[None] | None = None
     if ns.endpoints is not None:
         router.set_endpoints(ns.endpoints)
@@ -130,9 +133,16 @@ async def serve(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    return asyncio.run(serve(ns))
+    configure_logging(ns.log_level, ns.log_format)
+    try:
+        tracing = tracing_from(ns.otlp_traces_endpoint, "router")
+    except (ValueError, TracingUnavailable) as e:
+        raise SystemExit(f"kvfleet-router: {e}") from None
+    try:
+        return asyncio.run(serve(ns, tracing))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 if __name__ == "__main__":

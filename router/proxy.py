@@ -86,8 +86,13 @@ from kvfleet.router.routing_key import (
     RoutingKey,
     routing_key,
 )
+from kvfleet.telemetry.http import SPAN, echo_request_id, observe_requests
+from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER
+from kvfleet.telemetry.tracing import Tracing
 
 logger = logging.getLogger("kvfleet.router")
+# One line per proxied request (method, path, status, seconds).
+access_logger = logging.getLogger("kvfleet.router.access")
 
 # RFC 9110 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset(
@@ -329,9 +334,15 @@ async def json_errors(
 
 
 class Router:
-    def __init__(self, settings: RouterSettings, tokenizer: PromptTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        tokenizer: PromptTokenizer | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.tracing = tracing
         self.balancer = Balancer(settings.load_factor)
         self.breakers = Breakers(settings.breaker)
         self.metrics = RouterMetrics(
@@ -478,6 +489,8 @@ class Router:
             tried |= {endpoint}
             if attempt:
                 self.metrics.retries.inc()
+            if (span := request.get(SPAN)) is not None:
+                span.add_event("upstream", {"server.address": endpoint, "attempt": attempt})
             alternatives = len(set(self.balancer.endpoints) - self._excluded(tried))
             result = await self._forward(
                 request, body, endpoint, may_retry(attempt, alternatives), received + held
@@ -501,6 +514,11 @@ class Router:
     ) -> web.StreamResponse | _Failure:
         assert self.session is not None
         headers = forwarded_headers(request.headers.items(), _NOT_FORWARDED_UP)
+        # The engine logs under the same request id, and continues the router's trace.
+        if (request_id := REQUEST_ID.get()) is not None:
+            headers[REQUEST_ID_HEADER] = request_id
+        if self.tracing is not None:
+            self.tracing.inject(headers)
         marks: dict[str, float] = {}
         self.balancer.acquire(endpoint)
         try:
@@ -594,7 +612,12 @@ ROUTER = web.AppKey("router", Router)
 
 def build_app(router: Router) -> web.Application:
     # Request bodies are read whole (for the key and for a retry), up to the body limit.
-    app = web.Application(client_max_size=router.settings.body.max_bytes, middlewares=[json_errors])
+    quiet = ("/health", "/metrics")
+    app = web.Application(
+        client_max_size=router.settings.body.max_bytes,
+        middlewares=[observe_requests(router.tracing, access_logger, quiet), json_errors],
+    )
+    app.on_response_prepare.append(echo_request_id)
     app[ROUTER] = router
     app.cleanup_ctx.append(router._start_session)
     app.router.add_get("/health", router.health)

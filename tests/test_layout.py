@@ -14,16 +14,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "kernels", "operator", "router", "protocol")
+PACKAGES = ("engine", "kernels", "operator", "router", "protocol", "telemetry")
 
 # What each package may import of the project (itself always). protocol is the small module
-# the engine's server and the router share: the wire format's bounds, chat rendering.
+# the engine's server and the router share: the wire format's bounds, chat rendering. telemetry
+# is the log format and trace set-up all three processes share.
 ALLOWED = {
     "kernels": set(),
     "protocol": set(),
-    "engine": {"kernels", "protocol"},
-    "router": {"protocol"},
-    "operator": set(),
+    "telemetry": set(),
+    "engine": {"kernels", "protocol", "telemetry"},
+    "router": {"protocol", "telemetry"},
+    "operator": {"telemetry"},
 }
 
 

@@ -26,8 +26,12 @@ from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, n
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body, refused
 from kvfleet.protocol.json_body import RequestRefused, check_content_encoding
+from kvfleet.telemetry.http import echo_request_id, observe_requests
+from kvfleet.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
+# One line per API request (method, path, status, seconds), as uvicorn's access log.
+access_logger = logging.getLogger("kvfleet.engine.access")
 
 METRICS = web.AppKey("metrics", EngineMetrics)
 STARTED = web.AppKey("started", int)
@@ -227,13 +231,21 @@ async def _detokenize(request: web.Request) -> web.Response:
 
 
 def build_app(
-    engine: AsyncEngine, metrics: EngineMetrics, settings: ServerSettings
+    engine: AsyncEngine,
+    metrics: EngineMetrics,
+    settings: ServerSettings,
+    tracing: Tracing | None = None,
 ) -> web.Application:
     names = settings.served_model_name or [str(engine.core.model_config.path)]
     app = web.Application(
-        middlewares=[_errors, _gatekeeper(resolve_api_key(settings))],
+        middlewares=[
+            observe_requests(tracing, access_logger, _OPEN_PATHS),
+            _errors,
+            _gatekeeper(resolve_api_key(settings)),
+        ],
         client_max_size=settings.max_request_body_bytes,
     )
+    app.on_response_prepare.append(echo_request_id)
     app[SERVING] = ServingContext(engine, names, settings.max_waiting_requests)
     app[METRICS] = metrics
     app[STARTED] = now()
@@ -280,9 +292,12 @@ def check_port_free(host: str, port: int) -> None:
 class EngineServer:
     """The engine behind its HTTP API: started, then drained and stopped."""
 
-    def __init__(self, args: EngineArgs, settings: ServerSettings) -> None:
+    def __init__(
+        self, args: EngineArgs, settings: ServerSettings, tracing: Tracing | None = None
+    ) -> None:
         self.args = args
         self.settings = settings
+        self.tracing = tracing
         self.app: web.Application | None = None
         self.engine: AsyncEngine | None = None
         self._runner: web.AppRunner | None = None
@@ -291,7 +306,7 @@ class EngineServer:
         # Loading a model takes from seconds to minutes: a port that is taken is said first.
         check_port_free(self.settings.host, self.settings.port)
         self.engine, metrics = await asyncio.to_thread(create_engine, self.args, self.settings)
-        self.app = build_app(self.engine, metrics, self.settings)
+        self.app = build_app(self.engine, metrics, self.settings, self.tracing)
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its
         # request and frees its KV blocks, even before the first byte was due.
         # keepalive_timeout: aiohttp arms it when a connection opens and after each response,
@@ -343,9 +358,9 @@ class EngineServer:
         logger.info("stopped")
 
 
-async def serve(args: EngineArgs, settings: ServerSettings) -> int:
+async def serve(args: EngineArgs, settings: ServerSettings, tracing: Tracing | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then drain and exit 0."""
-    server = EngineServer(args, settings)
+    server = EngineServer(args, settings, tracing)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -9,7 +9,7 @@ from aiohttp import web
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.errors import bad_request
 from kvfleet.engine.server.protocol import ChatCompletionRequest, Usage, now, random_id
-from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext
+from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext, traced
 from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body, refused
 from kvfleet.protocol.chat_template import (
@@ -19,6 +19,7 @@ from kvfleet.protocol.chat_template import (
     render_chat_text,
 )
 from kvfleet.protocol.json_body import RequestRefused
+from kvfleet.telemetry.genai import CHAT
 
 
 async def render_chat_served(
@@ -78,7 +79,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     model = req.model or ctx.model_name
     top_n = req.top_logprobs or 0
     ctx.admit(req.model, req.n)
-    outputs = ctx.run(request_id, [ids], params)
+    outputs = traced(request, CHAT, request_id, model, [ids], params,
+                     ctx.run(request_id, [ids], params))  # fmt: skip
 
     def logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
         if not req.logprobs:

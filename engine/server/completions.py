@@ -8,9 +8,10 @@ from aiohttp import web
 
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.protocol import CompletionRequest, Usage, now, random_id
-from kvfleet.engine.server.serving import SERVING, ServingContext
+from kvfleet.engine.server.serving import SERVING, ServingContext, traced
 from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body
+from kvfleet.telemetry.genai import TEXT_COMPLETION
 
 
 class _LogprobsBuilder:
@@ -71,7 +72,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     n = req.n
     model = req.model or ctx.model_name
     ctx.admit(req.model, num_sequences)
-    outputs = ctx.run(request_id, prompts, params, texts)
+    outputs = traced(request, TEXT_COMPLETION, request_id, model, prompts, params,
+                     ctx.run(request_id, prompts, params, texts))  # fmt: skip
 
     def echo_text(i: int) -> str:
         return echoes[i]

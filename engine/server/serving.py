@@ -21,6 +21,8 @@ from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
+from kvfleet.telemetry.genai import GenAISpan
+from kvfleet.telemetry.http import SPAN
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +185,61 @@ class ServingContext:
         except ENGINE_ERRORS as e:
             raise engine_error(e) from None
         return results
+
+
+def traced(
+    request: web.Request,
+    operation: str,
+    response_id: str,
+    model: str,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs as they are without tracing; with it, also recorded on the request's span
+    as the GenAI conventions name them (settings, time to first token, usage, finish reasons)."""
+    span = request.get(SPAN)
+    if span is None:
+        return outputs
+    gen = GenAISpan(span, operation, model)
+    first = params[0]
+    gen.request(
+        max_tokens=first.max_tokens, temperature=first.temperature, top_p=first.top_p, n=first.n
+    )
+    return _recorded(gen, response_id, model, sum(len(p) for p in prompts), outputs)
+
+
+async def _recorded(
+    gen: GenAISpan,
+    response_id: str,
+    model: str,
+    input_tokens: int,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    cached: dict[int, int] = {}
+    finish_reasons: dict[tuple[int, int], str] = {}
+    output_tokens = 0
+    try:
+        async with aclosing(outputs) as it:
+            async for i, delta in it:
+                cached[i] = delta.num_cached_tokens
+                for c in delta.outputs:
+                    if c.token_ids:
+                        gen.first_token()
+                        output_tokens += len(c.token_ids)
+                    if c.finish_reason is not None:
+                        finish_reasons[i, c.index] = c.finish_reason
+                yield i, delta
+    finally:
+        # Also when the request fails or is aborted: what was generated until then.
+        gen.response(
+            response_id=response_id,
+            model=model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cached_input_tokens=sum(cached.values()),
+            finish_reasons=[finish_reasons[k] for k in sorted(finish_reasons)],
+        )
 
 
 @lru_cache(maxsize=65536)

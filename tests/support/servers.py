@@ -20,14 +20,17 @@ from aiohttp import web
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import EngineServer, ServerSettings
+from kvfleet.telemetry.tracing import Tracing
 from tests.support.net import http_call
 
 
 @contextmanager
-def engine_server(args: EngineArgs, settings: ServerSettings) -> Iterator[SimpleNamespace]:
+def engine_server(
+    args: EngineArgs, settings: ServerSettings, tracing: Tracing | None = None
+) -> Iterator[SimpleNamespace]:
     """The engine's HTTP server on 127.0.0.1 (settings.port 0: a free one); yields url, srv
     (the EngineServer) and loop (the loop it runs on), and shuts it down gracefully on exit."""
-    srv = EngineServer(args, settings)
+    srv = EngineServer(args, settings, tracing)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
