@@ -9,6 +9,7 @@ from kvfleet.operator.main import build_parser
 from tests.support.kmock import LLAMA, LLAMA_CHILDREN, children_of, create, eventually, operator
 from tests.support.logs import captured_logs, json_lines
 
+
 def test_run_takes_the_log_flags_after_the_subcommand():
     ns = build_parser().parse_args(["run", "--log-format", "json", "--log-level", "debug"])
     assert (ns.log_format, ns.log_level) == ("json", "DEBUG")
