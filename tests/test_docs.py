@@ -156,6 +156,7 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 OTHER_TOOLS_FLAGS = {
     "--namespace", "--create-namespace", "--reuse-values", "--server-side", "--previous",
     "--as", "--build-arg", "--set", "--dry-run", "--include-crds", "--kube-context", "--no-deps",
+    "--api-version", "--recursive",
 }  # fmt: skip
 
 
