@@ -1,0 +1,507 @@
+"""The fleet harness: the real operator, real engines and the real router, in one call.
+
+The operator (``kvfleet-operator run``, a child process) reconciles an InferenceService in
+kmock's Kubernetes API emulator (bench/fleet/cluster.py) through a kubeconfig; the pod runner
+(bench/fleet/pods.py) turns its engine Deployment's replicas into ``kvfleet-engine`` processes
+with the arguments the operator generated and reports their readiness into Pods and
+EndpointSlices; the router (``kvfleet-router``, a child process, the arguments of the router
+Deployment) watches those slices. The autoscaler's decisions therefore start and stop real
+engines. A workload (bench/fleet/workload.py) runs once per policy, the same requests each time:
+
+* ``round-robin``: straight to the ready engines in turn (the baseline, no router);
+* ``session``: through the router, each chat session's id in the session header;
+* ``prefix``: through the router, keyed by the prompt's prefix.
+
+CPU, the tiny random model, a ramp under the builtin autoscaler (1 to 2 replicas and back)::
+
+    python bench/fleet/run.py --model tiny --min-replicas 1 --max-replicas 2 \\
+        --target-queue-depth 1 --phases 15x6,15x0.5 --policies prefix --result-json out.json
+
+GPUs, dummy weights (a tokenizer from bench/dummy_tokenizer.py), a fixed fleet of four::
+
+    python bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+    python bench/fleet/run.py --model /tmp/llama8b --engine-arg=--load-format=dummy \\
+        --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --phases 120x8 \\
+        --system-words 3000 --result-json llama8b-fleet.json
+
+Reported per policy (a table, and JSON with --result-json): output tok/s, TTFT and latency
+p50/p90, TTFT SLO attainment, the engines' prefix-cache hit rate (vllm:prefix_cache_hits /
+queries deltas, gone engines counted as they were before their SIGTERM), the router's spill,
+retry and rejection counters, failed requests, replicas over time, replica-seconds (GPU-seconds
+on GPUs) against static provisioning at the peak, and each scale-up split into the operator's
+decision delay and the engine's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import device_name, free_port, git_commit, stop
+from fleet.cluster import ISVCS, Emulator, call, emulated_cluster, resource_url
+from fleet.pods import PodRunner
+from fleet.workload import (
+    Record,
+    Target,
+    Workload,
+    make_workload,
+    parse_phases,
+    percentiles_ms,
+    run_workload,
+)
+
+logger = logging.getLogger("kvfleet.bench.fleet")
+
+NAMESPACE = "fleet"
+SERVICE = "bench"
+POLICIES = ("round-robin", "session", "prefix")
+PREFIX_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+ROUTER_COUNTERS = {
+    "spilled": "kvfleet_router_spilled_total",
+    "retries": "kvfleet_router_retries_total",
+    "rejected": "kvfleet_router_rejected_requests_total",
+    "upstream_errors": "kvfleet_router_upstream_errors_total",
+    "hold_timeouts": "kvfleet_router_hold_timeouts_total",
+}
+SAMPLE_S = 0.5
+RUN = "import sys; from kvfleet.{0}.main import main; sys.exit(main())"
+
+
+def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
+    from kvfleet.engine.tiny_model import tiny_model_path
+
+    source = {"tiny": str(tiny_model_path()), "default": ""}.get(ns.model, ns.model)
+    engine: dict[str, Any] = {"maxNumSeqs": ns.max_num_seqs, "extraArgs": ns.engine_arg,
+                              "shutdownTimeoutSeconds": ns.shutdown_timeout}  # fmt: skip
+    if ns.max_model_len:
+        engine["maxModelLen"] = ns.max_model_len
+    return {
+        "apiVersion": "kvfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": SERVICE, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"source": source},
+            "engine": engine,
+            "resources": {"gpus": 1 if ns.gpus else 0},
+            "autoscaling": {
+                "mode": "builtin",
+                "minReplicas": ns.min_replicas,
+                "maxReplicas": ns.max_replicas,
+                "targetQueueDepth": ns.target_queue_depth,
+                "scaleDownStabilizationSeconds": ns.scale_down_window,
+            },
+            "routing": {"prefixLength": ns.prefix_length, "loadFactor": ns.load_factor},
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The fleet
+# --------------------------------------------------------------------------------------------
+
+
+class Fleet:
+    def __init__(self, k: Emulator, runner: PodRunner, router_url: str, model: str) -> None:
+        self.k, self.runner, self.router_url, self.model = k, runner, router_url, model
+
+    def target(self, policy: str) -> Target:
+        if policy == "round-robin":
+            turn = itertools.count()
+
+            def next_engine(_session: int) -> tuple[str, dict[str, str]]:
+                urls = self.runner.ready_urls()
+                return urls[next(turn) % len(urls)], {}
+
+            return next_engine
+        if policy == "session":
+            return lambda session: (self.router_url, {"x-session-id": f"session-{session}"})
+        return lambda _session: (self.router_url, {})
+
+    async def router_counters(self) -> dict[str, float]:
+        sums = dict.fromkeys(ROUTER_COUNTERS, 0.0)
+        names = {v: k for k, v in ROUTER_COUNTERS.items()}
+        async with aiohttp.ClientSession() as http, http.get(f"{self.router_url}/metrics") as r:
+            for line in (await r.text()).splitlines():
+                sample, _, value = line.rpartition(" ")
+                if (name := names.get(sample.partition("{")[0])) is not None:
+                    sums[name] += float(value)
+        return sums
+
+
+def _command(package: str, *args: str) -> list[str]:
+    # Modules rather than the console scripts: the GPU machines put kvfleet on the path only.
+    return [sys.executable, "-c", RUN.format(package), *args]
+
+
+def _replace(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+async def _eventually(check: Any, what: str, timeout: float, procs: Sequence[Any] = ()) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if dead := [p.args for p in procs if p.poll() is not None]:
+            raise RuntimeError(f"exited while waiting for {what}: {dead[0][:3]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g}s")
+        await asyncio.sleep(0.1)
+    return result
+
+
+@contextlib.asynccontextmanager
+async def fleet(ns: argparse.Namespace, work: Path) -> AsyncIterator[Fleet]:
+    """The emulated cluster, the operator, the pod runner and the router, the first engine
+    ready."""
+    kubeconfig = work / "kubeconfig"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    async with emulated_cluster(NAMESPACE, kubeconfig) as k:
+        operator = subprocess.Popen(
+            _command("operator", "run", "-n", NAMESPACE,
+                     "--autoscale-interval", str(ns.autoscale_interval),
+                     f"--health-address=127.0.0.1:{free_port()}",
+                     f"--metrics-address=127.0.0.1:{free_port()}"),
+            env=env, stdout=(work / "operator.log").open("ab"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        procs = [operator]
+        runner = PodRunner(k, NAMESPACE, SERVICE, work, ns.gpus.split(",") if ns.gpus else ())
+        running = asyncio.create_task(runner.run())
+        try:
+            await call(k, "post", resource_url(ISVCS, NAMESPACE), inference_service(ns))
+            router_deployment = await _eventually(
+                lambda: k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-router"),
+                "the operator's router Deployment", 60, procs,
+            )  # fmt: skip
+            (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
+            port = free_port()
+            args = _replace(_replace(container["args"], "--host", "127.0.0.1"), "--port", str(port))
+            router = subprocess.Popen(
+                _command("router", *args),
+                env=env, stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            procs.append(router)
+            await runner.wait_ready(ns.min_replicas or 1, ns.start_timeout)
+            engine = k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-engine")
+            assert engine is not None
+            (engine_container,) = engine["spec"]["template"]["spec"]["containers"]
+            args = engine_container["args"]
+            model = args[args.index("--served-model-name") + 1]
+            router_url = f"http://127.0.0.1:{port}"
+            await _eventually(lambda: _answers(router_url), "the router", 30, procs)
+            yield Fleet(k, runner, router_url, model)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            stop(procs)
+
+
+def _answers(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# One policy's run
+# --------------------------------------------------------------------------------------------
+
+
+async def sample_replicas(f: Fleet, t0: float, out: list[list[float]]) -> None:
+    while True:
+        desired = f.runner.desired or 0
+        out.append([round(time.monotonic() - t0, 2), desired, len(f.runner.ready_urls()),
+                    f.runner.running()])  # fmt: skip
+        await asyncio.sleep(SAMPLE_S)
+
+
+def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dict[str, Any]]:
+    """Each change of the Deployment's replicas within [t0, t1]: for a scale-up, when its new
+    pods were created and served, and the decision delay since the last rise of the rate; for a
+    scale-down, when the removed engines left and exited."""
+    events = [e for e in f.runner.events if t0 <= e.t <= t1]
+    out = []
+    for e in (e for e in events if e.what == "replicas"):
+        before, after = (int(x) if x != "None" else 0 for x in e.detail.split(" -> "))
+        at = e.t - t0
+        item: dict[str, Any] = {"at_s": round(at, 2), "from": before, "to": after}
+        if after > before:
+            created = [x for x in events if x.what == "created" and x.t >= e.t][: after - before]
+            pods = [f.runner.pods[x.pod] for x in created]
+            rises = [s for s, (a, b) in _phase_starts(workload) if b > a and s <= at]
+            if rises:
+                item["decision_delay_s"] = round(at - rises[-1], 2)
+            item["engine_start_s"] = [
+                round(p.ready - p.created, 2) if p.ready else None for p in pods
+            ]
+            item["serving_after_decision_s"] = [
+                round(p.ready - e.t, 2) if p.ready else None for p in pods
+            ]
+        else:
+            gone = [x for x in events if x.what == "terminating" and x.t >= e.t][: before - after]
+            pods = [f.runner.pods[x.pod] for x in gone]
+            item["drained_s"] = [round(p.exited - p.terminating, 2) if p.exited and
+                                 p.terminating else None for p in pods]  # fmt: skip
+        out.append(item)
+    return out
+
+
+def _phase_starts(workload: Workload) -> list[tuple[float, tuple[float, float]]]:
+    """(start second, (previous rate, rate)) of each phase."""
+    out, t, prev = [], 0.0, 0.0
+    for p in workload.phases:
+        out.append((t, (prev, p.rate)))
+        t, prev = t + p.seconds, p.rate
+    return out
+
+
+async def run_policy(
+    f: Fleet, policy: str, workload: Workload, tag: str, ns: argparse.Namespace
+) -> dict[str, Any]:
+    h0 = await f.runner.totals(PREFIX_COUNTERS)
+    r0 = await f.router_counters()
+    replicas: list[list[float]] = []
+    t0 = time.monotonic()
+    sampler = asyncio.create_task(sample_replicas(f, t0, replicas))
+    records = await run_workload(workload, f.target(policy), f.model, tag)
+    t_end = time.monotonic()
+    seconds = t_end - t0
+    # The scale-down after the load, if the autoscaler makes one: its pods drain and exit.
+    deadline = time.monotonic() + ns.settle
+    while time.monotonic() < deadline and (
+        f.runner.running() > max(ns.min_replicas, 1) or (f.runner.desired or 0) > ns.min_replicas
+    ):
+        await asyncio.sleep(SAMPLE_S)
+    sampler.cancel()
+    await asyncio.gather(sampler, return_exceptions=True)
+    h1 = await f.runner.totals(PREFIX_COUNTERS)
+    r1 = await f.router_counters()
+    hits, queries = (h1[n] - h0[n] for n in PREFIX_COUNTERS)
+    return summarize(policy, records, seconds, hits, queries,
+                     {k: int(r1[k] - r0[k]) for k in r0} if policy != "round-robin" else None,
+                     replicas, scale_events(f, workload, t0, time.monotonic()),
+                     ns.ttft_slo)  # fmt: skip
+
+
+def summarize(
+    policy: str,
+    records: list[Record],
+    seconds: float,
+    hits: float,
+    queries: float,
+    router: dict[str, int] | None,
+    replicas: list[list[float]],
+    scaling: list[dict[str, Any]],
+    ttft_slo: float,
+) -> dict[str, Any]:
+    ok = [r for r in records if r.error is None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    latencies = [r.latency for r in ok if r.latency is not None]
+    output = sum(r.output_tokens for r in ok)
+    # Replica-seconds within the load: samples are SAMPLE_S apart, each counting its engines.
+    in_load = [s for s in replicas if s[0] <= seconds]
+    replica_s = sum(s[3] for s in in_load) * SAMPLE_S
+    peak = max((s[3] for s in replicas), default=0)
+    ttft_p50, ttft_p90 = percentiles_ms(ttfts, 50, 90)
+    lat_p50, lat_p90 = percentiles_ms(latencies, 50, 90)
+    return {
+        "policy": policy,
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "seconds": round(seconds, 2),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens": output,
+        "output_tok_s": output / seconds if seconds else 0.0,
+        "ttft_p50_ms": ttft_p50,
+        "ttft_p90_ms": ttft_p90,
+        "latency_p50_ms": lat_p50,
+        "latency_p90_ms": lat_p90,
+        "ttft_slo_s": ttft_slo,
+        "slo_attainment": sum(t <= ttft_slo for t in ttfts) / len(records) if records else None,
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "router": router,
+        "replicas": replicas,  # [seconds, desired, ready, running]
+        "peak_replicas": peak,
+        "replica_seconds": round(replica_s, 1),
+        "static_peak_replica_seconds": round(peak * seconds, 1),
+        "scaling": scaling,
+        "samples": [[round(r.start, 3), r.ttft, r.latency, r.error is None] for r in records],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = " (default: %(default)s)"
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (the tiny random model), default (SmolLM2), or an absolute path "
+        "(a bench/models config with a tokenizer, for --load-format dummy)" + d,
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="an extra kvfleet-engine serve argument (spec.engine.extraArgs)",
+    )
+    p.add_argument(
+        "--gpus", default="", help="comma-separated GPU ids, one per replica; none: CPU engines"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=0, help="0: the model's")
+    p.add_argument(
+        "--shutdown-timeout", type=int, default=30, help="seconds an engine drains on SIGTERM" + d
+    )
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=1)
+    p.add_argument("--target-queue-depth", type=float, default=4.0)
+    p.add_argument(
+        "--scale-down-window", type=int, default=300, help="scaleDownStabilizationSeconds" + d
+    )
+    p.add_argument("--autoscale-interval", type=float, default=2.0, help="the operator's" + d)
+    p.add_argument("--prefix-length", type=int, default=256, help="the router's" + d)
+    p.add_argument("--load-factor", type=float, default=1.25, help="the router's" + d)
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated, of "
+        f"{', '.join(POLICIES)}; run in this order, the same requests each" + d,
+    )
+    p.add_argument(
+        "--phases",
+        default="60x2",
+        help="SECONDSxREQUESTS_PER_S,...: a fixed rate (60x2) or a ramp (30x1,60x8,30x1)" + d,
+    )
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=1500, help="shared prefix" + d)
+    p.add_argument("--user-words", type=int, default=60)
+    p.add_argument("--reply-words", type=int, default=60, help="per assistant turn carried")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--think-time", type=float, default=2.0, help="mean seconds between turns")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds, for attainment")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        help="seconds to wait after a run for a scale-down to finish" + d,
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the first engines to become ready" + d,
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", type=Path, help="keep the processes' logs here (default: temp)")
+    p.add_argument("--result-json", type=Path)
+    ns = p.parse_args(argv)
+    try:
+        ns.phases = parse_phases(ns.phases)
+    except ValueError as e:
+        p.error(str(e))
+    ns.policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
+    if bad := [x for x in ns.policies if x not in POLICIES]:
+        p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
+    if not 0 <= ns.min_replicas <= ns.max_replicas or ns.max_replicas < 1:
+        p.error("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+    gpus = [g for g in ns.gpus.split(",") if g.strip()]
+    if gpus and len(gpus) < ns.max_replicas:
+        p.error(f"--max-replicas {ns.max_replicas} needs as many --gpus, got {len(gpus)}")
+    if ns.model not in ("tiny", "default") and not Path(ns.model).is_absolute():
+        p.error(f"--model is tiny, default or an absolute path, got {ns.model!r}")
+    return ns
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    def f(x: float | None, fmt: str = ".0f") -> str:
+        return "" if x is None else format(x, fmt)
+
+    print(
+        "| policy | requests | failed | output tok/s | TTFT p50 ms | TTFT p90 ms "
+        "| latency p90 ms | hit rate | spilled | retries | peak replicas | replica-s "
+        "| static at peak |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        router = r["router"] or {}
+        print(f"| {r['policy']} | {r['requests']} | {r['failed']} | {f(r['output_tok_s'])} "
+              f"| {f(r['ttft_p50_ms'])} | {f(r['ttft_p90_ms'])} | {f(r['latency_p90_ms'])} "
+              f"| {f(r['prefix_cache_hit_rate'], '.1%')} | {router.get('spilled', '')} "
+              f"| {router.get('retries', '')} | {r['peak_replicas']} | {r['replica_seconds']} "
+              f"| {r['static_peak_replica_seconds']} |")  # fmt: skip
+    for r in runs:
+        for event in r["scaling"]:
+            print(f"{r['policy']}: {json.dumps(event)}")
+
+
+async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
+    workload = make_workload(
+        ns.phases, turns=ns.turns, systems=ns.system_prompts, system_words=ns.system_words,
+        user_words=ns.user_words, reply_words=ns.reply_words, think_s=ns.think_time,
+        max_tokens=ns.max_tokens, seed=ns.seed,
+    )  # fmt: skip
+    async with fleet(ns, work) as f:
+        runs = []
+        for i, policy in enumerate(ns.policies):
+            run = await run_policy(f, policy, workload, f"run{i}-{ns.seed}", ns)
+            logger.info("%s: %d requests, %d failed", policy, run["requests"], run["failed"])
+            runs.append(run)
+        if f.runner.failures:
+            raise RuntimeError("; ".join(f.runner.failures))
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_name() if ns.gpus else "CPU",
+        "commit": git_commit(),
+        "args": {k: str(v) for k, v in vars(ns).items() if k != "phases"},
+        "phases": [asdict(p) for p in ns.phases],
+        "sessions": len(workload.sessions),
+        "runs": runs,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # The emulator's access log: a line per API request.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = ns.log_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        report = asyncio.run(measure(ns, work))
+    print_table(report["runs"])
+    if ns.result_json:
+        ns.result_json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

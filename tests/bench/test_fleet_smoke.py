@@ -1,0 +1,45 @@
+"""bench/fleet/run.py on the CPU: the real operator against the API emulator scales real engine
+processes of the tiny model from 1 to 2 and back under a ramp, with requests through the real
+router; none fails, and the report has its fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.scripts import load_script
+
+fleet = load_script("bench/fleet/run.py")
+
+
+def test_fleet_scales_up_and_down_under_a_ramp_without_failures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "fleet.json"
+    rc = fleet.main(
+        [
+            *("--model", "tiny", "--min-replicas", "1", "--max-replicas", "2"),
+            *("--target-queue-depth", "0.5", "--scale-down-window", "0"),
+            *("--autoscale-interval", "1", "--phases", "10x6,10x0.5", "--policies", "prefix"),
+            *("--turns", "3", "--system-words", "100", "--user-words", "20"),
+            *("--reply-words", "20", "--max-tokens", "32", "--think-time", "0.5"),
+            *("--settle", "20", "--log-dir", str(tmp_path), "--result-json", str(out)),
+        ]
+    )
+    assert rc == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["policy"] == "prefix" and run["requests"] > 20
+    assert run["failed"] == 0, run["errors"]
+    assert run["output_tokens"] == 32 * run["requests"] and run["output_tok_s"] > 0
+    assert run["ttft_p90_ms"] >= run["ttft_p50_ms"] > 0 and run["latency_p90_ms"] > 0
+    assert 0 < run["prefix_cache_hit_rate"] < 1
+    assert set(run["router"]) >= {"spilled", "retries", "rejected"}
+    up, down = run["scaling"]
+    assert (up["from"], up["to"], down["from"], down["to"]) == (1, 2, 2, 1)
+    assert up["decision_delay_s"] >= 0 and up["engine_start_s"][0] > 0
+    assert down["drained_s"][0] >= 5  # the preStop sleep, then the drain
+    assert run["peak_replicas"] == 2
+    assert 0 < run["replica_seconds"] < run["static_peak_replica_seconds"]
+    assert "| prefix |" in capsys.readouterr().out
