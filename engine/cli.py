@@ -1,4 +1,4 @@
-"""``kvfleet-engine``: generate text from the command line (``serve`` runs the HTTP server)."""
+"""kvfleet-engine: generate text from the command line, or serve the OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
@@ -33,12 +33,22 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     return annotation, None
 
 
+# argparse fills in the parser's own default, so the help cannot name a stale one.
+DEFAULT = " (default: %(default)s)"
+
+
+def with_default(help_text: str, default: Any) -> str:
+    """A flag's help with its default appended; a flag without one (None) says in its own words
+    what leaving it out means."""
+    return help_text if default is None else (help_text + DEFAULT).strip()
+
+
 def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str) -> None:
     """One flag per field of a settings model, named as `vllm serve` names them."""
     group = parser.add_argument_group(title)
     for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = field.description or f"default: {field.default}"
+        help_text = with_default(field.description or "", field.default)
         if get_origin(field.annotation) in (types.UnionType,) and list in [
             get_origin(a) for a in get_args(field.annotation)
         ]:
@@ -142,11 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="complete prompts offline and print the results", allow_abbrev=False
     )
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeatable")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens generated per completion" + DEFAULT
+    )
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily" + DEFAULT)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass" + DEFAULT)
+    gen.add_argument("--top-k", type=int, default=0, help="0 keeps every token" + DEFAULT)
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt" + DEFAULT)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     add_log_flags(gen, defaults=False)

@@ -26,23 +26,56 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str
-    tokenizer: str | None = None
-    dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    block_size: Literal[16] = 16
-    max_model_len: int | None = Field(default=None, gt=0)
-    max_num_seqs: int = Field(default=256, gt=0)
-    max_num_batched_tokens: int = Field(default=8192, gt=0)
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = Field(default=None, gt=1)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    kv_cache_memory_bytes: int | None = Field(default=None, gt=0)
-    load_format: Literal["auto", "dummy"] = "auto"
+    tokenizer: str | None = Field(
+        default=None,
+        description="HF tokenizer directory, for a GGUF file without one; default: the model's",
+    )
+    dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = Field(
+        default="auto",
+        description="weights and activations; auto: the checkpoint's own dtype, and for GGUF "
+        "bf16 on CUDA (fp16 without bf16), fp32 on the CPU",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="auto: cuda when a GPU is visible, else cpu"
+    )
+    block_size: Literal[16] = Field(default=16, description="tokens per KV-cache block")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="longest prompt + output in tokens; default: the model's context length",
+    )
+    max_num_seqs: int = Field(default=256, gt=0, description="sequences run in one batch")
+    max_num_batched_tokens: int = Field(
+        default=8192, gt=0, description="tokens one step runs (prefill chunks plus decodes)"
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="reuse the KV cache of prompt prefixes seen before"
+    )
+    num_gpu_blocks_override: int | None = Field(
+        default=None,
+        gt=1,
+        description="KV-cache blocks to allocate; default: as many as the memory budget holds",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="fraction of the GPU's memory for weights, activations and the KV cache",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="bytes for the KV cache; default: what gpu_memory_utilization leaves on a "
+        "GPU; on the CPU a fixed budget, capped at max_num_seqs full-length sequences",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto", description="dummy: random weights of the architecture, for benchmarks"
+    )
     skip_tokenizer_init: bool = Field(
         default=False,
         description="no tokenizer: prompts must be token ids and outputs carry no text",
     )
-    seed: int = 0
+    seed: int = Field(default=0, description="seed of random sampling and of dummy weights")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"
     )

@@ -1,4 +1,4 @@
-"""``kvfleet-operator``: run the operator, or print the RBAC it needs.
+"""kvfleet-operator: run the operator, or print the RBAC it needs.
 
     kvfleet-operator run [-n NAMESPACE]... [--peering NAME] [--health-address HOST:PORT]
                          [--allowed-images LIST] [--allowed-secrets LIST]
@@ -213,10 +213,9 @@ async def _operate(kube: Kube, **operator_args: Any) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    defaults = OperatorConfig.default()
     config = OperatorConfig(
-        engine_image=ns.engine_image or defaults.engine_image,
-        router_image=ns.router_image or defaults.router_image,
+        engine_image=ns.engine_image,
+        router_image=ns.router_image,
         allowed_images=split_list(ns.allowed_images),
         allowed_secrets=split_list(ns.allowed_secrets),
     )
@@ -282,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="reconcile InferenceService objects")
+    # "%(default)s": argparse prints the parser's own default (an environment variable's value
+    # included), which cannot go stale.
+    d = " (default: %(default)s)"
+    images = OperatorConfig.default()
     add_log_flags(run, defaults=False)
     run.add_argument(
         "-n",
@@ -293,26 +296,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--engine-image",
-        default=os.environ.get("KVFLEET_ENGINE_IMAGE"),
-        help="default engine image (env KVFLEET_ENGINE_IMAGE); default: ghcr.io/kvfleet/engine "
-        "at this version",
+        default=os.environ.get("KVFLEET_ENGINE_IMAGE") or images.engine_image,
+        help="the engine image of a spec that names none (env KVFLEET_ENGINE_IMAGE)" + d,
     )
     run.add_argument(
         "--router-image",
-        default=os.environ.get("KVFLEET_ROUTER_IMAGE"),
-        help="default router image (env KVFLEET_ROUTER_IMAGE); default: ghcr.io/kvfleet/operator "
-        "at this version",
+        default=os.environ.get("KVFLEET_ROUTER_IMAGE") or images.router_image,
+        help="the router image of a spec that names none (env KVFLEET_ROUTER_IMAGE)" + d,
     )
     run.add_argument(
         "--health-address",
         default=os.environ.get("KVFLEET_HEALTH_ADDRESS", "0.0.0.0:8081"),
-        help="where /healthz answers for liveness probes (default: 0.0.0.0:8081)",
+        help="where /healthz answers for liveness probes (env KVFLEET_HEALTH_ADDRESS)" + d,
     )
     run.add_argument(
         "--metrics-address",
         default=os.environ.get("KVFLEET_METRICS_ADDRESS", "0.0.0.0:8082"),
         help="where /metrics answers with the operator's Prometheus metrics "
-        "(env KVFLEET_METRICS_ADDRESS; default: 0.0.0.0:8082)",
+        "(env KVFLEET_METRICS_ADDRESS)" + d,
     )
     run.add_argument(
         "--peering",
@@ -325,14 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=float(os.environ.get("KVFLEET_AUTOSCALE_INTERVAL", "10")),
         help="seconds between autoscaling decisions of a builtin-mode InferenceService "
-        "(env KVFLEET_AUTOSCALE_INTERVAL; default: 10)",
+        "(env KVFLEET_AUTOSCALE_INTERVAL)" + d,
     )
     run.add_argument(
         "--scrape-timeout",
         type=float,
         default=float(os.environ.get("KVFLEET_SCRAPE_TIMEOUT", "2")),
         help="seconds a pod has to answer /metrics before it counts as unreachable "
-        "(env KVFLEET_SCRAPE_TIMEOUT; default: 2)",
+        "(env KVFLEET_SCRAPE_TIMEOUT)" + d,
     )
     run.add_argument(
         "--allowed-images",
@@ -363,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbac.add_argument(
         "--service-account",
         default="kvfleet-system/kvfleet-operator",
-        help="NAMESPACE/NAME of the operator's ServiceAccount, the subject of the RoleBindings",
+        help="NAMESPACE/NAME of the operator's ServiceAccount, the subject of the RoleBindings"
+        " (default: %(default)s)",
     )
     rbac.set_defaults(func=_print_rbac)
     return parser

@@ -32,33 +32,45 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvfleet-router", description="the reverse proxy in front of the engines"
     )
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    # "%(default)s": argparse prints the parser's own default, which cannot go stale.
+    d = " (default: %(default)s)"
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on" + d)
+    p.add_argument("--port", type=int, default=8080, help="port to listen on" + d)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine-service", help="watch this Service's EndpointSlices")
     src.add_argument("--endpoints", type=parse_static, help="static host:port,host:port list")
     p.add_argument("--namespace", help="of the engine Service (default: the pod's namespace)")
-    p.add_argument("--engine-port", type=int, default=8000)
-    p.add_argument("--session-header", default="x-session-id")
-    p.add_argument("--use-user-field", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--prefix-length", type=int, default=256, help="prompt tokens in the key")
-    p.add_argument("--load-factor", type=float, default=1.25)
+    p.add_argument("--engine-port", type=int, default=8000,
+                   help="the engines' HTTP port, with --engine-service" + d)  # fmt: skip
+    p.add_argument("--session-header", default="x-session-id",
+                   help="request header whose value keeps a session on one engine" + d)  # fmt: skip
+    p.add_argument("--use-user-field", action=argparse.BooleanOptionalAction, default=True,
+                   help="key a request without that header by its body's user" + d)  # fmt: skip
+    p.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=True,
+                   help="key any other request by its prompt's prefix" + d)  # fmt: skip
+    p.add_argument("--prefix-length", type=int, default=256, help="prompt tokens in the key" + d)
+    p.add_argument("--load-factor", type=float, default=1.25,
+                   help="an engine takes at most this times the mean load before keys spill "
+                        "to the next" + d)  # fmt: skip
     p.add_argument("--hold-timeout", type=float, default=120.0,
-                   help="seconds a request waits for a ready engine")  # fmt: skip
-    p.add_argument("--tokenizer", help="local HF tokenizer directory for token prefix keys")
-    p.add_argument("--max-body-bytes", type=int, default=BodyLimits.max_bytes)
-    p.add_argument("--max-json-depth", type=int, default=BodyLimits.max_depth)
+                   help="seconds a request waits for a ready engine" + d)  # fmt: skip
+    p.add_argument("--tokenizer", help="local HF tokenizer directory for token prefix keys; "
+                   "default: prefix keys of characters")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=BodyLimits.max_bytes,
+                   help="larger request bodies get 413" + d)  # fmt: skip
+    p.add_argument("--max-json-depth", type=int, default=BodyLimits.max_depth,
+                   help="deeper-nested request bodies get 400" + d)  # fmt: skip
     p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client has to send a request body")  # fmt: skip
+                   help="seconds a client has to send a request body" + d)  # fmt: skip
     p.add_argument("--keepalive-timeout", type=float, default=15.0,
                    help="seconds an idle connection stays open; also the time to send a "
-                        "request head")  # fmt: skip
+                        "request head" + d)  # fmt: skip
     p.add_argument("--breaker-failures", type=int, default=BreakerPolicy.failures,
-                   help="consecutive failures that eject an engine")  # fmt: skip
+                   help="consecutive failures that eject an engine" + d)  # fmt: skip
     p.add_argument("--breaker-backoff", type=float, default=BreakerPolicy.backoff_s,
-                   help="seconds of the first ejection; doubles per ejection in a row")  # fmt: skip
-    p.add_argument("--breaker-max-backoff", type=float, default=BreakerPolicy.max_backoff_s)
+                   help="seconds of the first ejection; doubles for each in a row" + d)  # fmt: skip
+    p.add_argument("--breaker-max-backoff", type=float, default=BreakerPolicy.max_backoff_s,
+                   help="the longest ejection, in seconds" + d)  # fmt: skip
     add_tracing_flag(p)
     add_log_flags(p)
     return p

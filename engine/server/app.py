@@ -67,7 +67,7 @@ class ServerSettings(BaseModel):
         default=30.0,
         ge=0,
         description="seconds in-flight requests get to finish after SIGTERM before they are "
-        "aborted (default: 30)",
+        "aborted",
     )
     max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
     health_stall_timeout: float = Field(default=60.0, gt=0)
@@ -75,12 +75,12 @@ class ServerSettings(BaseModel):
         default=15.0,
         gt=0,
         description="seconds a connection may go without a complete request head, when new or "
-        "idle between keep-alive requests; then it is closed (default: 15)",
+        "idle between keep-alive requests; then it is closed",
     )
     body_timeout: float = Field(
         default=30.0,
         gt=0,
-        description="seconds a client has to send a request body; then 408 (default: 30)",
+        description="seconds a client has to send a request body; then 408",
     )
 
 
