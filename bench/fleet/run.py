@@ -208,9 +208,10 @@ async def fleet(ns: argparse.Namespace, work: Path) -> AsyncIterator[Fleet]:
             await _eventually(lambda: _answers(router_url), "the router", 30, procs)
             yield Fleet(k, runner, router_url, model)
         finally:
+            # The operator and router first: the engines going is no scale-down to act on.
+            stop(procs)
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
-            stop(procs)
 
 
 def _answers(url: str) -> bool:
@@ -320,9 +321,9 @@ def summarize(
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     latencies = [r.latency for r in ok if r.latency is not None]
     output = sum(r.output_tokens for r in ok)
-    # Replica-seconds within the load: samples are SAMPLE_S apart, each counting its engines.
-    in_load = [s for s in replicas if s[0] <= seconds]
-    replica_s = sum(s[3] for s in in_load) * SAMPLE_S
+    # Replica-seconds within the load: each sample's engines held until the next sample.
+    ends = [min(s[0], seconds) for s in replicas[1:]] + [seconds]
+    replica_s = sum(max(0.0, end - s[0]) * s[3] for s, end in zip(replicas, ends, strict=True))
     peak = max((s[3] for s in replicas), default=0)
     ttft_p50, ttft_p90 = percentiles_ms(ttfts, 50, 90)
     lat_p50, lat_p90 = percentiles_ms(latencies, 50, 90)
