@@ -64,6 +64,9 @@ NON_DEFAULT = [
     "monitoring.router.enabled=true",
     "monitoring.labels.release=prometheus",
     "networkPolicy.enabled=true",
+    "grafana.dashboard.enabled=true",
+    "grafana.dashboard.namespace=monitoring",
+    "grafana.dashboard.annotations.grafana_folder=LLM",
     "serviceAccount.name=kvfleet-sa",
     "podAnnotations.example\\.com/team=ml",
     "nodeSelector.kubernetes\\.io/os=linux",
@@ -442,7 +445,16 @@ def test_monitors_select_engine_and_router_metrics_ports(scenario: str):
 
 def test_no_monitors_or_network_policies_by_default():
     kinds = {d["kind"] for d in render("default")}
-    assert not kinds & {"PodMonitor", "ServiceMonitor", "NetworkPolicy"}
+    assert not kinds & {"PodMonitor", "ServiceMonitor", "NetworkPolicy", "ConfigMap"}
+
+
+def test_the_grafana_dashboard_is_a_configmap_for_the_sidecar():
+    (dashboard,) = by_kind(render("non-default"), "ConfigMap")
+    meta = dashboard["metadata"]
+    assert meta["labels"]["grafana_dashboard"] == "1"
+    assert meta["namespace"] == "monitoring" and meta["annotations"] == {"grafana_folder": "LLM"}
+    shipped = json.loads((CHART / "dashboards" / "kvfleet.json").read_text())
+    assert json.loads(dashboard["data"]["kvfleet.json"]) == shipped
 
 
 def test_network_policies_admit_what_the_operator_needs():
@@ -614,6 +626,7 @@ BAD_VALUES = [
     ("networkPolicy.apiServer.cidr=10.0.0.1", "/networkPolicy/apiServer/cidr", "pattern"),
     ("allowList.images={registry.example.com/a b}", "/allowList/images/0", "pattern"),
     ("serviceAccount.create=yes", "/serviceAccount/create", "want boolean"),
+    ("grafana.dashboard.namespace=Monitoring", "/grafana/dashboard/namespace", "pattern"),
 ]
 
 
