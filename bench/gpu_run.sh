@@ -17,7 +17,12 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl || exit 1
 fi
 mkdir -p /tmp/kv/kvfleet
-for pkg in engine kernels operator router protocol; do ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"; done
+# Every package folder setup.py builds (its FOLDERS), so a new one needs no change here.
+for pkg in $(python3 -c 'import ast, sys; t = ast.parse(open("setup.py").read())
+print(*next(ast.literal_eval(n.value) for n in t.body
+            if isinstance(n, ast.Assign) and n.targets[0].id == "FOLDERS"))'); do
+    ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"
+done
 export PYTHONPATH=/tmp/site:/tmp/kv PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on shared multi-GPU hosts (the device notes: it can take the host's
 # GPUs out of service); set here too in case the machine's environment is not inherited.
@@ -156,6 +161,35 @@ for step in "$@"; do
             --input-len 100 1024 --output-len 100 1024 --tensor-parallel-size 2 \
             --result-json "$out/tp2_llama2_70b_throughput.json" 2>&1 |
             tee "$out/tp2_llama2_70b_throughput.txt"
+        ;;
+    fleet-routing-*)
+        # Four GPUs, four Llama-3.1-8B engines (dummy weights) behind the real router and
+        # operator (bench/fleet): round robin vs session vs prefix keys on multi-turn chats with
+        # 48 shared ~2.6k-token system prompts, at the rate in the step's name (requests/s).
+        # Each engine's KV cache holds ~90k tokens, less than the prefixes' ~125k, as a
+        # production fleet's cache holds less than its traffic's working set.
+        rate=${step#fleet-routing-}
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        timeout 560 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0,1,2,3 \
+            --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \
+            --max-model-len 8192 --min-replicas 4 --max-replicas 4 --settle 0 \
+            --phases "60x$rate" --system-prompts 48 --system-words 2000 --turns 4 \
+            --user-words 60 --reply-words 120 --max-tokens 100 --ttft-slo 1.0 \
+            --log-dir "$out/fleet-routing-$rate-logs" --result-json "$out/fleet_routing_$rate.json" \
+            2>&1 | tee "$out/fleet_routing_$rate.txt"
+        ;;
+    fleet-autoscale)
+        # The builtin autoscaler on four GPUs: a ramp 2 -> 16 -> 2 requests/s from one replica,
+        # prefix routing; scale-up split into decision delay and engine start, failures on
+        # scale-down (goal: none), replica-seconds against four static replicas.
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        timeout 560 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0,1,2,3 \
+            --engine-arg=--load-format=dummy --max-model-len 8192 \
+            --min-replicas 1 --max-replicas 4 --target-queue-depth 16 --scale-down-window 30 \
+            --policies prefix --phases 45x2,150x16,60x2 --settle 90 \
+            --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 --reply-words 120 \
+            --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/fleet-autoscale-logs" \
+            --result-json "$out/fleet_autoscale.json" 2>&1 | tee "$out/fleet_autoscale.txt"
         ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac
