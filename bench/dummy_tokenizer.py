@@ -45,6 +45,18 @@ GEMMA2_CHAT_TEMPLATE = (
 )
 
 
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family's special tokens. ``bos``, ``eos`` and ``pad`` go to the ids the config
@@ -69,6 +81,14 @@ FAMILIES: dict[str, Family] = {
         chat_template=GEMMA2_CHAT_TEMPLATE,
     ),
     "gpt2": Family(bos="<|endoftext|>", eos="<|endoftext|>"),
+    # Llama 3 and 3.1: the header and end-of-turn tokens at the real tokenizer's ids.
+    "llama": Family(
+        bos="<|begin_of_text|>",
+        eos="<|end_of_text|>",
+        fixed={128006: "<|start_header_id|>", 128007: "<|end_header_id|>", 128009: "<|eot_id|>"},
+        add_bos=True,
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+    ),
 }
 
 

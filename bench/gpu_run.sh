@@ -23,6 +23,11 @@ print(*next(ast.literal_eval(n.value) for n in t.body
             if isinstance(n, ast.Assign) and n.targets[0].id == "FOLDERS"))'); do
     ln -sfn "$PWD/$pkg" "/tmp/kv/kvfleet/$pkg"
 done
+# The distribution's metadata, which the operator reads its version from (its User-Agent).
+mkdir -p /tmp/kv/kvfleet-0.dist-info
+printf 'Metadata-Version: 2.1\nName: kvfleet\nVersion: %s\n' \
+    "$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')" \
+    >/tmp/kv/kvfleet-0.dist-info/METADATA
 export PYTHONPATH=/tmp/site:/tmp/kv PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on shared multi-GPU hosts (the device notes: it can take the host's
 # GPUs out of service); set here too in case the machine's environment is not inherited.

@@ -69,6 +69,24 @@ def test_gpt2_real_config(tmp_path: Path) -> None:
     assert 50256 not in ids and tok.decode(ids) == TEXT  # GPT-2 prepends nothing
 
 
+def test_llama3_real_config(tmp_path: Path) -> None:
+    out = dummy.write_model_dir(BENCH_MODELS / "Llama-3.1-8B", tmp_path / "llama")
+    tok = AutoTokenizer.from_pretrained(out)
+    assert_covers_vocabulary(tok, 128256)
+    assert (tok.bos_token_id, tok.eos_token_id) == (128000, 128001)
+    assert tok.convert_ids_to_tokens([128006, 128007, 128009]) == [
+        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+    ]  # fmt: skip
+    ids = tok(TEXT).input_ids
+    assert ids[0] == 128000 and tok.decode(ids, skip_special_tokens=True) == TEXT
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi "}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
 def test_loads_in_the_engine(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """The tiny Gemma 2 config (bos 0, eos 1, pad 2, vocab 512): the engine tokenizes, renders
     the chat template and detokenizes random-weight output with it."""
@@ -99,4 +117,4 @@ def test_rejects_what_it_cannot_lay_out() -> None:
         gemma = {**base, "model_type": "gemma2", "eos_token_id": [1, 500]}
         dummy.special_tokens(gemma, dummy.FAMILIES["gemma2"])
     with pytest.raises(ValueError, match="no dummy tokenizer"):
-        dummy.build_dummy_tokenizer({**base, "model_type": "llama"})
+        dummy.build_dummy_tokenizer({**base, "model_type": "mistral"})
