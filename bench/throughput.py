@@ -201,7 +201,7 @@ def run_hf_continuous(args: argparse.Namespace, work: Workload) -> Result:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True, help="directory with config.json (+ weights)")
+    p.add_argument("--model", required=True, help="HF directory or .gguf file")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-prompts", type=int, default=256)
@@ -228,7 +228,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    from kvfleet.engine.models import gguf_checkpoint
+
+    gguf_file = gguf_checkpoint.find_gguf(args.model)
+    config = (
+        gguf_checkpoint.load_config(gguf_file)
+        if gguf_file is not None
+        else AutoConfig.from_pretrained(args.model)
+    )
+    vocab = config.vocab_size
     work = random_workload(
         args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed,
         args.prefix_len,
