@@ -28,7 +28,8 @@ serve_cpu_wheel() {
     cpu_index="https://download.pytorch.org/whl/cpu"
     links="$(python3 -m pip config get global.find-links 2>/dev/null || echo "${PIP_FIND_LINKS:-}")"
     [ -n "$links" ] || return 0
-    wheel="$(find "$links" -maxdepth 1 -name "${torch/==/-}+cpu-*.whl" 2>/dev/null | head -n1)"
+    # shellcheck disable=SC2086 # pip's setting is a whitespace-separated list
+    wheel="$(find $links -maxdepth 1 -name "${torch/==/-}+cpu-*.whl" 2>/dev/null | head -n1)"
     [ -n "$wheel" ] || return 0
     dir="$(mktemp -d)"
     mkdir "$dir/torch"
