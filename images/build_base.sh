@@ -4,7 +4,8 @@
 # Debian bookworm (Python 3.11, as the public base) with python3-venv and this machine's CA
 # bundle, so that pip inside `docker build --network host` trusts what this machine trusts.
 #
-#   images/build_base.sh [TAG]        (default kvfleet-base:bookworm; needs root, mmdebstrap)
+#   images/build_base.sh [TAG]        (default kvfleet-base:bookworm; mmdebstrap as root: sudo
+#                                      when not root)
 set -euo pipefail
 tag="${1:-kvfleet-base:bookworm}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -13,6 +14,10 @@ for tool in mmdebstrap docker; do
     command -v "$tool" >/dev/null || { echo "build_base.sh: $tool not found (apt-get install -y mmdebstrap docker.io)" >&2; exit 1; }
 done
 [ -r "$bundle" ] || { echo "build_base.sh: no CA bundle at $bundle (set CA_BUNDLE)" >&2; exit 1; }
+# mmdebstrap's root mode: its unshare mode needs unprivileged user namespaces, which hosts
+# (Ubuntu 24.04 runners among them) often restrict.
+as_root=()
+[ "$(id -u)" -eq 0 ] || as_root=(sudo)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 # minbase: dpkg, apt and essentials only; the merged-usr hook rather than the usrmerge package
@@ -20,7 +25,7 @@ trap 'rm -rf "$work"' EXIT
 # later update-ca-certificates in the image would regenerate Debian's alone). `python`: what the
 # public base offers besides python3. Documentation and translations are left out, as in
 # Debian's own slim images.
-mmdebstrap --quiet --variant=minbase --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+"${as_root[@]}" mmdebstrap --quiet --variant=minbase --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
     --include=python3,python3-venv,ca-certificates \
     --customize-hook="cp '$bundle' \"\$1/etc/ssl/certs/ca-certificates.crt\"" \
     --customize-hook='ln -sf python3 "$1/usr/bin/python"' \
