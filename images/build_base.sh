@@ -25,6 +25,7 @@ trap 'rm -rf "$work"' EXIT
 # later update-ca-certificates in the image would regenerate Debian's alone). `python`: what the
 # public base offers besides python3. Documentation and translations are left out, as in
 # Debian's own slim images.
+# shellcheck disable=SC2016 # the hooks' $1 (the root) is expanded by mmdebstrap's shell
 "${as_root[@]}" mmdebstrap --quiet --variant=minbase --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
     --include=python3,python3-venv,ca-certificates \
     --customize-hook="cp '$bundle' \"\$1/etc/ssl/certs/ca-certificates.crt\"" \

@@ -128,6 +128,16 @@ def test_the_engine_dockerfile_builds_a_cpu_and_a_gpu_target():
     assert targets(IMAGES / "operator.Dockerfile") == ["1"]
 
 
+SCRIPTS = [*sorted(IMAGES.glob("*.sh")), ROOT / ".ci" / "run"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck_clean(script: Path):
+    exe = tool("shellcheck", Path(sys.executable).parent / "shellcheck")
+    proc = subprocess.run([exe, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("dockerfile,name", TARGETS, ids=lambda v: getattr(v, "name", v))
 def test_runs_as_a_numeric_non_root_user(dockerfile: Path, name: str):
     users = [rest for word, rest in final_stage(dockerfile, name) if word == "USER"]
