@@ -170,28 +170,35 @@ for step in "$@"; do
     fleet-routing-*)
         # Four GPUs, four Llama-3.1-8B engines (dummy weights) behind the real router and
         # operator (bench/fleet): round robin vs session vs prefix keys on multi-turn chats with
-        # 48 shared ~2.6k-token system prompts, at the rate in the step's name (requests/s).
-        # Each engine's KV cache holds ~90k tokens, less than the prefixes' ~125k, as a
-        # production fleet's cache holds less than its traffic's working set.
-        rate=${step#fleet-routing-}
+        # shared ~2.6k-token system prompts: fleet-routing-RATE[-PROMPTS] (requests/s; 48
+        # prompts unless named). Each engine's KV cache holds ~90k tokens, less than 48
+        # prompts' ~125k, as a production fleet's cache holds less than its working set.
+        # FLEET_POLICIES picks the policies (all three by default).
+        spec=${step#fleet-routing-}
+        rate=${spec%%-*}
+        prompts=48
+        [ "$spec" != "$rate" ] && prompts=${spec#*-}
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 560 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0,1,2,3 \
             --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \
             --max-model-len 8192 --min-replicas 4 --max-replicas 4 --settle 0 \
-            --phases "60x$rate" --system-prompts 48 --system-words 2000 --turns 4 \
+            --policies "${FLEET_POLICIES:-round-robin,session,prefix}" \
+            --phases "60x$rate" --system-prompts "$prompts" --system-words 2000 --turns 4 \
             --user-words 60 --reply-words 120 --max-tokens 100 --ttft-slo 1.0 \
-            --log-dir "$out/fleet-routing-$rate-logs" --result-json "$out/fleet_routing_$rate.json" \
-            2>&1 | tee "$out/fleet_routing_$rate.txt"
+            --log-dir "$out/fleet-routing-$spec-logs" \
+            --result-json "$out/fleet_routing_$spec${FLEET_POLICIES:+_$FLEET_POLICIES}.json" \
+            2>&1 | tee "$out/fleet_routing_$spec${FLEET_POLICIES:+_$FLEET_POLICIES}.txt"
         ;;
     fleet-autoscale)
         # The builtin autoscaler on four GPUs: a ramp 2 -> 16 -> 2 requests/s from one replica,
-        # prefix routing; scale-up split into decision delay and engine start, failures on
-        # scale-down (goal: none), replica-seconds against four static replicas.
+        # 4 requests in flight per replica targeted, prefix routing; scale-ups split into
+        # decision delay and engine start, failures on scale-down (goal: none), replica-seconds
+        # against four static replicas.
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 560 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0,1,2,3 \
             --engine-arg=--load-format=dummy --max-model-len 8192 \
-            --min-replicas 1 --max-replicas 4 --target-queue-depth 16 --scale-down-window 30 \
-            --policies prefix --phases 45x2,150x16,60x2 --settle 90 \
+            --min-replicas 1 --max-replicas 4 --target-queue-depth 4 --scale-down-window 30 \
+            --policies prefix --phases 30x2,120x16,60x2 --settle 90 \
             --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 --reply-words 120 \
             --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/fleet-autoscale-logs" \
             --result-json "$out/fleet_autoscale.json" 2>&1 | tee "$out/fleet_autoscale.txt"
