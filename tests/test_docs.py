@@ -171,22 +171,6 @@ def test_flags_named_in_docs_exist(doc: Path):
     assert not named - known, f"{doc.name} names unknown flags: {sorted(named - known)}"
 
 
-def test_helm_values_named_in_docs_exist():
-    values = yaml.safe_load((ROOT / "charts" / "kvfleet" / "values.yaml").read_text())
-    doc = (ROOT / "docs" / "operations.md").read_text()
-    table = doc.split("## Install with Helm", 1)[1].split("\n## ", 1)[0]
-    for row in re.findall(r"^\| (`.+?) \|", table, re.M):
-        first, *more = re.findall(r"`([^`]+)`", row)
-        parent = first.rpartition(".")[0]
-        for name in [first, *(f"{parent}{m}" if m.startswith(".") else m for m in more)]:
-            node: Any = values
-            for part in name.split("."):
-                assert isinstance(node, dict) and part in node, f"no value {name}"
-                node = node[part]
-    documented = set(re.findall(r"`([a-zA-Z]+)[.`]", table))
-    assert set(values) <= documented, set(values) - documented
-
-
 def test_cited_benchmark_figures_are_in_results():
     """Every figure the README's benchmark paragraph quotes is in bench/RESULTS.md."""
     results = (ROOT / "bench" / "RESULTS.md").read_text()
