@@ -215,6 +215,7 @@ async def _operate(kube: Kube, **operator_args: Any) -> int:
 def _run(ns: argparse.Namespace) -> int:
     config = OperatorConfig(
         engine_image=ns.engine_image,
+        engine_cpu_image=ns.engine_cpu_image,
         router_image=ns.router_image,
         allowed_images=split_list(ns.allowed_images),
         allowed_secrets=split_list(ns.allowed_secrets),
@@ -234,10 +235,11 @@ def _run(ns: argparse.Namespace) -> int:
     host, _, port = ns.metrics_address.rpartition(":")
     prometheus_client.start_http_server(int(port), host or "0.0.0.0")
     logger.info(
-        "kvfleet operator: namespaces=%s engine image %s, router image %s, "
+        "kvfleet operator: namespaces=%s engine image %s (CPU: %s), router image %s, "
         "allowed images %s, allowed secrets %s",
         ",".join(namespaces) or "all",
         config.engine_image,
+        config.engine_cpu_image,
         config.router_image,
         "any" if config.allowed_images is None else ",".join(config.allowed_images) or "defaults",
         "any" if config.allowed_secrets is None else ",".join(config.allowed_secrets) or "none",
@@ -297,7 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--engine-image",
         default=os.environ.get("KVFLEET_ENGINE_IMAGE") or images.engine_image,
-        help="the engine image of a spec that names none (env KVFLEET_ENGINE_IMAGE)" + d,
+        help="the engine image of a spec that names none and asks for GPUs "
+        "(env KVFLEET_ENGINE_IMAGE)" + d,
+    )
+    run.add_argument(
+        "--engine-cpu-image",
+        default=os.environ.get("KVFLEET_ENGINE_CPU_IMAGE") or images.engine_cpu_image,
+        help="the engine image of a spec that names none and asks for no GPU "
+        "(env KVFLEET_ENGINE_CPU_IMAGE)" + d,
     )
     run.add_argument(
         "--router-image",

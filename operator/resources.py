@@ -87,6 +87,9 @@ class OperatorConfig:
 
     engine_image: str
     router_image: str
+    # The engine image of a spec with no GPU that names none: the CPU build, a fifth the size
+    # of the CUDA one, which a CPU node would pull for nothing.
+    engine_cpu_image: str | None = None
     allowed_images: tuple[str, ...] | None = None
     allowed_secrets: tuple[str, ...] | None = None
 
@@ -96,7 +99,14 @@ class OperatorConfig:
         return cls(
             engine_image=f"ghcr.io/kvfleet/engine:{version}",
             router_image=f"ghcr.io/kvfleet/operator:{version}",
+            engine_cpu_image=f"ghcr.io/kvfleet/engine:{version}-cpu",
         )
+
+    def default_engine_image(self, spec: InferenceServiceSpec) -> str:
+        """The engine image of a spec that names none: by whether it asks for GPUs."""
+        if spec.resources.gpus == 0 and self.engine_cpu_image:
+            return self.engine_cpu_image
+        return self.engine_image
 
 
 @dataclass(frozen=True)
@@ -264,11 +274,12 @@ def policy_violations(spec: InferenceServiceSpec, config: OperatorConfig) -> lis
     """What the operator's allow-lists refuse in a spec; empty when it may be applied."""
     found = []
     if config.allowed_images is not None:
-        for field, image, default in (
-            ("spec.engine.image", spec.engine.image, config.engine_image),
-            ("spec.routing.image", spec.routing.image, config.router_image),
+        engine_defaults = (config.engine_image, config.engine_cpu_image)
+        for field, image, defaults in (
+            ("spec.engine.image", spec.engine.image, engine_defaults),
+            ("spec.routing.image", spec.routing.image, (config.router_image,)),
         ):
-            if image in (None, default) or image_allowed(image, config.allowed_images):
+            if image is None or image in defaults or image_allowed(image, config.allowed_images):
                 continue
             found.append(
                 Violation(
@@ -481,7 +492,7 @@ def engine_deployment(
 ) -> dict[str, Any]:
     """replicas: the autoscaler's count (spec.engine_replicas); None for the spec's own."""
     e = spec.engine
-    image = e.image or config.engine_image
+    image = e.image or config.default_engine_image(spec)
     model = _model_wiring(owner, spec, image)
     volumes = [{"name": "tmp", "emptyDir": {}}, *model.volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts]

@@ -173,7 +173,9 @@ async def test_operator_container_reconciles_an_inferenceservice(
         "kvfleet-operator", "run",
         f"--health-address=127.0.0.1:{free_port()}",
         f"--metrics-address=127.0.0.1:{free_port()}",
-        f"--engine-image={ENGINE_IMAGE}",
+        # The demo asks for no GPU: its engine runs the CPU image, not the CUDA one.
+        "--engine-image=kvfleet/engine:cuda-not-for-this-spec",
+        f"--engine-cpu-image={ENGINE_IMAGE}",
         f"--router-image={OPERATOR_IMAGE}",
     ]  # fmt: skip
     with container(

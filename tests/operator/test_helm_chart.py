@@ -12,11 +12,13 @@ locally and fail under CI=true or KVFLEET_REQUIRE_TOOLS=1 (what `make test` sets
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +44,7 @@ from kvfleet.operator.resources import (
 )
 from kvfleet.operator.spec import parse_spec
 from tests.support.kmock import CONFIG as KMOCK_CONFIG
-from tests.support.kmock import kube_for, run_operator
+from tests.support.kmock import eventually, kube_for, run_operator
 from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +61,7 @@ NON_DEFAULT = [
     "image.tag=0.1.0-rc1",
     "engine.image.repository=registry.example.com/kvfleet/engine",
     "engine.image.tag=0.1.0-cu128",
+    "engine.image.cpuTag=0.1.0-cpu-avx512",
     "router.image.tag=0.1.0-router",
     "monitoring.engines.enabled=true",
     "monitoring.router.enabled=true",
@@ -331,6 +334,7 @@ def test_default_operator_command_line_and_images():
     assert ns.namespace == [] and ns.peering is None and ns.log_level == "INFO"
     # The chart's appVersion tags are the operator's built-in defaults.
     assert ns.engine_image == defaults.engine_image
+    assert ns.engine_cpu_image == defaults.engine_cpu_image
     assert ns.router_image == defaults.router_image
     assert operator_container(docs)["image"] == defaults.router_image
     assert one(docs, "Deployment")["spec"]["replicas"] == 1
@@ -349,6 +353,7 @@ def test_non_default_operator_command_line():
     assert ns.log_level == "DEBUG"
     assert ns.namespace == ["team-a", "team-b"]
     assert ns.engine_image == "registry.example.com/kvfleet/engine:0.1.0-cu128"
+    assert ns.engine_cpu_image == "registry.example.com/kvfleet/engine:0.1.0-cpu-avx512"
     assert ns.router_image == "registry.example.com/kvfleet/operator:0.1.0-router"
     assert split_list(ns.allowed_images) == ("registry.example.com/ml/", "ghcr.io/kvfleet/engine")
     assert split_list(ns.allowed_secrets) == ("hf-token", "api-keys")
@@ -688,6 +693,12 @@ def test_helm_test_pod_checks_the_operator_through_its_service(scenario: str):
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
 def _run_hook_script(pod: dict, health_url: str, metrics_url: str) -> subprocess.CompletedProcess:
     (container,) = pod["spec"]["containers"]
     assert container["command"][:2] == ["python", "-c"]
@@ -711,6 +722,10 @@ async def test_helm_test_script_passes_on_a_running_operator_only(cluster):
         registry = build_registry(settings, KMOCK_CONFIG, kube=kube_for(cluster))
         metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         async with run_operator(registry, settings, liveness_endpoint=health):
+            # As `helm install --wait` does before `helm test`: the operator is up first (kopf
+            # opens its liveness endpoint a moment after the operator starts).
+            port = int(health.split(":")[2].split("/")[0])
+            await eventually(functools.partial(_listening, port), timeout=30)
             ok = await asyncio.to_thread(_run_hook_script, pod, health, metrics)
             assert ok.returncode == 0, ok.stderr
             dead = f"http://127.0.0.1:{free_port()}/healthz"

@@ -8,6 +8,7 @@ references, labels, probes, resources, the restricted security profile and model
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from kvfleet.operator.resources import (
     build_children,
     engine_deployment,
     model_download_script,
+    policy_violations,
     router_args,
 )
 from kvfleet.operator.spec import (
@@ -802,3 +804,29 @@ def test_model_download_refuses_checkpoints_without_safetensors(tmp_path, monkey
     with pytest.raises(RuntimeError, match="safetensors"):
         model_download.download("org/m", "main", tmp_path / "m")
     assert not (tmp_path / "m" / model_download.COMPLETE_MARKER).exists()
+
+
+def test_a_spec_without_gpus_gets_the_cpu_engine_image_by_default():
+    config = OperatorConfig(
+        engine_image="registry/engine:1",
+        router_image="registry/operator:1",
+        engine_cpu_image="registry/engine:1-cpu",
+    )
+
+    def image(raw: dict[str, Any], cfg: OperatorConfig = config) -> str:
+        return container(engine_deployment(OWNER, spec_of(raw), cfg), "engine")["image"]
+
+    assert image({"resources": {"gpus": 0}}) == "registry/engine:1-cpu"
+    assert image({"resources": {"gpus": 1}}) == "registry/engine:1"
+    assert image({"resources": {"gpus": 0}, "engine": {"image": "mine/engine:2"}}) == (
+        "mine/engine:2"
+    )
+    # No CPU image configured: one image for both.
+    assert image({"resources": {"gpus": 0}}, CONFIG) == CONFIG.engine_image
+    # Either default passes the allow-list, whatever the spec's GPUs.
+    strict = dataclasses.replace(config, allowed_images=())
+    for named in (config.engine_image, config.engine_cpu_image):
+        raw = {"resources": {"gpus": 0}, "engine": {"image": named}}
+        assert policy_violations(spec_of(raw), strict) == []
+    other = {"resources": {"gpus": 0}, "engine": {"image": "elsewhere/engine:1"}}
+    assert [v.reason for v in policy_violations(spec_of(other), strict)] == ["ImageNotAllowed"]

@@ -43,6 +43,10 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.engine.image.repository (default .Chart.AppVersion .Values.engine.image.tag) -}}
 {{- end -}}
 
+{{- define "kvfleet.engineCpuImage" -}}
+{{- printf "%s:%s" .Values.engine.image.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.engine.image.cpuTag) -}}
+{{- end -}}
+
 {{- define "kvfleet.routerImage" -}}
 {{- $repo := default .Values.image.repository .Values.router.image.repository -}}
 {{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.router.image.tag -}}
