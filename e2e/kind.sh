@@ -14,15 +14,16 @@ case "${1:-}" in
       kind create cluster --name "$CLUSTER" --wait 180s
     fi
     docker build -f images/operator.Dockerfile -t "kvfleet/operator:${TAG}" .
-    docker build -f images/engine.Dockerfile -t "kvfleet/engine:${TAG}" \
-      --build-arg BASE_IMAGE=ubuntu:24.04 \
+    # The CPU engine: the e2e InferenceService asks for no GPU, so the operator picks the CPU
+    # image (the chart's engine.image.cpuTag).
+    docker build -f images/engine.Dockerfile --target cpu -t "kvfleet/engine:${TAG}-cpu" \
       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-    kind load docker-image --name "$CLUSTER" "kvfleet/operator:${TAG}" "kvfleet/engine:${TAG}"
+    kind load docker-image --name "$CLUSTER" "kvfleet/operator:${TAG}" "kvfleet/engine:${TAG}-cpu"
     helm upgrade --install kvfleet charts/kvfleet --kube-context "$CONTEXT" \
       --namespace kvfleet-system --create-namespace \
       --set image.repository=kvfleet/operator --set "image.tag=${TAG}" \
       --set image.pullPolicy=Never \
-      --set engine.image.repository=kvfleet/engine --set "engine.image.tag=${TAG}" \
+      --set engine.image.repository=kvfleet/engine --set "engine.image.cpuTag=${TAG}-cpu" \
       --set logLevel=DEBUG --wait --timeout 5m
     ;;
   down)
