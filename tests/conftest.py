@@ -1,15 +1,20 @@
-"""Shared fixtures: tiny random HF checkpoints built on disk (never downloaded), and HF
-transformers' own greedy generations on them as the reference. Helpers live in tests/support."""
+"""Shared fixtures: tiny random HF checkpoints built on disk (never downloaded), HF transformers'
+own greedy generations on them as the reference, and the emulated Kubernetes cluster of the
+operator and image tests. Helpers live in tests/support."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import kmock
 import pytest
+import pytest_asyncio
 
 from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
 from tests.support.engine import MAX_TOKENS, PROMPT_LENS, hf_greedy
+from tests.support.kmock import NS, RESOURCES, APIServer
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +42,19 @@ def smollm2_gguf() -> Path:
     from kvfleet.engine.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest_asyncio.fixture
+async def cluster() -> AsyncIterator[APIServer]:
+    """kmock's Kubernetes API emulator, serving the resources the operator uses."""
+    async with APIServer() as k, kmock.Server(k):
+        for resource, (kind, namespaced, subresources) in RESOURCES.items():
+            k.resources[resource] = kmock.ResourceInfo(
+                kind=kind,
+                namespaced=namespaced,
+                subresources=subresources,
+                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+            )
+        # Set directly: kmock cannot parse the cluster-scoped URL of namespaces.
+        k.objects["v1/namespaces", None, NS] = {"metadata": {"name": NS}}
+        yield k
