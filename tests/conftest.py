@@ -8,13 +8,12 @@ import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import kmock
 import pytest
 import pytest_asyncio
 
 from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
 from tests.support.engine import MAX_TOKENS, PROMPT_LENS, hf_greedy
-from tests.support.kmock import NS, RESOURCES, APIServer
+from tests.support.kmock import APIServer, emulated_cluster
 
 
 @pytest.fixture(scope="session")
@@ -47,14 +46,5 @@ def smollm2_gguf() -> Path:
 @pytest_asyncio.fixture
 async def cluster() -> AsyncIterator[APIServer]:
     """kmock's Kubernetes API emulator, serving the resources the operator uses."""
-    async with APIServer() as k, kmock.Server(k):
-        for resource, (kind, namespaced, subresources) in RESOURCES.items():
-            k.resources[resource] = kmock.ResourceInfo(
-                kind=kind,
-                namespaced=namespaced,
-                subresources=subresources,
-                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-            )
-        # Set directly: kmock cannot parse the cluster-scoped URL of namespaces.
-        k.objects["v1/namespaces", None, NS] = {"metadata": {"name": NS}}
+    async with emulated_cluster() as k:
         yield k

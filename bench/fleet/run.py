@@ -52,6 +52,8 @@ from typing import Any
 
 import aiohttp
 
+# bench/ for its modules, and the repository root for the emulator the tests use too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import device_name, free_port, git_commit, stop

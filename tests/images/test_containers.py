@@ -31,7 +31,14 @@ import yaml
 
 from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
 from kvfleet.operator.resources import RUN_AS
-from tests.support.kmock import DEMO, APIServer, children_of, create, eventually
+from tests.support.kmock import (
+    DEMO,
+    APIServer,
+    children_of,
+    create,
+    eventually,
+    write_kubeconfig,
+)
 from tests.support.net import free_port, http_call
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,20 +162,7 @@ def test_router_container_in_front_of_the_engine(docker: str, engine: str) -> No
 async def test_operator_container_reconciles_an_inferenceservice(
     docker: str, cluster: APIServer, tmp_path: Path
 ) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": str(cluster.url)}}],
-                "users": [{"name": "test", "user": {"token": "unused"}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
-                "current-context": "kmock",
-            }
-        )
-    )
-    kubeconfig.chmod(0o644)
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(cluster.url))
     args = [
         "kvfleet-operator", "run",
         f"--health-address=127.0.0.1:{free_port()}",

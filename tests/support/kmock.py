@@ -42,6 +42,8 @@ SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 PODS = "v1/pods"
 EVENTS = "v1/events"
+SLICES = "discovery.k8s.io/v1/endpointslices"
+# resource -> (kind, namespaced, subresources): what the operator and the router read and write.
 RESOURCES = {
     ISVCS: ("InferenceService", True, {"status", "scale"}),
     DEPLOYMENTS: ("Deployment", True, {"status", "scale"}),
@@ -51,6 +53,7 @@ RESOURCES = {
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
     PODS: ("Pod", True, {"status"}),
+    SLICES: ("EndpointSlice", True, set()),
     EVENTS: ("Event", True, set()),
     "v1/namespaces": ("Namespace", False, set()),
 }
@@ -158,6 +161,41 @@ class APIServer(kmock.KubernetesEmulator):
             for (res, _, _), obj in self.objects.items()
             if res == resource and not obj.deleted
         ]
+
+
+@contextlib.asynccontextmanager
+async def emulated_cluster(namespace: str = NS) -> AsyncIterator[APIServer]:
+    """The emulator serving RESOURCES on 127.0.0.1 (its ``url``), ``namespace`` created."""
+    async with APIServer() as k, kmock.Server(k):
+        for resource, (kind, namespaced, subresources) in RESOURCES.items():
+            k.resources[resource] = kmock.ResourceInfo(
+                kind=kind,
+                namespaced=namespaced,
+                subresources=subresources,
+                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+            )
+        # Set directly: kmock cannot parse the cluster-scoped URL of namespaces.
+        k.objects["v1/namespaces", None, namespace] = {"metadata": {"name": namespace}}
+        yield k
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig for the emulator at ``server``, readable by a container's other uid."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+                # The emulator checks no credentials; the clients want some.
+                "users": [{"name": "test", "user": {"token": "unused"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+                "current-context": "kmock",
+            }
+        )
+    )
+    path.chmod(0o644)
+    return path
 
 
 @contextlib.asynccontextmanager
