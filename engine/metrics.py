@@ -55,6 +55,10 @@ class _EngineStateCollector(Collector):
         yield gauge("kvfleet_engine_prefix_cache_blocks",
                     "KV-cache blocks holding reusable prompt prefixes, in use or not.",
                     s.num_cached_blocks)  # fmt: skip
+        # Routers read it to tell an engine with free batch slots (a request starts at once)
+        # from one that queues it.
+        yield gauge("kvfleet_engine_max_num_seqs", "Requests the engine runs in one batch at most.",
+                    self.args.max_num_seqs)  # fmt: skip
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "KV-cache configuration.",

@@ -5,7 +5,12 @@ overloaded; membership changes move only the keys of the endpoints that came or 
 
 Endpoints can be left out of one choice (``exclude``: the engines a request already failed on,
 or those the circuit breaker ejected): the walk passes them by and the bound counts only the
-others, exactly as a ring without them would choose, at no cost of rebuilding one."""
+others, exactly as a ring without them would choose, at no cost of rebuilding one.
+
+Endpoints can also be declared never over the bound (``free``: engines that would start one more
+request at once, with free batch slots and nothing queued). Sending a key past its home then buys
+nothing and costs its cached prefix, so a free endpoint qualifies whatever its load. This only
+adds endpoints that qualify: the bound's guarantee that one does is untouched."""
 
 from __future__ import annotations
 
@@ -52,10 +57,14 @@ class HashRing:
         return self._owners[bisect.bisect(self._points, _hash(key)) % len(self._points)]
 
     def choose(
-        self, key: str, load: Mapping[str, int], exclude: frozenset[str] = frozenset()
+        self,
+        key: str,
+        load: Mapping[str, int],
+        exclude: frozenset[str] = frozenset(),
+        free: frozenset[str] = frozenset(),
     ) -> str | None:
-        """The endpoint for key given the current in-flight counts; None when no endpoint is
-        left. The bound guarantees some endpoint qualifies, so the walk always ends."""
+        """The endpoint for key given the current loads; None when no endpoint is left. The
+        bound guarantees some endpoint qualifies, so the walk always ends."""
         if not any(ep not in exclude for ep in self.endpoints):
             return None
         cap = self.capacity(load, exclude)
@@ -63,7 +72,7 @@ class HashRing:
         n = len(self._points)
         for step in range(n):
             owner = self._owners[(start + step) % n]
-            if owner not in exclude and load.get(owner, 0) + 1 <= cap:
+            if owner not in exclude and (owner in free or load.get(owner, 0) + 1 <= cap):
                 return owner
         raise AssertionError("bounded-load invariant broken")  # unreachable: see capacity()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 from collections.abc import Sequence
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="an engine takes at most this times the mean load before keys spill "
                         "to the next" + d)  # fmt: skip
+    p.add_argument("--engine-load-interval", type=float, default=1.0,
+                   help="seconds between reads of each engine's own load (its /metrics), "
+                        "which the load bound counts; 0: own requests only" + d)  # fmt: skip
     p.add_argument("--hold-timeout", type=float, default=120.0,
                    help="seconds a request waits for a ready engine" + d)  # fmt: skip
     p.add_argument("--tokenizer", help="local HF tokenizer directory for token prefix keys; "
@@ -85,6 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("need --max-body-bytes >= 1024, --max-json-depth >= 8")
     if ns.body_timeout <= 0 or ns.keepalive_timeout <= 0:
         p.error("need --body-timeout > 0, --keepalive-timeout > 0")
+    if not (math.isfinite(ns.engine_load_interval) and ns.engine_load_interval >= 0):
+        p.error("need --engine-load-interval >= 0 seconds (0 turns it off)")
     try:
         BreakerPolicy(ns.breaker_failures, ns.breaker_backoff, ns.breaker_max_backoff)
     except ValueError as e:
@@ -106,6 +112,7 @@ def settings_from(ns: argparse.Namespace) -> RouterSettings:
         breaker=BreakerPolicy(ns.breaker_failures, ns.breaker_backoff, ns.breaker_max_backoff),
         keepalive_timeout_s=ns.keepalive_timeout,
         body_timeout_s=ns.body_timeout,
+        engine_load_interval_s=ns.engine_load_interval,
     )
 
 

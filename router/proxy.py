@@ -3,6 +3,8 @@
 A request's routing key (routing_key.py) picks an engine by consistent hashing with bounded
 loads (hash_ring.py) over the ready endpoints (endpoints.py), so that a conversation keeps
 landing where its prefix is cached; requests without a key go to the least-loaded engine.
+An engine's load is the whole fleet's, from its own /metrics (engine_load.py), where it reports
+one; an engine with free batch slots and nothing queued is never over the bound.
 Responses, streams included, are relayed chunk by chunk as they arrive.
 
 Retries: a request goes to a second engine only when the first certainly did no work on it,
@@ -72,6 +74,12 @@ from kvfleet.protocol.json_body import (
     check_headers,
 )
 from kvfleet.router.breaker import BreakerPolicy, Breakers
+from kvfleet.router.engine_load import (
+    EngineLoadPoller,
+    EngineReport,
+    estimated_load,
+    has_free_slots,
+)
 from kvfleet.router.hash_ring import HashRing
 from kvfleet.router.request_body import (
     BodyLimits,
@@ -149,11 +157,13 @@ def engine_failed(status: int, headers: Mapping[str, str]) -> bool:
 
 
 class Balancer:
-    """The ready endpoints, the requests in flight on each, and the choice of an endpoint."""
+    """The ready endpoints, the requests in flight on each, the engines' own reports of their
+    load (engine_load.py), and the choice of an endpoint."""
 
     def __init__(self, load_factor: float = 1.25, vnodes: int = VNODES) -> None:
         self.ring = HashRing(vnodes=vnodes, load_factor=load_factor)
         self.in_flight: dict[str, int] = {}
+        self.reports: dict[str, EngineReport] = {}
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -167,12 +177,31 @@ class Balancer:
         }
         for ep in self.ring.endpoints:
             self.in_flight.setdefault(ep, 0)
+        self.reports = {ep: r for ep, r in self.reports.items() if ep in self.ring.endpoints}
+
+    def report(self, endpoint: str, report: EngineReport | None) -> None:
+        """An engine's scraped load; None (a failed scrape) falls back to the own count."""
+        if report is None:
+            self.reports.pop(endpoint, None)
+        elif endpoint in self.ring.endpoints:  # not one that left while it was scraped
+            self.reports[endpoint] = report
+
+    def load(self) -> dict[str, int]:
+        """Per endpoint, the requests the bound counts: the whole fleet's where its engine
+        reports them, this router's own elsewhere."""
+        return {ep: estimated_load(n, self.reports.get(ep)) for ep, n in self.in_flight.items()}
+
+    def free(self) -> frozenset[str]:
+        """The endpoints that would start one more request at once (never over the bound)."""
+        return frozenset(
+            ep for ep, r in self.reports.items() if has_free_slots(self.in_flight.get(ep, 0), r)
+        )
 
     def choose(self, key: str | None, exclude: frozenset[str] = frozenset()) -> str | None:
         """``exclude``: endpoints this request failed on and those the breaker ejected."""
         if key is None:
-            return self.ring.least_loaded(self.in_flight, exclude)
-        return self.ring.choose(key, self.in_flight, exclude)
+            return self.ring.least_loaded(self.load(), exclude)
+        return self.ring.choose(key, self.load(), exclude, self.free())
 
     def acquire(self, endpoint: str) -> None:
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
@@ -195,6 +224,16 @@ class _InFlightCollector(Collector):
             labels=["endpoint"],
         )
         for ep, n in sorted(self.balancer.in_flight.items()):
+            g.add_metric([ep], n)
+        yield g
+        g = GaugeMetricFamily(
+            "kvfleet_router_engine_load",
+            "Requests per engine endpoint that the load bound counts: the engine's scraped "
+            "running + waiting, plus this router's requests started since, less those finished "
+            "since; this router's own in-flight count where the engine's report is missing.",
+            labels=["endpoint"],
+        )
+        for ep, n in sorted(self.balancer.load().items()):
             g.add_metric([ep], n)
         yield g
         yield GaugeMetricFamily(
@@ -245,6 +284,13 @@ class RouterMetrics:
             "it was over the load bound; many means a load factor too tight for the traffic.",
             registry=r,
         )
+        self.engine_load_failures = Counter(
+            "kvfleet_router_engine_load_failures",
+            "Scrapes of an engine's /metrics whose load was not used, by reason; until the next "
+            "good one the router counts only its own requests there.",
+            ["endpoint", "reason"],
+            registry=r,
+        )
         self.held = Gauge(
             "kvfleet_router_held_requests",
             "Requests waiting for a ready engine (scale-from-zero signal).",
@@ -280,6 +326,8 @@ class RouterSettings:
     # a complete request head after connecting or after its previous response.
     keepalive_timeout_s: float = 15.0
     body_timeout_s: float = 30.0
+    # Seconds between scrapes of the engines' own load (engine_load.py); 0: own counts only.
+    engine_load_interval_s: float = 1.0
 
 
 @dataclass
@@ -351,6 +399,17 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Event()
         self._probes: set[asyncio.Task[None]] = set()
+        self.poller = (
+            EngineLoadPoller(
+                settings.engine_load_interval_s,
+                lambda: self.balancer.endpoints,
+                lambda ep: self.balancer.in_flight.get(ep, 0),
+                self.balancer.report,
+                lambda ep, reason: self.metrics.engine_load_failures.labels(ep, reason).inc(),
+            )
+            if settings.engine_load_interval_s > 0
+            else None
+        )
 
     def set_endpoints(self, endpoints: Iterable[str]) -> None:
         self.balancer.set_endpoints(endpoints)
@@ -374,9 +433,14 @@ class Router:
             trace_configs=[trace],
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
         )
+        poll = asyncio.create_task(self.poller.run()) if self.poller is not None else None
         yield
         for task in self._probes:
             task.cancel()
+        if poll is not None:
+            poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poll
         await self.session.close()
 
     async def _read_body(self, request: web.Request) -> bytes:

@@ -96,3 +96,42 @@ def test_excluding_endpoints_chooses_as_a_ring_without_them(n, out, loads, key_i
     for k in key_ids:
         assert full.choose(f"k{k}", load, exclude) == smaller.choose(f"k{k}", load)
     assert full.least_loaded(load, exclude) == smaller.least_loaded(load)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.dictionaries(st.integers(0, 5), st.integers(0, 50)),
+    st.sets(st.integers(0, 5), max_size=6),
+    st.sets(st.integers(0, 5), max_size=5),
+    st.lists(st.integers(0, 500), min_size=1, max_size=20),
+)
+def test_free_endpoints_are_never_over_the_bound(n, loads, free_ids, out, key_ids):
+    """The slack rule: an engine with free batch slots takes its keys whatever the mean load;
+    every other choice is still within the bound, and some endpoint always qualifies."""
+    ring = HashRing(vnodes=40)
+    eps = [f"e{i}" for i in range(n)]
+    ring.set_endpoints(eps)
+    load = {f"e{i}": v for i, v in loads.items() if i < n}
+    free = frozenset(f"e{i}" for i in free_ids if i < n)
+    exclude = frozenset(f"e{i}" for i in out if i < n)
+    if exclude >= set(eps):
+        assert ring.choose("k", load, exclude, free) is None
+        return
+    cap = ring.capacity(load, exclude)
+    for k in key_ids:
+        key = f"k{k}"
+        ep = ring.choose(key, load, exclude, free)
+        assert ep is not None and ep not in exclude
+        assert ep in free or load.get(ep, 0) + 1 <= cap
+        if ring.home(key) in free - exclude:
+            assert ep == ring.home(key)
+
+
+def test_a_free_home_keeps_its_keys_far_over_the_mean():
+    ring = HashRing()
+    ring.set_endpoints(["a", "b", "c"])
+    key = next(k for k in KEYS if ring.home(k) == "a")
+    load = {"a": 7, "b": 0, "c": 0}
+    assert ring.choose(key, load) != "a"
+    assert ring.choose(key, load, free=frozenset({"a"})) == "a"

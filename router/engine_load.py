@@ -1,0 +1,213 @@
+"""The engines' own load, as their /metrics report it, so that the bounded-load check counts the
+whole fleet's requests and not only this router's.
+
+Several router replicas each see a fraction of the traffic: by its own count alone, a router
+finds an engine idle that the others keep full, and its bound (a multiple of the mean of its own
+counts) is a handful of requests, so keyed requests spill off warm engines at low load. Every
+``interval`` seconds the poller reads ``vllm:num_requests_running`` and ``_waiting`` (summed
+over series) and ``kvfleet_engine_max_num_seqs`` from each ready engine; between scrapes the
+router adds the requests it started there since and takes off those that finished
+(``estimated_load``). An engine with free batch slots and an empty queue starts a request at
+once, so it is never over the bound (``has_free_slots``): spilling off it would only cost a
+prefix-cache miss.
+
+An engine's /metrics is semi-trusted input: a scrape has a deadline and a byte limit, keeps only
+the sample lines of those three metrics (a bounded number of them), and checks every value. A
+failed scrape, whatever the reason, drops that engine's report: the router then counts only its
+own requests there, as it does with the poller off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger("kvfleet.router.engine_load")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+MAX_NUM_SEQS = "kvfleet_engine_max_num_seqs"
+NAMES = (RUNNING, WAITING, MAX_NUM_SEQS)
+# An engine's whole exposition is tens of KiB.
+MAX_BODY_BYTES = 1 * 2**20
+# A line this long is no exposition line; keeping it would let one line hold the whole body.
+MAX_LINE_CHARS = 4096
+# One series per served model name; more is garbage, and few lines keep parsing on the loop cheap.
+MAX_SERIES = 64
+# No engine holds a million requests: a larger value is broken, not busy.
+MAX_VALUE = 1e6
+# Sample lines of the wanted metrics, and of no metric whose name they prefix.
+_SAMPLE = re.compile(rf"^[ \t]*(?:{'|'.join(re.escape(n) for n in NAMES)})[{{ \t].*$", re.MULTILINE)
+
+
+class ScrapeFailed(Exception):
+    """Why an engine's report is not used: ``reason`` is the failure counter's label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One scrape: the engine's running and waiting requests (every router's), its batch size
+    when it exports one, and this router's own requests in flight there when it answered."""
+
+    running: int
+    waiting: int
+    max_num_seqs: int | None
+    own_at_scrape: int
+
+
+def estimated_load(own: int, report: EngineReport | None) -> int:
+    """The requests on an engine now: what it reported, plus this router's requests started
+    there since, less those finished since; never less than this router's own in flight."""
+    if report is None:
+        return own
+    return max(own, report.running + report.waiting + own - report.own_at_scrape)
+
+
+def has_free_slots(own: int, report: EngineReport | None) -> bool:
+    """Whether one more request would start at once: nothing queued and a batch slot free."""
+    return (
+        report is not None
+        and report.max_num_seqs is not None
+        and report.waiting == 0
+        and estimated_load(own, report) < report.max_num_seqs
+    )
+
+
+def parse_samples(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
+    """The report of the sample lines of an exposition (``NAMES`` only); raises ScrapeFailed."""
+    text = "\n".join(lines) + "\n"
+    found: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in NAMES:
+                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    except ValueError as e:
+        raise ScrapeFailed("unparsable", f"unreadable metrics: {e}") from None
+    if missing := [n for n in (RUNNING, WAITING) if n not in found]:
+        raise ScrapeFailed("missing", f"metrics lack {', '.join(missing)}")
+    for name, value in found.items():
+        if not (math.isfinite(value) and 0 <= value <= MAX_VALUE):
+            raise ScrapeFailed("out_of_range", f"{name} = {value}")
+    batch = found.get(MAX_NUM_SEQS)
+    return EngineReport(
+        running=round(found[RUNNING]),
+        waiting=round(found[WAITING]),
+        max_num_seqs=round(batch) if batch else None,
+        own_at_scrape=own_at_scrape,
+    )
+
+
+async def read_samples(response: aiohttp.ClientResponse, max_body_bytes: int) -> list[str]:
+    """The wanted sample lines of a /metrics body, read a chunk at a time: memory stays a chunk
+    and a line whatever the body. Raises ScrapeFailed."""
+    if response.status != 200:
+        raise ScrapeFailed("http_status", f"/metrics answered {response.status}")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines: list[str] = []
+    size, rest = 0, ""
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise ScrapeFailed("too_large", f"metrics body over {max_body_bytes} bytes")
+        try:
+            text = rest + decoder.decode(chunk, final=False)
+        except UnicodeDecodeError as e:
+            raise ScrapeFailed("not_utf8", f"metrics body is not UTF-8: {e}") from None
+        end = text.rfind("\n") + 1
+        text, rest = text[:end], text[end:]
+        if len(rest) > MAX_LINE_CHARS:
+            raise ScrapeFailed("too_large", f"a metrics line over {MAX_LINE_CHARS} characters")
+        lines += _SAMPLE.findall(text)
+        if len(lines) > MAX_SERIES:
+            raise ScrapeFailed("too_many_series", f"over {MAX_SERIES} series")
+    try:
+        rest += decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        raise ScrapeFailed("not_utf8", f"metrics body is not UTF-8: {e}") from None
+    return lines + _SAMPLE.findall(rest)
+
+
+class EngineLoadPoller:
+    """Scrapes every ready engine's /metrics each ``interval`` seconds and hands each result to
+    ``on_report`` (None for a failed scrape). ``endpoints`` and ``own`` are read at scrape time:
+    the ready endpoints, and this router's requests in flight on one."""
+
+    def __init__(
+        self,
+        interval: float,
+        endpoints: Callable[[], Iterable[str]],
+        own: Callable[[str], int],
+        on_report: Callable[[str, EngineReport | None], None],
+        on_failure: Callable[[str, str], None],
+        *,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("the engine load interval must be > 0")
+        self.interval = interval
+        # A report older than a round is as stale as none, and a slow engine must not hold the
+        # round up: each scrape gets the interval, at most 2 s.
+        self.timeout = min(interval, 2.0)
+        self.endpoints = endpoints
+        self.own = own
+        self.on_report = on_report
+        self.on_failure = on_failure
+        self.max_body_bytes = max_body_bytes
+
+    async def run(self) -> None:
+        """Scrape until cancelled."""
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None),  # each scrape has its own deadline
+            auto_decompress=False,  # an engine's exposition is never worth a decompression bomb
+            connector=aiohttp.TCPConnector(limit=0),
+        ) as session:
+            while True:
+                started = loop.time()
+                await self.poll(session)
+                await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+
+    async def poll(self, session: aiohttp.ClientSession) -> None:
+        """One round: every ready engine, at once."""
+        endpoints = sorted(self.endpoints())
+        await asyncio.gather(*(self._scrape(session, ep) for ep in endpoints))
+
+    async def _scrape(self, session: aiohttp.ClientSession, endpoint: str) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with session.get(
+                    f"http://{endpoint}/metrics", headers={"Accept-Encoding": "identity"}
+                ) as response:
+                    # The engine's numbers are as of its answer: count own requests from here.
+                    own = self.own(endpoint)
+                    lines = await read_samples(response, self.max_body_bytes)
+            report = parse_samples(lines, own)
+        except ScrapeFailed as e:
+            self._failed(endpoint, e.reason, str(e))
+        except TimeoutError:
+            self._failed(endpoint, "timeout", f"no metrics within {self.timeout:g}s")
+        except (aiohttp.ClientError, OSError) as e:
+            self._failed(endpoint, "connection", f"no metrics: {e!r}")
+        except Exception as e:  # a failure mode not foreseen, on semi-trusted input
+            logger.exception("engine load of %s: scrape failed", endpoint)
+            self._failed(endpoint, "error", repr(e))
+        else:
+            self.on_report(endpoint, report)
+
+    def _failed(self, endpoint: str, reason: str, message: str) -> None:
+        logger.debug("engine load of %s: %s", endpoint, message)
+        self.on_failure(endpoint, reason)
+        self.on_report(endpoint, None)
