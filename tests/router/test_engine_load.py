@@ -138,6 +138,7 @@ class Engine:
         self.batch = 8
         self.active = 0
         self.scrapes = 0
+        self.full = False  # answers 429 queue_full, whatever its /metrics said a moment ago
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -147,6 +148,9 @@ class Engine:
 
     async def chat(self, request: web.Request) -> web.Response:
         await request.read()
+        if self.full:
+            error = {"message": "queue full", "type": "x", "param": None, "code": "queue_full"}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "1"})
         self.active += 1
         try:
             await asyncio.sleep(self.hold)
@@ -268,6 +272,19 @@ async def test_an_engine_deep_in_other_routers_traffic_gets_no_keyed_requests() 
         busy.others = (0, 0)
         await until(lambda: router.balancer.load()[addrs[0]] == 0)
         assert await chat(s, url, sessions_homed_at(router, addrs[0], 1)[0]) == "busy"
+
+
+@pytest.mark.asyncio
+async def test_a_full_engines_429_still_goes_to_another_engine() -> None:
+    """Its last report said free slots: the walk passes it by on the retry all the same."""
+    full, b, c = Engine("full"), Engine("b"), Engine("c")
+    full.full = True
+    async with fleet(full, b, c) as (router, url, addrs), aiohttp.ClientSession() as s:
+        await until(lambda: len(router.balancer.reports) == 3)
+        assert addrs[0] in router.balancer.free()
+        for sid in sessions_homed_at(router, addrs[0], 3):
+            assert await chat(s, url, sid) in ("b", "c")
+        assert router.metrics.registry.get_sample_value("kvfleet_router_retries_total") == 3
 
 
 async def burst(url: str, session_id: str, n: int) -> Counter[str]:

@@ -134,6 +134,20 @@ async def test_held_requests_complete_when_an_engine_appears(fleet: dict[str, An
 
 
 @pytest.mark.asyncio
+async def test_the_router_reads_the_engines_own_load(fleet: dict[str, Any]) -> None:
+    """The engines' exposition as the router's load poller parses it: idle, with their batch
+    size (the default --max-num-seqs), so every one has free slots."""
+    async with router_for(fleet, fleet["hosts"], engine_load_interval_s=0.05) as (router, _):
+        for _ in range(500):
+            if len(router.balancer.reports) == 3:
+                break
+            await asyncio.sleep(0.01)
+        reports = [router.balancer.reports[h] for h in fleet["hosts"]]
+        assert {(r.running, r.waiting, r.max_num_seqs) for r in reports} == {(0, 0, 256)}
+        assert router.balancer.free() == set(fleet["hosts"])
+
+
+@pytest.mark.asyncio
 async def test_an_engine_killed_mid_run(fleet: dict[str, Any]) -> None:
     """Streams that had begun on the victim fail visibly; requests it had accepted but not
     answered fail with 502 and are not replayed (it may have died of them); requests sent after
