@@ -61,6 +61,7 @@ def decision(replicas: int, history: list[tuple[float, int]], last_active: float
         reason="why",
         history=tuple(Recommendation(t, n) for t, n in history),
         last_active=last_active,
+        signal="queueDepth",
         signals={"current": 2.0, "in_flight": 9.0},
     )
 
@@ -73,6 +74,7 @@ def test_a_change_is_recorded_with_its_metrics_and_the_memory():
         "from": 2,
         "to": 3,
         "reason": "why",
+        "signal": "queueDepth",
         "metrics": {"current": 2.0, "inFlight": 9.0},
     }
     assert patch["autoscaling"] == {

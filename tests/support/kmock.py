@@ -230,11 +230,12 @@ async def run_operator(
     thread = threading.Thread(target=run, name="operator")
     thread.start()
     try:
-        assert await asyncio.to_thread(ready.wait, 10)
+        assert await asyncio.to_thread(ready.wait, 30)
         yield
     finally:
         stop.set()
-        await asyncio.to_thread(thread.join, 10)
+        # Generous: on a loaded 2-core machine kopf takes seconds to cancel its tasks.
+        await asyncio.to_thread(thread.join, 30)
     assert not thread.is_alive() and not failure, failure
 
 
