@@ -6,42 +6,36 @@ container port named ``http`` (what the operator's Deployments declare; tests po
 own servers), else the component's default port.
 
 A pod's /metrics is untrusted input: one pod must not exhaust the operator's memory, stall its
-event loop, or stop the other pods' signals. So a body is streamed and cut off past
-``max_body_bytes`` (counted after decompression) or at the deadline, whichever comes first; only
-the lines of the wanted metrics are kept, a line at a time, so memory stays a few chunks per
-scrape whatever the body; those lines are parsed off the event loop; every value is checked (see
-scaling_policy.out_of_range). A pod that does not answer in time, answers with an error, with a
-body too large, not UTF-8 or unparsable, lacks a metric or reports an impossible value is
-reported unanswered with the reason, never as idle, and counted in
-kvfleet_operator_scrape_failures_total{reason}.
+event loop, or stop the other pods' signals. So a body is read as kvfleet.telemetry.metrics_reader
+reads one (streamed, cut off past ``max_body_bytes``, counted after decompression, only the
+wanted metrics' lines kept a chunk at a time) within a deadline; those lines are parsed off the
+event loop; every value is checked (see scaling_policy.out_of_range). A pod that does not
+answer in time, answers with an error, with a body too large, not UTF-8 or unparsable, lacks a
+metric or reports an impossible value is reported unanswered with the reason, never as idle, and
+counted in kvfleet_operator_scrape_failures_total{reason}.
 
 Scrapes share one connection pool sized for ``max_concurrent`` scrapes, and a semaphore of as
 many slots: the per-pod timeout starts once a slot is held, so waiting behind other pods never
 counts against a pod; the wait for a slot has its own deadline (``slot_wait``).
 
-Parsing is prometheus-client's text parser, so the exposition format (escapes, timestamps,
-comments) is read as Prometheus reads it. A metric with several series (several model_name
-values) is summed.
+A metric with several series (several model_name values) is summed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
-import functools
 import logging
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from prometheus_client import Counter
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.operator.latency import Buckets
 from kvfleet.operator.scaling_policy import MAX_BLOCKS, MAX_REQUESTS, PodMetrics, out_of_range
+from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples, sample_lines
 
 logger = logging.getLogger("kvfleet.operator.metrics")
 
@@ -106,32 +100,8 @@ def ready_targets(pods: Iterable[Mapping[str, Any]], default_port: int) -> list[
     return sorted(targets, key=lambda t: t.name)
 
 
-def bucket_key(histogram: str, le: str) -> str:
-    """The key of one histogram bucket among parse_metrics' results, as Prometheus names the
-    series: ``<histogram>_bucket{le="..."}``."""
-    return f'{histogram}_bucket{{le="{le}"}}'
-
-
-def parse_metrics(text: str, names: Iterable[str]) -> dict[str, float]:
-    """The sum over series of each named metric found in an exposition; absent ones are left out.
-    A named ``<histogram>_bucket`` is kept per bucket, under bucket_key.
-
-    Raises ValueError on text that is not the Prometheus exposition format.
-    """
-    wanted = set(names)
-    found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                key = sample.name
-                if key.endswith("_bucket") and "le" in sample.labels:
-                    key = bucket_key(key.removesuffix("_bucket"), sample.labels["le"])
-                found[key] = found.get(key, 0.0) + sample.value
-    return found
-
-
 def histogram_buckets(values: Mapping[str, float], histogram: str) -> Buckets | None:
-    """One histogram's buckets out of parse_metrics' results, by bound; None when it has none
+    """One histogram's buckets out of parse_samples' results, by bound; None when it has none
     or no +Inf bucket (a cut-off or broken exposition)."""
     prefix = f'{histogram}_bucket{{le="'
     buckets = []
@@ -145,21 +115,6 @@ def histogram_buckets(values: Mapping[str, float], histogram: str) -> Buckets | 
     if not buckets or not math.isinf(buckets[-1][0]):
         return None
     return tuple(buckets)
-
-
-class ScrapeError(Exception):
-    """Why a pod's metrics are not used: ``reason`` is the metric's label, a short fixed word."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@functools.cache
-def _sample_lines(names: tuple[str, ...]) -> re.Pattern[str]:
-    """Matches the whole sample lines of the named metrics (and of no metric they prefix)."""
-    alternatives = "|".join(re.escape(n) for n in names)
-    return re.compile(rf"^[ \t]*(?:{alternatives})[{{ \t].*$", re.MULTILINE)
 
 
 class Scraper:
@@ -239,42 +194,17 @@ class Scraper:
         self, session: aiohttp.ClientSession, target: Target, names: Sequence[str]
     ) -> dict[str, float]:
         async with session.get(target.url) as response:
-            if response.status != 200:
-                raise ScrapeError("http_status", f"/metrics answered {response.status}")
-            pattern = _sample_lines(tuple(names))
-            decoder = codecs.getincrementaldecoder("utf-8")()
             found: dict[str, float] = {}
-            size, rest = 0, ""
-            # Leaving the block early closes the connection: the rest of the body is not read.
-            async for chunk in response.content.iter_any():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise ScrapeError("too_large", f"metrics body over {self.max_body_bytes} bytes")
-                try:
-                    text = rest + decoder.decode(chunk)
-                except UnicodeDecodeError as e:
-                    raise ScrapeError("not_utf8", f"metrics body is not UTF-8: {e}") from None
-                end = text.rfind("\n") + 1
-                text, rest = text[:end], text[end:]
-                if len(rest) > MAX_LINE_CHARS:
-                    raise ScrapeError("too_large", f"a metrics line over {MAX_LINE_CHARS} chars")
-                await self._add(found, pattern.findall(text), names)
-            try:
-                rest += decoder.decode(b"", final=True)
-            except UnicodeDecodeError as e:
-                raise ScrapeError("not_utf8", f"metrics body is not UTF-8: {e}") from None
-            await self._add(found, pattern.findall(rest), names)
+            async for lines in sample_lines(
+                response, names, max_body_bytes=self.max_body_bytes, max_line_chars=MAX_LINE_CHARS
+            ):
+                await self._add(found, lines, names)
             return found
 
     @staticmethod
     async def _add(found: dict[str, float], lines: list[str], names: Sequence[str]) -> None:
-        if not lines:
-            return
-        try:
-            # Off the event loop: a hostile body may be all wanted lines.
-            values = await asyncio.to_thread(parse_metrics, "\n".join(lines) + "\n", names)
-        except ValueError as e:
-            raise ScrapeError("unparsable", f"unreadable metrics: {e}") from None
+        # Off the event loop: a hostile body may be all wanted lines.
+        values = await asyncio.to_thread(parse_samples, lines, names)
         for name, value in values.items():
             found[name] = found.get(name, 0.0) + value
 

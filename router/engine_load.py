@@ -11,8 +11,9 @@ router adds the requests it started there since and takes off those that finishe
 once, so it is never over the bound (``has_free_slots``): spilling off it would only cost a
 prefix-cache miss.
 
-An engine's /metrics is semi-trusted input: a scrape has a deadline and a byte limit, keeps only
-the sample lines of those three metrics (a bounded number of them), and checks every value. A
+An engine's /metrics is semi-trusted input, read as kvfleet.telemetry.metrics_reader reads one:
+a scrape has a deadline and a byte limit, keeps only the sample lines of those three metrics (a
+bounded number of them), and checks every value. A
 failed scrape, whatever the reason, drops that engine's report: the router then counts only its
 own requests there, as it does with the poller off.
 """
@@ -20,15 +21,14 @@ own requests there, as it does with the poller off.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples, sample_lines
 
 logger = logging.getLogger("kvfleet.router.engine_load")
 
@@ -44,16 +44,6 @@ MAX_LINE_CHARS = 4096
 MAX_SERIES = 64
 # No engine holds a million requests: a larger value is broken, not busy.
 MAX_VALUE = 1e6
-# Sample lines of the wanted metrics, and of no metric whose name they prefix.
-_SAMPLE = re.compile(rf"^[ \t]*(?:{'|'.join(re.escape(n) for n in NAMES)})[{{ \t].*$", re.MULTILINE)
-
-
-class ScrapeFailed(Exception):
-    """Why an engine's report is not used: ``reason`` is the failure counter's label."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -85,22 +75,14 @@ def has_free_slots(own: int, report: EngineReport | None) -> bool:
     )
 
 
-def parse_samples(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
-    """The report of the sample lines of an exposition (``NAMES`` only); raises ScrapeFailed."""
-    text = "\n".join(lines) + "\n"
-    found: dict[str, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in NAMES:
-                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
-    except ValueError as e:
-        raise ScrapeFailed("unparsable", f"unreadable metrics: {e}") from None
+def report_of(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
+    """The report of the sample lines of an exposition (``NAMES`` only); raises ScrapeError."""
+    found = parse_samples(lines, NAMES)
     if missing := [n for n in (RUNNING, WAITING) if n not in found]:
-        raise ScrapeFailed("missing", f"metrics lack {', '.join(missing)}")
+        raise ScrapeError("missing", f"metrics lack {', '.join(missing)}")
     for name, value in found.items():
         if not (math.isfinite(value) and 0 <= value <= MAX_VALUE):
-            raise ScrapeFailed("out_of_range", f"{name} = {value}")
+            raise ScrapeError("out_of_range", f"{name} = {value}")
     batch = found.get(MAX_NUM_SEQS)
     return EngineReport(
         running=round(found[RUNNING]),
@@ -111,33 +93,16 @@ def parse_samples(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
 
 
 async def read_samples(response: aiohttp.ClientResponse, max_body_bytes: int) -> list[str]:
-    """The wanted sample lines of a /metrics body, read a chunk at a time: memory stays a chunk
-    and a line whatever the body. Raises ScrapeFailed."""
-    if response.status != 200:
-        raise ScrapeFailed("http_status", f"/metrics answered {response.status}")
-    decoder = codecs.getincrementaldecoder("utf-8")()
+    """The wanted sample lines of a /metrics body, at most MAX_SERIES of them (few lines keep
+    parsing them on the event loop cheap). Raises ScrapeError."""
     lines: list[str] = []
-    size, rest = 0, ""
-    async for chunk in response.content.iter_any():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise ScrapeFailed("too_large", f"metrics body over {max_body_bytes} bytes")
-        try:
-            text = rest + decoder.decode(chunk, final=False)
-        except UnicodeDecodeError as e:
-            raise ScrapeFailed("not_utf8", f"metrics body is not UTF-8: {e}") from None
-        end = text.rfind("\n") + 1
-        text, rest = text[:end], text[end:]
-        if len(rest) > MAX_LINE_CHARS:
-            raise ScrapeFailed("too_large", f"a metrics line over {MAX_LINE_CHARS} characters")
-        lines += _SAMPLE.findall(text)
+    async for chunk in sample_lines(
+        response, NAMES, max_body_bytes=max_body_bytes, max_line_chars=MAX_LINE_CHARS
+    ):
+        lines += chunk
         if len(lines) > MAX_SERIES:
-            raise ScrapeFailed("too_many_series", f"over {MAX_SERIES} series")
-    try:
-        rest += decoder.decode(b"", final=True)
-    except UnicodeDecodeError as e:
-        raise ScrapeFailed("not_utf8", f"metrics body is not UTF-8: {e}") from None
-    return lines + _SAMPLE.findall(rest)
+            raise ScrapeError("too_many_series", f"over {MAX_SERIES} series")
+    return lines
 
 
 class EngineLoadPoller:
@@ -194,8 +159,8 @@ class EngineLoadPoller:
                     # The engine's numbers are as of its answer: count own requests from here.
                     own = self.own(endpoint)
                     lines = await read_samples(response, self.max_body_bytes)
-            report = parse_samples(lines, own)
-        except ScrapeFailed as e:
+            report = report_of(lines, own)
+        except ScrapeError as e:
             self._failed(endpoint, e.reason, str(e))
         except TimeoutError:
             self._failed(endpoint, "timeout", f"no metrics within {self.timeout:g}s")

@@ -11,9 +11,10 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from kvfleet.operator.autoscaler import policy_of, status_update
 from kvfleet.operator.latency import interval, merge, quantile, service_quantile
-from kvfleet.operator.metrics_scraper import histogram_buckets, parse_metrics
+from kvfleet.operator.metrics_scraper import histogram_buckets
 from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
 from kvfleet.operator.spec import parse_spec
+from kvfleet.telemetry.metrics_reader import parse_samples
 
 TTFT = "vllm:time_to_first_token_seconds"
 INF = math.inf
@@ -70,7 +71,7 @@ def test_buckets_are_read_from_a_real_exposition_summed_over_models():
     for model, seconds in (("a", 0.05), ("a", 0.5), ("b", 5.0)):
         h.labels(model).observe(seconds)
     text = generate_latest(registry).decode().replace(TTFT.replace(":", "_"), TTFT)
-    values = parse_metrics(text, (f"{TTFT}_bucket",))
+    values = parse_samples(text.splitlines(), (f"{TTFT}_bucket",))
     assert histogram_buckets(values, TTFT) == ((0.1, 1.0), (1.0, 2.0), (INF, 3.0))
     assert histogram_buckets({}, TTFT) is None
     # No +Inf bucket: a cut-off exposition, not a histogram.

@@ -244,7 +244,7 @@ async def test_a_100_mb_body_and_an_endless_stream_are_cut_at_the_limit(pods):
     assert errors == {
         "100mb": f"metrics body over {MAX_BODY_BYTES} bytes",
         "endless": f"metrics body over {MAX_BODY_BYTES} bytes",
-        "one-line": "a metrics line over 65536 chars",
+        "one-line": "a metrics line over 65536 characters",
         "good": None,
     }
 

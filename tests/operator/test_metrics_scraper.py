@@ -16,10 +16,10 @@ from kvfleet.operator.metrics_scraper import (
     WAITING,
     Scraper,
     Target,
-    parse_metrics,
     ready_targets,
 )
 from kvfleet.operator.scaling_policy import PodMetrics
+from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples
 
 ENGINE_TEXT = """\
 # HELP vllm:num_requests_running Requests in the running batch.
@@ -38,7 +38,7 @@ vllm:prompt_tokens_total{model_name="tiny"} 1234.0
 
 
 def test_parse_reads_the_engine_gauges_and_sums_series():
-    assert parse_metrics(ENGINE_TEXT, (RUNNING, WAITING, KV_CACHE_USAGE)) == {
+    assert parse_samples(ENGINE_TEXT.splitlines(), (RUNNING, WAITING, KV_CACHE_USAGE)) == {
         RUNNING: 3.0,
         WAITING: 5.0,
         KV_CACHE_USAGE: 0.25,
@@ -46,14 +46,15 @@ def test_parse_reads_the_engine_gauges_and_sums_series():
     two_models = (
         'vllm:num_requests_running{model_name="a"} 1\nvllm:num_requests_running{model_name="b"} 2\n'
     )
-    assert parse_metrics(two_models, (RUNNING, WAITING)) == {RUNNING: 3.0}
+    assert parse_samples(two_models.splitlines(), (RUNNING, WAITING)) == {RUNNING: 3.0}
     router = f"# TYPE {HELD_REQUESTS} gauge\n{HELD_REQUESTS} 7\n"
-    assert parse_metrics(router, (HELD_REQUESTS,)) == {HELD_REQUESTS: 7.0}
+    assert parse_samples(router.splitlines(), (HELD_REQUESTS,)) == {HELD_REQUESTS: 7.0}
 
 
 def test_parse_rejects_what_is_not_the_exposition_format():
-    with pytest.raises(ValueError):
-        parse_metrics("<html>502 Bad Gateway</html>\n", (RUNNING,))
+    with pytest.raises(ScrapeError) as e:
+        parse_samples(["<html>502 Bad Gateway</html>"], (RUNNING,))
+    assert e.value.reason == "unparsable"
 
 
 def pod(name: str, ip: str | None = "10.0.0.1", ready: bool = True, **extra) -> dict:

@@ -24,14 +24,14 @@ from kvfleet.router.engine_load import (
     RUNNING,
     WAITING,
     EngineReport,
-    ScrapeFailed,
     estimated_load,
     has_free_slots,
-    parse_samples,
+    report_of,
 )
 from kvfleet.router.main import parse_args, settings_from
 from kvfleet.router.proxy import Balancer, Router, RouterSettings, build_app
 from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.telemetry.metrics_reader import ScrapeError
 from tests.support.servers import serving
 
 INTERVAL = 0.05
@@ -75,8 +75,8 @@ def sample_lines(**values: float) -> list[str]:
 
 def test_parse_sums_series_and_checks_values() -> None:
     lines = [*sample_lines(running=3, waiting=2, batch=64), f'{RUNNING}{{model_name="n"}} 4']
-    assert parse_samples(lines, 5) == EngineReport(7, 2, 64, 5)
-    assert parse_samples(sample_lines(running=1, waiting=0), 0).max_num_seqs is None
+    assert report_of(lines, 5) == EngineReport(7, 2, 64, 5)
+    assert report_of(sample_lines(running=1, waiting=0), 0).max_num_seqs is None
     bad = [
         (sample_lines(running=1), "missing"),
         (sample_lines(running=-1, waiting=0), "out_of_range"),
@@ -86,8 +86,8 @@ def test_parse_sums_series_and_checks_values() -> None:
         ([f'{RUNNING}{{model_name="m"}} many'], "unparsable"),
     ]
     for lines, reason in bad:
-        with pytest.raises(ScrapeFailed) as e:
-            parse_samples(lines, 0)
+        with pytest.raises(ScrapeError) as e:
+            report_of(lines, 0)
         assert e.value.reason == reason, lines
 
 
