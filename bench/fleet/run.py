@@ -195,6 +195,7 @@ async def fleet(ns: argparse.Namespace, work: Path) -> AsyncIterator[Fleet]:
             (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
             port = free_port()
             args = _replace(_replace(container["args"], "--host", "127.0.0.1"), "--port", str(port))
+            args = [*args, *ns.router_arg]
             router = subprocess.Popen(
                 _command("router", *args),
                 env=env, stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT,
@@ -374,6 +375,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         help="an extra kvfleet-engine serve argument (spec.engine.extraArgs)",
+    )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="an extra kvfleet-router argument, after the operator's (for comparisons such as "
+        "--engine-load-interval=0)",
     )
     p.add_argument(
         "--gpus", default="", help="comma-separated GPU ids, one per replica; none: CPU engines"
