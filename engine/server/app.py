@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -187,22 +188,30 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request, name: str) -> dict[str, Any]:
     ctx: ServingContext = request.app[SERVING]
-    created = request.app[STARTED]
     # The root is the served name, never the model's path on the server's disk.
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "kvfleet",
-            "root": ctx.model_name,
-            "max_model_len": ctx.max_model_len,
-        }
-        for name in ctx.served_model_names
-    ]
-    return web.json_response({"object": "list", "data": data})
+    return {
+        "id": name,
+        "object": "model",
+        "created": request.app[STARTED],
+        "owned_by": "kvfleet",
+        "root": ctx.model_name,
+        "max_model_len": ctx.max_model_len,
+    }
+
+
+async def _models(request: web.Request) -> web.Response:
+    names = request.app[SERVING].served_model_names
+    return web.json_response({"object": "list", "data": [_model_card(request, n) for n in names]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """One model (the openai SDK's models.retrieve). Served names may hold a slash (org/name),
+    which the SDK puts into the path as it is."""
+    name = request.match_info["model"]
+    check_model(name, request.app[SERVING].served_model_names)
+    return web.json_response(_model_card(request, name))
 
 
 async def _tokenize(request: web.Request) -> web.Response:
@@ -254,6 +263,7 @@ def build_app(
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/tokenize", _tokenize)

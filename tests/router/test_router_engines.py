@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from kvfleet.router.prompt_tokenizer import EngineTokenizer
@@ -131,6 +132,18 @@ async def test_held_requests_complete_when_an_engine_appears(fleet: dict[str, An
         router.set_endpoints(fleet["hosts"][:1])
         for r in await asyncio.wait_for(asyncio.gather(*held), 30):
             assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"]
+
+
+@pytest.mark.asyncio
+async def test_the_sdk_retrieves_the_model_through_the_router(fleet: dict[str, Any]) -> None:
+    async with router_for(fleet, fleet["hosts"]) as (_, url):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        card = await client.models.retrieve("tiny")
+        assert (card.id, card.object) == ("tiny", "model")
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.models.retrieve("gpt-4o")
+        assert e.value.code == "model_not_found"
+        await client.close()
 
 
 @pytest.mark.asyncio

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import openai
 import pytest
 from openai import OpenAI
 
@@ -228,6 +229,18 @@ def test_models_tokenize_detokenize(server):
         server.url + "/tokenize", {"messages": [{"role": "user", "content": "x"}]}
     )
     assert status == 200 and chat["count"] > tok["count"] - 2
+
+
+def test_the_sdk_retrieves_each_served_model_and_404s_others(client, server):
+    for name in (MODEL, "tiny-alias"):
+        card = client.models.retrieve(name)
+        assert (card.id, card.object, card.owned_by) == (name, "model", "kvfleet")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found"
+    # A served name may be org/name; the SDK puts the slash into the path as it is.
+    status, _, body = http(server.url + "/v1/models/org/other", method="GET")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
 # -- bad input -----------------------------------------------------------------------------
