@@ -10,6 +10,7 @@ scrape gives one. Pure: the autoscaler keeps the previous scrape of each pod.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -25,12 +26,20 @@ LATENCY_METRICS = {
 
 def interval(previous: Buckets | None, current: Buckets) -> Buckets | None:
     """The counts added between two scrapes of one pod; None when there is no interval to
-    measure (a first scrape, a restart, or buckets that changed)."""
+    measure (a first scrape, a restart, or buckets that changed) or the counts are no cumulative
+    histogram (one that falls from a bucket to the next is broken, and would interpolate to
+    any latency at all)."""
     if previous is None or [le for le, _ in previous] != [le for le, _ in current]:
+        return None
+    if not (_cumulative(previous) and _cumulative(current)):
         return None
     pairs = zip(previous, current, strict=True)
     delta = tuple((le, now - before) for (le, before), (_, now) in pairs)
     return None if any(count < 0 for _, count in delta) else delta
+
+
+def _cumulative(buckets: Buckets) -> bool:
+    return all(a[1] <= b[1] for a, b in itertools.pairwise(buckets))
 
 
 def merge(histograms: Iterable[Buckets]) -> Buckets | None:

@@ -41,6 +41,8 @@ def test_an_interval_needs_two_scrapes_of_one_engine_life():
     assert interval(before, after) == ((0.1, 0.0), (1.0, 10.0), (INF, 10.0))
     assert interval(after, before) is None  # counts went down: the engine restarted
     assert interval(before, ((0.5, 9.0), (INF, 9.0))) is None  # other buckets
+    # Counts that fall from one bucket to the next are no histogram: a hostile or broken pod.
+    assert interval(before, ((0.1, 5.0), (1.0, 900.0), (INF, 19.0))) is None
 
 
 def test_pods_are_summed_and_only_the_common_bucket_layout_counts():
