@@ -7,7 +7,9 @@ vocabulary, min_tokens within the context) are EngineCore.admit's."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import json as _json
+import warnings
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,12 +25,88 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# Size bounds on a structured-output constraint, checked before anything compiles it.
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 
 def child_seed(seed: int, index: int) -> int:
     """The seed of child `index` of an n > 1 request: seed + index, wrapped around within the
     signed 64-bit range so that it never leaves it."""
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+
+
+# vLLM's field name `json` shadows BaseModel's deprecated json() method, on purpose: the field
+# value wins on instances, and pydantic's warning about it says nothing a user can act on.
+warnings.filterwarnings("ignore", message='Field name "json" in "StructuredOutputsParams"')
+
+
+class StructuredOutputsParams(BaseModel):
+    """A constraint on the generated text, named and shaped as vLLM's `structured_outputs`:
+    exactly one of json (a JSON schema), regex, choice, grammar or json_object (any JSON object).
+
+    The pre-2025 `guided_*` request fields are not accepted as aliases: vLLM removed them, and a
+    second spelling of the same constraint would let two fields contradict each other."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    json: dict[str, Any] | None = Field(
+        default=None, description="a JSON schema (an object, or its JSON text)"
+    )
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_STRUCTURED_SPEC_CHARS)
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES
+    )
+    grammar: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_STRUCTURED_SPEC_CHARS,
+        description="a context-free grammar: Lark syntax, or GBNF (a `root ::=` rule)",
+    )
+    json_object: bool | None = Field(default=None, description="true: any JSON object")
+    disable_any_whitespace: bool = Field(
+        default=False, description="JSON without whitespace between tokens"
+    )
+    disable_additional_properties: bool = Field(
+        default=False,
+        description="objects of the schema that do not say otherwise allow no extra properties",
+    )
+    whitespace_pattern: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CHOICE_CHARS,
+        description="a regex for the whitespace JSON may have between tokens",
+    )
+
+    @field_validator("json", mode="before")
+    @classmethod
+    def _json_text(cls, v: object) -> object:
+        # vLLM takes the schema as an object or as its JSON text.
+        if isinstance(v, str):
+            try:
+                v = _json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"json is not valid JSON: {e}") from None
+            if not isinstance(v, dict):
+                raise ValueError("json must be a JSON schema object")
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputsParams:
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(set_) if set_ else 'none'}"
+            )
+        if self.json is not None and len(_json.dumps(self.json)) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"json schema is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+        if self.disable_any_whitespace and self.whitespace_pattern is not None:
+            raise ValueError("disable_any_whitespace and whitespace_pattern exclude each other")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -71,7 +149,15 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description=f"top logprobs a token, 0..{MAX_LOGPROBS}"
     )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="logprob of each prompt token given the ones before it, plus the top N "
+        f"(0..{MAX_LOGPROBS}); such a request takes no prefix-cache hit, as in vLLM",
+    )
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
