@@ -35,6 +35,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 py="python3"
+# The fleet steps run one engine per visible GPU.
+ngpus=$(nvidia-smi -L | wc -l)
+gpus=$(seq -s, 0 $((ngpus - 1)))
 
 # A kvfleet server on 127.0.0.1:8000 in the background ($server); returns once it is ready.
 start_server() {
@@ -111,7 +114,7 @@ for step in "$@"; do
         for users in 1 32; do
             timeout 120 $py bench/serve.py --base-url http://127.0.0.1:8000 --model gemma-2-2b-it \
                 --endpoint chat --prompt "Explain RAG in 3 sentences" --output-len 200 \
-                --users $users --warmup-duration 10 --duration ${CHAT_DURATION:-60} \
+                --users $users --warmup-duration 10 --duration "${CHAT_DURATION:-60}" \
                 --result-json "$out/gemma_chat_${users}users.json" 2>&1 |
                 tee "$out/gemma_chat_${users}users.txt"
         done
@@ -168,40 +171,47 @@ for step in "$@"; do
             tee "$out/tp2_llama2_70b_throughput.txt"
         ;;
     fleet-routing-*)
-        # Four GPUs, four Llama-3.1-8B engines (dummy weights) behind the real router and
+        # One engine per visible GPU, Llama-3.1-8B (dummy weights), behind the real router and
         # operator (bench/fleet): round robin vs session vs prefix keys on multi-turn chats with
-        # shared ~2.6k-token system prompts: fleet-routing-RATE[-PROMPTS] (requests/s; 48
-        # prompts unless named). Each engine's KV cache holds ~90k tokens, less than 48
-        # prompts' ~125k, as a production fleet's cache holds less than its working set.
-        # FLEET_POLICIES picks the policies (all three by default).
+        # shared system prompts of 2,000 words (~4k tokens with the dummy Llama 3 tokenizer):
+        # fleet-routing-RATES[-PROMPTS], RATES one rate or several joined by '_' (a sweep on the
+        # same warm fleet), each for FLEET_SECONDS (60). Each engine's KV cache is capped at
+        # 12 GB (~91k tokens) so that the working set (PROMPTS x ~4k tokens and the histories)
+        # exceeds one engine's cache, as a production fleet's does. FLEET_POLICIES picks the
+        # policies (all three by default).
         spec=${step#fleet-routing-}
-        rate=${spec%%-*}
+        rates=${spec%%-*}
         prompts=48
-        [ "$spec" != "$rate" ] && prompts=${spec#*-}
+        [ "$spec" != "$rates" ] && prompts=${spec#*-}
+        phases=""
+        for r in ${rates//_/ }; do phases="$phases${phases:+;}${FLEET_SECONDS:-60}x$r"; done
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
-        timeout 560 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0,1,2,3 \
+        timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \
-            --max-model-len 8192 --min-replicas 4 --max-replicas 4 --settle 0 \
+            --max-model-len 8192 --min-replicas "$ngpus" --max-replicas "$ngpus" --settle 0 \
             --policies "${FLEET_POLICIES:-round-robin,session,prefix}" \
-            --phases "60x$rate" --system-prompts "$prompts" --system-words 2000 --turns 4 \
+            --phases "$phases" --system-prompts "$prompts" --system-words 2000 --turns 4 \
             --user-words 60 --reply-words 120 --max-tokens 100 --ttft-slo 1.0 \
             --log-dir "$out/fleet-routing-$spec-logs" \
             --result-json "$out/fleet_routing_$spec${FLEET_POLICIES:+_$FLEET_POLICIES}.json" \
             2>&1 | tee "$out/fleet_routing_$spec${FLEET_POLICIES:+_$FLEET_POLICIES}.txt"
         ;;
     fleet-autoscale)
-        # The builtin autoscaler on four GPUs: a ramp 2 -> 16 -> 2 requests/s from one replica,
-        # 4 requests in flight per replica targeted, prefix routing; scale-ups split into
-        # decision delay and engine start, failures on scale-down (goal: none), replica-seconds
-        # against four static replicas.
+        # The builtin autoscaler from one replica to one per visible GPU: a ramp 2 -> PEAK -> 2
+        # requests/s (FLEET_PEAK, 16), 4 requests in flight per replica targeted, prefix routing;
+        # FLEET_LATENCY (e.g. ttft:0.9:0.5) adds the latency target as a third signal. Scale-ups
+        # split into decision delay and engine start, failures on scale-down (goal: none),
+        # replica-seconds against static replicas at the peak, the signal of each decision.
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
-        timeout 560 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0,1,2,3 \
+        timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --max-model-len 8192 \
-            --min-replicas 1 --max-replicas 4 --target-queue-depth 4 --scale-down-window 30 \
-            --policies prefix --phases 30x2,120x16,60x2 --settle 90 \
+            --min-replicas 1 --max-replicas "$ngpus" --target-queue-depth 4 --scale-down-window 30 \
+            ${FLEET_LATENCY:+--latency-target "$FLEET_LATENCY"} \
+            --policies prefix --phases "30x2,120x${FLEET_PEAK:-16},60x2" --settle 90 \
             --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 --reply-words 120 \
             --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/fleet-autoscale-logs" \
-            --result-json "$out/fleet_autoscale.json" 2>&1 | tee "$out/fleet_autoscale.txt"
+            --result-json "$out/fleet_autoscale${FLEET_LATENCY:+_latency}.json" 2>&1 |
+            tee "$out/fleet_autoscale${FLEET_LATENCY:+_latency}.txt"
         ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -6,7 +6,9 @@ kmock's Kubernetes API emulator (bench/fleet/cluster.py) through a kubeconfig; t
 with the arguments the operator generated and reports their readiness into Pods and
 EndpointSlices; the router (``kvfleet-router``, a child process, the arguments of the router
 Deployment) watches those slices. The autoscaler's decisions therefore start and stop real
-engines. A workload (bench/fleet/workload.py) runs once per policy, the same requests each time:
+engines. A workload (bench/fleet/workload.py) runs once per policy, the same requests each time
+(and, for a rate sweep, once per policy and load shape: ``--phases "60x8;60x16"`` measures both
+rates on the same warm fleet, which saves the engines' start on GPUs):
 
 * ``round-robin``: straight to the ready engines in turn (the baseline, no router);
 * ``session``: through the router, each chat session's id in the session header;
@@ -94,7 +96,7 @@ def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
                               "shutdownTimeoutSeconds": ns.shutdown_timeout}  # fmt: skip
     if ns.max_model_len:
         engine["maxModelLen"] = ns.max_model_len
-    return {
+    isvc: dict[str, Any] = {
         "apiVersion": "kvfleet.dev/v1alpha1",
         "kind": "InferenceService",
         "metadata": {"name": SERVICE, "namespace": NAMESPACE},
@@ -112,6 +114,12 @@ def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
             "routing": {"prefixLength": ns.prefix_length, "loadFactor": ns.load_factor},
         },
     }
+    if ns.latency_target:
+        metric, quantile, seconds = ns.latency_target
+        isvc["spec"]["autoscaling"]["latencyTarget"] = {
+            "metric": metric, "quantile": quantile, "targetSeconds": seconds
+        }  # fmt: skip
+    return isvc
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,11 +241,19 @@ def _answers(url: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-async def sample_replicas(f: Fleet, t0: float, out: list[list[float]]) -> None:
+async def sample_replicas(
+    f: Fleet, t0: float, out: list[list[float]], decisions: list[dict[str, Any]]
+) -> None:
+    """Replicas every SAMPLE_S, and each new status.lastScaleDecision (which signal decided)."""
+    url = resource_url(ISVCS, NAMESPACE, SERVICE)
     while True:
         desired = f.runner.desired or 0
-        out.append([round(time.monotonic() - t0, 2), desired, len(f.runner.ready_urls()),
-                    f.runner.running()])  # fmt: skip
+        at = round(time.monotonic() - t0, 2)
+        out.append([at, desired, len(f.runner.ready_urls()), f.runner.running()])
+        with contextlib.suppress(Exception):  # a sample missed is no failure of the run
+            decision = (await call(f.k, "get", url)).get("status", {}).get("lastScaleDecision")
+            if decision and (not decisions or decisions[-1]["decision"] != decision):
+                decisions.append({"at_s": at, "decision": decision})
         await asyncio.sleep(SAMPLE_S)
 
 
@@ -287,8 +303,9 @@ async def run_policy(
     h0 = await f.runner.totals(PREFIX_COUNTERS)
     r0 = await f.router_counters()
     replicas: list[list[float]] = []
+    decisions: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    sampler = asyncio.create_task(sample_replicas(f, t0, replicas))
+    sampler = asyncio.create_task(sample_replicas(f, t0, replicas, decisions))
     records = await run_workload(workload, f.target(policy), f.model, tag)
     t_end = time.monotonic()
     seconds = t_end - t0
@@ -303,10 +320,11 @@ async def run_policy(
     h1 = await f.runner.totals(PREFIX_COUNTERS)
     r1 = await f.router_counters()
     hits, queries = (h1[n] - h0[n] for n in PREFIX_COUNTERS)
-    return summarize(policy, records, seconds, hits, queries,
-                     {k: int(r1[k] - r0[k]) for k in r0} if policy != "round-robin" else None,
-                     replicas, scale_events(f, workload, t0, time.monotonic()),
-                     ns.ttft_slo)  # fmt: skip
+    summary = summarize(policy, records, seconds, hits, queries,
+                        {k: int(r1[k] - r0[k]) for k in r0} if policy != "round-robin" else None,
+                        replicas, scale_events(f, workload, t0, time.monotonic()),
+                        ns.ttft_slo)  # fmt: skip
+    return {**summary, "decisions": decisions}
 
 
 def summarize(
@@ -361,6 +379,21 @@ def summarize(
 # --------------------------------------------------------------------------------------------
 
 
+def _latency_target(value: str) -> tuple[str, float, float]:
+    metric, _, rest = value.partition(":")
+    quantile, _, seconds = rest.partition(":")
+    try:
+        q, t = float(quantile), float(seconds)
+    except ValueError:
+        q = t = -1.0
+    if metric not in ("ttft", "queueTime") or not 0 < q < 1 or t <= 0:
+        raise argparse.ArgumentTypeError(
+            f"METRIC:QUANTILE:SECONDS with METRIC ttft or queueTime, 0 < QUANTILE < 1, "
+            f"SECONDS > 0: got {value!r}"
+        )
+    return metric, q, t
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = " (default: %(default)s)"
@@ -397,6 +430,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--scale-down-window", type=int, default=300, help="scaleDownStabilizationSeconds" + d
     )
+    p.add_argument(
+        "--latency-target",
+        type=_latency_target,
+        help="METRIC:QUANTILE:SECONDS, e.g. ttft:0.9:0.5: spec.autoscaling.latencyTarget",
+    )
     p.add_argument("--autoscale-interval", type=float, default=2.0, help="the operator's" + d)
     p.add_argument("--prefix-length", type=int, default=256, help="the router's" + d)
     p.add_argument("--load-factor", type=float, default=1.25, help="the router's" + d)
@@ -409,7 +447,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--phases",
         default="60x2",
-        help="SECONDSxREQUESTS_PER_S,...: a fixed rate (60x2) or a ramp (30x1,60x8,30x1)" + d,
+        help="SECONDSxREQUESTS_PER_S,...: a fixed rate (60x2) or a ramp (30x1,60x8,30x1); "
+        "several separated by ';' (60x8;60x16) are measured one after another" + d,
     )
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-prompts", type=int, default=4)
@@ -436,9 +475,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--result-json", type=Path)
     ns = p.parse_args(argv)
     try:
-        ns.phases = parse_phases(ns.phases)
+        ns.phases = [parse_phases(spec) for spec in ns.phases.split(";") if spec.strip()]
     except ValueError as e:
         p.error(str(e))
+    if not ns.phases:
+        p.error("--phases names no load")
     ns.policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
     if bad := [x for x in ns.policies if x not in POLICIES]:
         p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
@@ -457,14 +498,15 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         return "" if x is None else format(x, fmt)
 
     print(
-        "| policy | requests | failed | output tok/s | TTFT p50 ms | TTFT p90 ms "
+        "| load | policy | requests | failed | output tok/s | TTFT p50 ms | TTFT p90 ms "
         "| latency p90 ms | hit rate | spilled | retries | peak replicas | replica-s "
         "| static at peak |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         router = r["router"] or {}
-        print(f"| {r['policy']} | {r['requests']} | {r['failed']} | {f(r['output_tok_s'])} "
+        print(f"| {r['load']} | {r['policy']} | {r['requests']} | {r['failed']} "
+              f"| {f(r['output_tok_s'])} "
               f"| {f(r['ttft_p50_ms'])} | {f(r['ttft_p90_ms'])} | {f(r['latency_p90_ms'])} "
               f"| {f(r['prefix_cache_hit_rate'], '.1%')} | {router.get('spilled', '')} "
               f"| {router.get('retries', '')} | {r['peak_replicas']} | {r['replica_seconds']} "
@@ -472,20 +514,30 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     for r in runs:
         for event in r["scaling"]:
             print(f"{r['policy']}: {json.dumps(event)}")
+        for d in r.get("decisions", []):
+            print(f"{r['policy']}: decision at {d['at_s']} s: {json.dumps(d['decision'])}")
 
 
 async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
-    workload = make_workload(
-        ns.phases, turns=ns.turns, systems=ns.system_prompts, system_words=ns.system_words,
-        user_words=ns.user_words, reply_words=ns.reply_words, think_s=ns.think_time,
-        max_tokens=ns.max_tokens, seed=ns.seed,
-    )  # fmt: skip
+    workloads = [
+        make_workload(
+            phases, turns=ns.turns, systems=ns.system_prompts, system_words=ns.system_words,
+            user_words=ns.user_words, reply_words=ns.reply_words, think_s=ns.think_time,
+            max_tokens=ns.max_tokens, seed=ns.seed,
+        )
+        for phases in ns.phases
+    ]  # fmt: skip
     async with fleet(ns, work) as f:
         runs = []
-        for i, policy in enumerate(ns.policies):
-            run = await run_policy(f, policy, workload, f"run{i}-{ns.seed}", ns)
-            logger.info("%s: %d requests, %d failed", policy, run["requests"], run["failed"])
-            runs.append(run)
+        for j, (phases, workload) in enumerate(zip(ns.phases, workloads, strict=True)):
+            load = ",".join(f"{p.seconds:g}x{p.rate:g}" for p in phases)
+            for i, policy in enumerate(ns.policies):
+                # A tag per run: no run may hit the blocks an earlier one left.
+                run = await run_policy(f, policy, workload, f"run{j}.{i}-{ns.seed}", ns)
+                logger.info(
+                    "%s at %s: %d requests, %d failed", policy, load, run["requests"], run["failed"]
+                )
+                runs.append({"load": load, "sessions": len(workload.sessions), **run})
         if f.runner.failures:
             raise RuntimeError("; ".join(f.runner.failures))
     return {
@@ -493,8 +545,7 @@ async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
         "device": device_name() if ns.gpus else "CPU",
         "commit": git_commit(),
         "args": {k: str(v) for k, v in vars(ns).items() if k != "phases"},
-        "phases": [asdict(p) for p in ns.phases],
-        "sessions": len(workload.sessions),
+        "phases": [[asdict(p) for p in phases] for phases in ns.phases],
         "runs": runs,
     }
 

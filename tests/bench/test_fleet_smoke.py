@@ -43,5 +43,26 @@ def test_fleet_scales_up_and_down_under_a_ramp_without_failures(
     assert up["decision_delay_s"] >= 0 and up["engine_start_s"][0] > 0
     assert down["drained_s"][0] >= 5  # the preStop sleep, then the drain
     assert run["peak_replicas"] == 2
+    # Each scale decision the status reported, with the signal that made it.
+    assert [d["decision"]["to"] for d in run["decisions"]][-2:] == [2, 1], run["decisions"]
+    assert all(d["decision"].get("signal") for d in run["decisions"])
     assert 0 < run["replica_seconds"] < run["static_peak_replica_seconds"]
     assert "| prefix |" in capsys.readouterr().out
+
+
+def test_phases_name_a_rate_sweep_and_refuse_nonsense() -> None:
+    ns = fleet.parse_args(["--phases", "30x8;20x1,40x16", "--latency-target", "ttft:0.9:0.5"])
+    assert ns.latency_target == ("ttft", 0.9, 0.5)
+    assert fleet.inference_service(ns)["spec"]["autoscaling"]["latencyTarget"] == {
+        "metric": "ttft", "quantile": 0.9, "targetSeconds": 0.5
+    }  # fmt: skip
+    assert [[(p.seconds, p.rate) for p in ph] for ph in ns.phases] == [
+        [(30, 8)],
+        [(20, 1), (40, 16)],
+    ]
+    for bad in (";", "30x8;30", "30x-1"):
+        with pytest.raises(SystemExit):
+            fleet.parse_args(["--phases", bad])
+    for bad in ("p99:0.9:1", "ttft:1.5:1", "ttft:0.9", "ttft:0.9:0"):
+        with pytest.raises(SystemExit):
+            fleet.parse_args(["--latency-target", bad])
