@@ -1,0 +1,480 @@
+"""Tool calls out of generated text, per model family, as vLLM's `--tool-call-parser` names them:
+
+- ``hermes`` (Hermes, Qwen 2.5/3, and the ChatML models this engine falls back to):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated, after optional content;
+- ``llama3_json`` (Llama 3.x): ``{"name": ..., "parameters": {...}}``, optionally after
+  ``<|python_tag|>``, several separated by ``;``, and only at the start of the output;
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional content.
+
+Besides these, the output of a grammar-constrained request (``tool_choice`` ``required``: a JSON
+array of calls; a named function: its arguments object) is read by the same machinery.
+
+One incremental parser serves streaming and whole texts alike (a whole text is one big chunk), so
+a streamed response's calls are exactly the non-streamed one's. Pure: no I/O, no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+HERMES = "hermes"
+LLAMA3_JSON = "llama3_json"
+MISTRAL = "mistral"
+TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)
+
+_WS = " \t\r\n"
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+# What may follow a call's object, per mode.
+_AFTER_CALL = {
+    HERMES: "close",
+    MISTRAL: "array_next",
+    "array": "array_next",
+    LLAMA3_JSON: "llama_next",
+    "named": "trailing",
+}
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parser_for_template(template: str | None) -> str:
+    """The family a chat template's special tokens point to; ChatML (and no template) is Hermes,
+    as Qwen's and Hermes' templates are ChatML with ``<tool_call>`` tags."""
+    text = template or ""
+    if "<|python_tag|>" in text or "<|start_header_id|>" in text:
+        return LLAMA3_JSON
+    if "[TOOL_CALLS]" in text or "[INST]" in text:
+        return MISTRAL
+    return HERMES
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one streamed call: the first carries id and name (arguments ""), the others
+    argument text."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def openai(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class ParsedCall:
+    id: str
+    name: str
+    arguments: str
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+class _ObjectScanner:
+    """Scans one JSON object as its text arrives: where each top-level value starts and ends.
+    Checks only the structure it needs; the values themselves are decoded by json."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.stage = "open"  # open, key, key_str, colon, value_start, value, after_value, done
+        self.values: dict[str, list[int | None]] = {}  # key -> [start, end or None]
+        self.error = False
+        self._key_start = 0
+        self._key = ""
+        self._depth = 0
+        self._in_str = False
+        self._escape = False
+
+    def feed(self, chunk: str) -> int:
+        """Consume chunk up to the object's end; returns how many characters were used."""
+        base = len(self.text)
+        for n, ch in enumerate(chunk):
+            if self.stage == "done" or self.error:
+                return n
+            self.text += ch
+            self._step(ch, base + n)
+        return len(chunk)
+
+    def _step(self, ch: str, i: int) -> None:
+        stage = self.stage
+        if stage == "value":
+            self._value_char(ch, i)
+        elif stage == "key_str":
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                try:
+                    self._key = json.loads(self.text[self._key_start : i + 1])
+                except ValueError:
+                    self.error = True
+                self.stage = "colon"
+        elif ch in _WS:
+            return
+        elif stage == "open":
+            self._expect(ch == "{", "key")
+        elif stage == "key":
+            if ch == "}" and not self.values:
+                self.stage = "done"
+            else:
+                self._key_start = i
+                self._expect(ch == '"', "key_str")
+        elif stage == "colon":
+            self._expect(ch == ":", "value_start")
+        elif stage == "value_start":
+            self.values[self._key] = [i, None]
+            self.stage = "value"
+            self._value_char(ch, i)
+        elif stage == "after_value":
+            self._after_value(ch)
+
+    def _expect(self, ok: bool, then: str) -> None:
+        if ok:
+            self.stage = then
+        else:
+            self.error = True
+
+    def _after_value(self, ch: str) -> None:
+        if ch == ",":
+            self.stage = "key"
+        elif ch == "}":
+            self.stage = "done"
+        else:
+            self.error = True
+
+    def _value_char(self, ch: str, i: int) -> None:
+        if self._in_str:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._in_str = False
+                if self._depth == 0:
+                    self._end_value(i + 1)
+            return
+        if ch == '"':
+            self._in_str = True
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 0:
+                self._end_value(i + 1)
+            elif self._depth < 0:  # a scalar value ends at the object's own brace
+                self._depth = 0
+                self._end_scalar(ch, i)
+        elif ch == "," and self._depth == 0:
+            self._end_scalar(ch, i)
+
+    def _end_value(self, end: int) -> None:
+        self.values[self._key][1] = end
+        self.stage = "after_value"
+
+    def _end_scalar(self, ch: str, i: int) -> None:
+        start = self.values[self._key][0]
+        assert start is not None
+        self.values[self._key][1] = start + len(self.text[start:i].rstrip(_WS))
+        self.stage = "after_value"
+        self._after_value(ch)
+
+    def span(self, key: str) -> tuple[int, int | None] | None:
+        value = self.values.get(key)
+        return None if value is None else (value[0], value[1])  # type: ignore[return-value]
+
+
+class _Call:
+    """One call being scanned: sends its header once the name is known, then its arguments as
+    they come (a JSON object streams character by character; an arguments string, which some
+    models write, is decoded whole)."""
+
+    def __init__(self, index: int, name: str | None = None, bare_arguments: bool = False) -> None:
+        self.index = index
+        self.id = tool_call_id()
+        self.name = name
+        # bare_arguments: the text is the arguments object itself (a named function's output).
+        self.bare = bare_arguments
+        self.scanner = _ObjectScanner()
+        self.header_sent = False
+        self.sent = 0  # characters of argument text sent
+        self.arguments = ""
+
+    @property
+    def done(self) -> bool:
+        return self.scanner.stage == "done" or self.scanner.error
+
+    @property
+    def valid(self) -> bool:
+        if self.scanner.error or self.scanner.stage != "done" or not self.name:
+            return False
+        try:
+            return isinstance(json.loads(self.arguments or "{}"), dict)
+        except ValueError:
+            return False
+
+    def feed(self, chunk: str, out: list[ToolCallDelta]) -> int:
+        used = self.scanner.feed(chunk)
+        if not self.header_sent and self.name is None:
+            self.name = self._decoded("name", str)
+        if self.name is not None and not self.header_sent:
+            self.header_sent = True
+            out.append(ToolCallDelta(self.index, "", self.id, self.name))
+        if self.header_sent:
+            piece = self._new_arguments()
+            if piece:
+                out.append(ToolCallDelta(self.index, piece))
+        return used
+
+    def _decoded(self, key: str, kind: type) -> Any:
+        span = self.scanner.span(key)
+        if span is None or span[1] is None:
+            return None
+        try:
+            value = json.loads(self.scanner.text[span[0] : span[1]])
+        except ValueError:
+            self.scanner.error = True
+            return None
+        return value if isinstance(value, kind) else None
+
+    def _new_arguments(self) -> str:
+        """The argument text not sent yet."""
+        whole = self._arguments_so_far()
+        if whole is None:
+            return ""
+        self.arguments = whole
+        piece = whole[self.sent :]
+        self.sent = len(whole)
+        return piece
+
+    def _arguments_so_far(self) -> str | None:
+        scanner = self.scanner
+        if self.bare:
+            return scanner.text.lstrip(_WS)
+        key = next((k for k in _ARGUMENT_KEYS if k in scanner.values), None)
+        if key is None:
+            return "{}" if scanner.stage == "done" else None
+        start, stop = scanner.span(key)  # type: ignore[misc]
+        if scanner.text[start] == "{":
+            return scanner.text[start : len(scanner.text) if stop is None else stop]
+        if stop is None:
+            return None
+        # An arguments string holds the JSON text itself; anything else is left as written
+        # (and then fails the check that arguments are an object).
+        decoded = self._decoded(key, str)
+        return decoded if decoded is not None else scanner.text[start:stop]
+
+
+@dataclass
+class ParseResult:
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+class ToolCallParser:
+    """An incremental parser of one choice's output. feed() each new piece of text; it returns
+    the content to show and the call deltas to send, holding back text that may still turn out
+    to start a call. finish() flushes what is held. parse() does both for a whole text.
+
+    mode: a family (TOOL_CALL_PARSERS), or "array" (a JSON array of {name, arguments}: what the
+    grammar of tool_choice required makes), or "named" (the arguments object of `name`)."""
+
+    def __init__(self, mode: str, name: str | None = None) -> None:
+        self.mode = mode
+        self.name = name
+        self.calls: list[_Call] = []
+        self.malformed = False
+        self._buf = ""
+        self._content_sent = False
+        self._tail_ws = ""  # whitespace after calls, shown only if content follows it
+        self._state = {
+            HERMES: "content",
+            MISTRAL: "content",
+            LLAMA3_JSON: "start",
+            "array": "array_open",
+            "named": "object",
+        }[mode]
+        if mode == "named":
+            self.calls.append(_Call(0, name, bare_arguments=True))
+
+    @property
+    def marker(self) -> str:
+        return "<tool_call>" if self.mode == HERMES else "[TOOL_CALLS]"
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while self._buf and self._advance(content, deltas):
+            pass
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """At the end of the output: held-back text is content after all; an unfinished call
+        makes the output malformed."""
+        if self._state not in ("content", "plain", "start", "llama_next", "trailing"):
+            self.malformed = True
+        if any(not c.valid for c in self.calls):
+            self.malformed = True
+        held = "" if self.malformed else self._buf
+        self._buf = ""
+        return held, []
+
+    def parse(self, text: str) -> ParseResult:
+        """A whole output: its calls, or (as vLLM does) all of it as content when a call in it
+        is malformed."""
+        content, _ = self.feed(text)
+        rest, _ = self.finish()
+        if self.malformed:
+            return ParseResult(text)
+        calls = [ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in self.calls]
+        return ParseResult(content + rest, calls)
+
+    # -- states --------------------------------------------------------------------------
+    def _advance(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+        """One step on the buffer; False when it needs more text."""
+        state = self._state
+        if state == "content":
+            return self._content(content)
+        if state == "plain":
+            content.append(self._buf)
+            self._buf = ""
+            return False
+        if state == "start":  # llama3_json: calls only at the very start
+            return self._llama_start()
+        if state == "object":
+            call = self.calls[-1]
+            used = call.feed(self._buf, deltas)
+            self._buf = self._buf[used:]
+            if call.scanner.error:
+                self.malformed = True
+                self._state = "plain"
+                return True
+            if call.done:
+                self._state = _AFTER_CALL[self.mode]
+                return True
+            return False
+        self._buf = self._buf.lstrip(_WS)
+        if not self._buf:
+            return False
+        return self._between(state)
+
+    def _between(self, state: str) -> bool:
+        """The separators and brackets around calls (the buffer starts with no whitespace)."""
+        head = self._buf[0]
+        if state == "close":  # hermes: </tool_call>
+            end = "</tool_call>"
+            if self._buf.startswith(end):
+                self._buf = self._buf[len(end) :]
+                self._state = "content"
+                return True
+            return False if end.startswith(self._buf) else self._malformed()
+        if state == "open":  # after <tool_call>
+            return self._open_object() if head == "{" else self._malformed()
+        if state == "array_open":
+            if head != "[":
+                return self._malformed()
+            self._buf = self._buf[1:]
+            self._state = "array_item"
+            return True
+        if state == "array_item":
+            return self._open_object() if head == "{" else self._malformed()
+        if state == "array_next":
+            self._buf = self._buf[1:]
+            if head == ",":
+                self._state = "array_item"
+            elif head == "]":
+                self._state = "trailing"
+            else:
+                return self._malformed()
+            return True
+        if state == "llama_next":
+            if head != ";":
+                return self._malformed()
+            self._buf = self._buf[1:]
+            self._state = "llama_item"
+            return True
+        if state == "llama_item":
+            return self._open_object() if head == "{" else self._malformed()
+        # trailing: after a closed array or a named call's object, nothing more is a call
+        self._state = "plain"
+        return True
+
+    def _open_object(self) -> bool:
+        self.calls.append(_Call(len(self.calls)))
+        self._state = "object"
+        return True
+
+    def _malformed(self) -> bool:
+        self.malformed = True
+        self._state = "plain"
+        return True
+
+    def _content(self, content: list[str]) -> bool:
+        marker = self.marker
+        at = self._buf.find(marker)
+        if at >= 0:
+            self._show(self._buf[:at], content)
+            self._buf = self._buf[at + len(marker) :]
+            self._state = "open" if self.mode == HERMES else "array_open"
+            return True
+        # Hold back a suffix that may be the start of the marker.
+        keep = next(
+            (k for k in range(min(len(marker) - 1, len(self._buf)), 0, -1)
+             if marker.startswith(self._buf[-k:])),
+            0,
+        )  # fmt: skip
+        self._show(self._buf[: len(self._buf) - keep], content)
+        self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    def _show(self, text: str, content: list[str]) -> None:
+        """Content; between and after calls, whitespace alone is layout, not content."""
+        if not self.calls:
+            content.append(text)
+            return
+        text = self._tail_ws + text
+        if text.strip(_WS):
+            content.append(text)
+            self._tail_ws = ""
+        else:
+            self._tail_ws = text
+
+    def _llama_start(self) -> bool:
+        stripped = self._buf.lstrip(_WS)
+        tag = "<|python_tag|>"
+        if not stripped or (tag.startswith(stripped) and stripped != tag):
+            return False
+        if stripped.startswith(tag):
+            self._buf = stripped[len(tag) :]
+            self._state = "llama_item"
+            return True
+        if stripped.startswith("{"):
+            self._buf = stripped
+            self._state = "llama_item"
+            return True
+        self._state = "plain"
+        return True
+
+
+def parse_tool_calls(mode: str, text: str, name: str | None = None) -> ParseResult:
+    return ToolCallParser(mode, name).parse(text)
