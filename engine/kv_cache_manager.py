@@ -45,8 +45,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of leading full blocks already in the prefix cache, and its length in
-        tokens. The last token is never taken from the cache: it must run to produce logits."""
-        if not self.enable_caching:
+        tokens. The last token is never taken from the cache: it must run to produce logits.
+        Nor is any token of a request that scores its prompt (prompt_logprobs): each position
+        must run to produce its logits, so such a request takes no hit (as in vLLM)."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(req)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size

@@ -20,7 +20,7 @@ from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
-from kvfleet.engine.sampler import Sampler, SamplerOutput
+from kvfleet.engine.sampler import PromptLogprobsChunk, Sampler, SamplerOutput
 from kvfleet.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,10 @@ _CPU_KV_CACHE_BYTES = 4 << 30
 # context): 32k token-positions x ~4 KB a layer for 8B-class models stays under a millisecond on
 # an H100, against 15-25 ms of host time for an eager forward pass.
 _GRAPH_EXTRA_KV_READS = 32768
+
+# Prompt positions whose logits exist at once when scoring a prompt: bounds the memory at this many
+# rows of the vocabulary in fp32 (256 x 128k words = 128 MiB), whatever the chunk size.
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 def fits_decode_graph(positions: np.ndarray, seq_lens: np.ndarray, max_rows: int) -> bool:
@@ -76,6 +80,10 @@ class StepPlan:
     input_ids: np.ndarray
     table_writes: list[tuple[int, int, list[int]]]  # (row, first column, block ids)
     sampling: np.ndarray  # indices of the sequences that sample this step
+    # Sequences that score prompt tokens this step: (sequence index, top N, the prompt tokens
+    # that its chunk's first positions predict). Every rank computes their logits (the LM head
+    # is a collective); rank 0 keeps the logprobs.
+    prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 class ModelRunner:
@@ -327,13 +335,16 @@ class ModelRunner:
         plan = self.plan(out)
         if self.before_forward is not None:
             self.before_forward(plan)
-        logits = self.forward(plan)
+        logits, scored = self.forward(plan)
+        prompt_logprobs = {out.scheduled[i][0].request_id: chunk for i, chunk in scored.items()}
         if logits is None:
-            return [], SamplerOutput([], [])
+            return [], SamplerOutput([], [], prompt_logprobs=prompt_logprobs)
         assert self.sampler is not None
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
         with torch.inference_mode():
-            return sample_reqs, self.sampler(logits, sample_reqs)
+            sampled = self.sampler(logits, sample_reqs)
+        sampled.prompt_logprobs = prompt_logprobs
+        return sample_reqs, sampled
 
     def plan(self, out: SchedulerOutput) -> StepPlan:
         """Rows for new requests, the block ids appended since the last step, the input ids."""
@@ -342,6 +353,7 @@ class ModelRunner:
         computed_l: list[int] = []
         input_ids: list[int] = []
         sampling: list[int] = []
+        scored: list[tuple[int, int, tuple[int, ...]]] = []
         writes: list[tuple[int, int, list[int]]] = []
         row_len, row_of, started = self.row_len, self.rows, out.started
         new_block_ids = out.new_block_ids
@@ -367,6 +379,12 @@ class ModelRunner:
                 input_ids.extend(tokens[c : c + n])
             if c + n == len(tokens):
                 sampling.append(i)
+            top_n = req.sampling_params.prompt_logprobs
+            if top_n is not None:
+                # Position p scores prompt token p + 1; the last prompt position samples instead.
+                count = min(c + n, req.num_prompt_tokens - 1) - c
+                if count > 0:
+                    scored.append((i, top_n, tuple(tokens[c + 1 : c + 1 + count])))
         return StepPlan(
             rows=np.array(rows_l, dtype=np.int64),
             num_new=np.array(num_new_l, dtype=np.int64),
@@ -374,6 +392,7 @@ class ModelRunner:
             input_ids=np.array(input_ids, dtype=np.int64),
             table_writes=writes,
             sampling=np.array(sampling, dtype=np.int64),
+            prompt_logprobs=tuple(scored),
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -383,9 +402,12 @@ class ModelRunner:
         prefix = shared_prefix_len(tables, seq_lens, self.block_size)
         return prefix if prefix >= CASCADE_MIN_PREFIX else 0
 
-    def forward(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run a plan through this rank's model; the logits of the sampling sequences (None
-        when none samples)."""
+    def forward(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk]]:
+        """Run a plan through this rank's model: the logits of the sampling sequences (None
+        when none samples), and the scored prompt tokens of the sequences that asked, by
+        sequence index (rank 0 only)."""
         bs = self.block_size
         table = self.block_table
         for row, start, blocks in plan.table_writes:
@@ -405,7 +427,11 @@ class ModelRunner:
         dev = self.device
         ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
         graphs = self.graphs
-        if graphs is not None and fits_decode_graph(positions, seq_lens, graphs.max_size):
+        if (
+            graphs is not None
+            and not plan.prompt_logprobs
+            and fits_decode_graph(positions, seq_lens, graphs.max_size)
+        ):
             token_tables = table[token_rows, :width]
             row_lens = positions + 1
             prefix = self._cascade_prefix(token_tables, row_lens)
@@ -414,10 +440,10 @@ class ModelRunner:
                 # Every row samples in a pure decode step; a one-token chunk of a longer prompt
                 # (a budget's last token) makes a row that does not.
                 if len(plan.sampling) == num_tokens:
-                    return self.model.compute_logits(hidden)
+                    return self.model.compute_logits(hidden), {}
                 if not len(plan.sampling):
-                    return None
-                return self.model.compute_logits(hidden[qsl[1:][plan.sampling] - 1])
+                    return None, {}
+                return self.model.compute_logits(hidden[qsl[1:][plan.sampling] - 1]), {}
 
         seq_tables = table[rows, :width]
         # Only a pure decode step runs the decode kernel, which has the cascade pass.
@@ -436,7 +462,49 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         with torch.inference_mode(), attention_context(meta):
             hidden = self.model(ids, pos)
+            scored = self._score_prompts(plan, hidden, qsl) if plan.prompt_logprobs else {}
             if not len(plan.sampling):
-                return None
+                return None, scored
             logits_idx = torch.from_numpy(qsl[1:][plan.sampling] - 1).to(dev, non_blocking=True)
-            return self.model.compute_logits(hidden[logits_idx])
+            return self.model.compute_logits(hidden[logits_idx]), scored
+
+    def _score_prompts(
+        self, plan: StepPlan, hidden: torch.Tensor, qsl: np.ndarray
+    ) -> dict[int, PromptLogprobsChunk]:
+        """Logprob and top N of the prompt tokens each asking sequence's chunk predicts, from the
+        log_softmax of a bounded number of positions at a time; only those numbers stay."""
+        dev = self.device
+        idx = np.concatenate(
+            [np.arange(qsl[i], qsl[i] + len(targets)) for i, _, targets in plan.prompt_logprobs]
+        )
+        targets_t = torch.tensor(
+            [t for _, _, targets in plan.prompt_logprobs for t in targets], device=dev
+        )
+        idx_t = torch.from_numpy(idx).to(dev)
+        top_n = max(max(n for _, n, _ in plan.prompt_logprobs), 1)
+        chosen_parts, top_val_parts, top_id_parts = [], [], []
+        for s in range(0, len(idx), _PROMPT_LOGPROBS_ROWS):
+            logits = self.model.compute_logits(hidden[idx_t[s : s + _PROMPT_LOGPROBS_ROWS]])
+            if self.sampler is None:
+                continue  # a worker's part ends at the collective
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            chunk_targets = targets_t[s : s + _PROMPT_LOGPROBS_ROWS].unsqueeze(1)
+            chosen_parts.append(logprobs.gather(1, chunk_targets).squeeze(1).cpu())
+            top = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+            top_val_parts.append(top.values.cpu())
+            top_id_parts.append(top.indices.cpu())
+        if self.sampler is None:
+            return {}
+        chosen = torch.cat(chosen_parts).tolist()
+        top_vals = torch.cat(top_val_parts).tolist()
+        top_ids = torch.cat(top_id_parts).tolist()
+        scored: dict[int, PromptLogprobsChunk] = {}
+        k = 0
+        for i, n, targets in plan.prompt_logprobs:
+            entries = [
+                (chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)))
+                for j in range(k, k + len(targets))
+            ]
+            scored[i] = (int(plan.computed[i]) + 1, entries)
+            k += len(targets)
+        return scored

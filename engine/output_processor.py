@@ -30,6 +30,10 @@ class _Parent:
     detokenizers: list[IncrementalDetokenizer] | None
     cumulative_logprobs: list[float]
     num_unfinished: int
+    # Filled position by position as the prompt's chunks run (any child's: they score the same
+    # tokens), handed out once, with the first token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass
@@ -68,6 +72,8 @@ class OutputProcessor:
         parent = _Parent(
             request_id, request, children, detokenizers, [0.0] * len(children), len(children)
         )
+        if request.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self._parents[request_id] = parent
         for i, child in enumerate(children):
             self._child_of[child.request_id] = (parent, i)
@@ -90,6 +96,14 @@ class OutputProcessor:
         scheduler has appended already. A failure in one request's sampling or detokenization
         fails that request alone."""
         step = ProcessedStep()
+        for rid, (start, scored) in sampled.prompt_logprobs.items():
+            entry = self._child_of.get(rid)
+            if entry is None or entry[0].prompt_logprobs is None:
+                continue
+            parent = entry[0]
+            prompt, buf = parent.request.prompt_token_ids, parent.prompt_logprobs
+            for pos, (chosen, top) in enumerate(scored, start):
+                buf[pos] = {prompt[pos]: chosen, **dict(top)}
         for i, error in sampled.failed.items():
             self._fail(reqs[i], "sampling", error, step)
         self.generation_tokens_total += len(reqs) - len(sampled.failed)
@@ -153,6 +167,10 @@ class OutputProcessor:
                 num_cached_tokens=max(first.num_cached_tokens, 0),
                 prompt=parent.request.prompt,
             )
+        if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+            # This child's prompt has run in full, so every position is scored.
+            delta.prompt_logprobs = parent.prompt_logprobs
+            parent.prompt_logprobs_sent = True
         first_token = req.num_output_tokens == 1
         if first_token:
             self.prompt_tokens_total += req.num_prompt_tokens

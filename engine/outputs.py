@@ -53,6 +53,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Set, with finished, when the engine failed this request alone: which stage failed and why.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs, per prompt token: {token id: logprob} holding the
+    # prompt's token and the top N given the tokens before it; None for the first token, which
+    # nothing predicts. Arrives with the first generated token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a step's delta (which lists only the choices that changed) into this output."""
@@ -61,6 +65,8 @@ class RequestOutput:
         self.finished = delta.finished
         self.error = delta.error
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.metrics is not None:
             self.metrics = delta.metrics
 

@@ -15,6 +15,10 @@ import torch
 
 from kvfleet.engine.request import Request
 
+# A sequence's prompt tokens scored in one step: (position in the prompt of the first, and for
+# each, (its logprob, top N (token id, logprob))).
+PromptLogprobsChunk = tuple[int, list[tuple[float, list[tuple[int, float]]]]]
+
 
 @dataclass
 class SamplerOutput:
@@ -24,6 +28,8 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
     # Row index -> the error that failed that request's own sampling; its token is meaningless.
     failed: dict[int, Exception] = field(default_factory=dict)
+    # Request id -> the prompt tokens it scored this step (prompt_logprobs), sampling or not.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 class PenaltyState:

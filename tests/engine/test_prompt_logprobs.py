@@ -1,0 +1,103 @@
+"""SamplingParams.prompt_logprobs: the logprob of each prompt token given the ones before it
+(and the top N), as HF transformers' log_softmax of the same prompt gives them, whether the
+prompt runs in one chunk or several, next to a cached prefix, and for n > 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet.engine.llm import LLM
+from kvfleet.engine.sampling_params import SamplingParams
+from tests.support.engine import assert_no_leak
+
+# fp32 on both sides; the engine's attention and matmul order differ from HF's.
+ATOL = 1e-4
+
+
+def _hf_logprobs(model_dir: Path, prompt: list[int], gguf_file: str | None = None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf_file, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check(out_prompt_logprobs, prompt: list[int], ref: torch.Tensor, top_n: int) -> None:
+    assert len(out_prompt_logprobs) == len(prompt)
+    assert out_prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = out_prompt_logprobs[pos]
+        row = ref[pos - 1]
+        token = prompt[pos]
+        assert abs(entry[token] - row[token].item()) < ATOL, (pos, entry[token], row[token])
+        top = row.topk(top_n)
+        want = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        # The prompt token, plus the top N (which may include it).
+        assert set(entry) == set(want) | {token}
+        for tok, lp in want.items():
+            assert abs(entry[tok] - lp) < ATOL
+
+
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_prompt_logprobs_equal_hf(model_dirs, prompts, chunk: int) -> None:
+    """Every prompt length of the shared set, in one chunk and in 16-token chunks; the prompt of
+    length 1 has only the None entry."""
+    path = model_dirs["llama"]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    with LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=True,
+    ) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_no_leak(llm)
+    for prompt, out in zip(prompts, outs, strict=True):
+        _check(out.prompt_logprobs, prompt, _hf_logprobs(path, prompt), 3)
+
+
+def test_prompt_logprobs_skip_the_prefix_cache(model_dirs, prompts) -> None:
+    """The same prompt twice: the second run scores every position (no cache hit), and a
+    request without prompt_logprobs still takes its hit; n > 1 gets one list."""
+    path = model_dirs["llama"]
+    prompt = prompts[-1]
+    ref = _hf_logprobs(path, prompt)
+    with LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=True
+    ) as llm:
+        plain = SamplingParams(max_tokens=1)
+        scoring = SamplingParams(max_tokens=1, prompt_logprobs=0, n=2, temperature=1.0, seed=1)
+        llm.generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)
+        [again] = llm.generate([{"prompt_token_ids": prompt}], scoring, use_tqdm=False)
+        assert again.num_cached_tokens == 0
+        _check(again.prompt_logprobs, prompt, ref, 0)
+        [hit] = llm.generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)
+        assert hit.num_cached_tokens > 0
+        assert hit.prompt_logprobs is None
+        assert_no_leak(llm)
+
+
+def test_prompt_logprobs_bounds() -> None:
+    SamplingParams(prompt_logprobs=20)
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+
+
+def test_prompt_logprobs_real_default_model(smollm2_gguf: Path) -> None:
+    """SmolLM2-135M-Instruct (the GGUF's Q4_1/Q8_0 matrices dequantized on both sides): a
+    sentence scored in 8-token chunks against HF on the same file."""
+    file = smollm2_gguf
+    with LLM(str(file), dtype="float32", max_num_batched_tokens=8) as llm:
+        prompt = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog.")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    ref = _hf_logprobs(file.parent, prompt, gguf_file=file.name)
+    _check(out.prompt_logprobs, prompt, ref, 5)
