@@ -1,6 +1,7 @@
 """The attention backend interface: write this step's K/V into the paged cache, then attend over
 each sequence's paged context. ``torch`` is the reference (CPU, and the oracle); ``triton`` is the
-GPU fast path."""
+GPU fast path. An FP8 KV cache comes with the layer's k/v scales (fp32 scalars on the device, see
+``kernels.reference``); a cache of the model dtype with none."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
     def attend(
@@ -31,6 +34,8 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -43,8 +48,10 @@ class TorchAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        reference.write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -54,6 +61,8 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return reference.paged_attention(
             query,
@@ -64,6 +73,8 @@ class TorchAttentionBackend:
             scale,
             sliding_window,
             logits_soft_cap,
+            k_scale,
+            v_scale,
         )
 
 

@@ -45,8 +45,10 @@ class TritonAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -56,6 +58,8 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.max_query_len == 1:
             batch, num_heads, num_kv_heads = query.shape[0], query.shape[1], kv_cache.shape[3]
@@ -75,6 +79,8 @@ class TritonAttentionBackend:
                 else choose_prefix_splits(
                     self.max_model_len, batch, num_heads, num_kv_heads, self.num_sms
                 ),
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return paged_prefill_attention(
             query,
@@ -86,4 +92,6 @@ class TritonAttentionBackend:
             scale,
             sliding_window,
             logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -31,6 +31,11 @@ Scores are computed in fp32 and kept in the log2 domain (``exp2`` is the native 
 Running maxima start at a large finite negative number instead of -inf, so rows or splits that
 see no key (empty splits, padding rows with seq_len 0) give exp2(-inf - finite) == 0 and a zero
 sum instead of NaN; the final division guards a zero sum and writes zeros.
+
+An FP8 cache (``KV_FP8``) is read as e4m3 and widened exactly to the dot dtype; its dequantization
+scales are applied in fp32 where they cost one multiply per program rather than one per element:
+K's is folded into the score scale, V's into the output accumulator (attention is linear in V).
+With a cache of the model dtype the branch is compiled out.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvfleet.kernels.reference import is_fp8, kv_scales
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_INIT = tl.constexpr(-1.0e30)
@@ -145,6 +152,8 @@ def _decode_split_kernel(
     part_m_ptr,
     part_l_ptr,
     prefix_len_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     soft_cap,
     window,
@@ -167,6 +176,7 @@ def _decode_split_kernel(
     HAS_PREFIX: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -198,6 +208,8 @@ def _decode_split_kernel(
     k_base = kv_ptr + kv_head * stride_chead
     v_base = k_base + stride_ckv
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if KV_FP8:
+        scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -208,6 +220,8 @@ def _decode_split_kernel(
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
         )  # fmt: skip
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
 
     if NUM_PARTS == 1:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -241,6 +255,8 @@ def _decode_prefix_kernel(
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_seqs,
     scale,
     soft_cap,
@@ -259,6 +275,7 @@ def _decode_prefix_kernel(
     PREFIX_SPLITS: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid (row tiles, num_kv_heads, PREFIX_SPLITS). A row is one (sequence, query head of this
     KV head); every row sees the whole prefix [0, prefix_len), whose pages are block-table row
@@ -284,6 +301,8 @@ def _decode_prefix_kernel(
     tok_start = split * tiles_per_split * BLOCK_N
     tok_end = tl.minimum(tok_start + tiles_per_split * BLOCK_N, prefix_len)
     k_base = kv_ptr + kv_head * stride_chead
+    if KV_FP8:
+        scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -293,6 +312,8 @@ def _decode_prefix_kernel(
             0, 0, scale, soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
         )  # fmt: skip
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     acc = tl.where(ok[:, None], acc, 0.0)  # a padding row's zero query still scores keys
     num_heads = tl.num_programs(1) * GROUP
     part = (seq.to(tl.int64) * num_heads + head) * (NUM_SPLITS + PREFIX_SPLITS) + NUM_SPLITS + split
@@ -343,6 +364,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     soft_cap,
     window,
@@ -367,6 +390,7 @@ def _prefill_kernel(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     BLOCK_SEQS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -422,6 +446,8 @@ def _prefill_kernel(
     k_base = kv_ptr + kv_head * stride_chead
     v_base = k_base + stride_ckv
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if KV_FP8:
+        scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -443,6 +469,8 @@ def _prefill_kernel(
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
         )  # fmt: skip
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_off = tok_rows * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -521,6 +549,8 @@ def paged_decode_attention(
     num_splits: int,
     prefix_len: torch.Tensor | None = None,  # [1] int: tokens every sequence shares (cascade)
     prefix_splits: int = 1,
+    k_scale: torch.Tensor | None = None,  # fp32 scalars on the device: an FP8 cache only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """With ``prefix_len``, the caller guarantees that block-table row 0's first
     ``prefix_len // block_size`` blocks head every row's table, that ``prefix_len`` is a whole
@@ -531,6 +561,7 @@ def paged_decode_attention(
         query = query.contiguous()
     num_seqs = query.shape[0]
     num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
+    scales = kv_scales(kv_cache, k_scale, v_scale) or (seq_lens, seq_lens)  # read with KV_FP8
     out = _out(query, out)
     if num_seqs == 0:
         return out
@@ -564,6 +595,7 @@ def paged_decode_attention(
             part_o,
             part_m,
             part_l,
+            *scales,
             num_seqs,
             scale,
             logits_soft_cap or 0.0,
@@ -582,6 +614,7 @@ def paged_decode_attention(
             PREFIX_SPLITS=prefix_splits,
             HAS_SOFT_CAP=logits_soft_cap is not None,
             DOT_DTYPE=_dot_dtype(query),
+            KV_FP8=is_fp8(kv_cache),
             num_warps=4,
             num_stages=2,
         )
@@ -595,6 +628,7 @@ def paged_decode_attention(
         part_m,
         part_l,
         seq_lens if prefix_len is None else prefix_len,  # read only with HAS_PREFIX
+        *scales,
         scale,
         logits_soft_cap or 0.0,
         sliding_window or _NO_WINDOW,
@@ -617,6 +651,7 @@ def paged_decode_attention(
         HAS_PREFIX=prefix_len is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=_dot_dtype(query),
+        KV_FP8=is_fp8(kv_cache),
         num_warps=4,
         num_stages=3,
     )
@@ -652,10 +687,14 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,  # fp32 scalars on the device: an FP8 cache only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
+    scales = kv_scales(kv_cache, k_scale, v_scale) or (seq_lens, seq_lens)  # read with KV_FP8
     out = _out(query, out)
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
@@ -686,6 +725,7 @@ def paged_prefill_attention(
             seq_lens,
             query_start_loc,
             out,
+            *scales,
             scale,
             logits_soft_cap or 0.0,
             sliding_window or _NO_WINDOW,
@@ -710,6 +750,7 @@ def paged_prefill_attention(
             HAS_SOFT_CAP=logits_soft_cap is not None,
             DOT_DTYPE=_dot_dtype(query),
             BLOCK_SEQS=block_seqs,
+            KV_FP8=is_fp8(kv_cache),
             num_warps=num_warps,
             num_stages=num_stages,
         )

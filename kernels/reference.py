@@ -2,6 +2,10 @@
 Triton kernels are tested against. Clarity over speed; one sequence at a time.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+
+An FP8 cache (``torch.float8_e4m3fn``) holds ``clamp(x / scale, -448, 448)`` rounded to e4m3, with
+one fp32 scale per layer for K and one for V (0-dim device tensors); reads dequantize as ``fp8 value
+* scale`` in fp32. Caches of the model's own dtype store values as they are and take no scales.
 """
 
 from __future__ import annotations
@@ -11,12 +15,37 @@ from collections.abc import Sequence
 
 import torch
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == FP8_KV_DTYPE
+
+
+def kv_scales(
+    kv_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The scales an FP8 cache needs (both, or an error); None for a cache of the model dtype."""
+    if not is_fp8(kv_cache):
+        return None
+    if k_scale is None or v_scale is None:
+        raise ValueError("an FP8 KV cache needs its k_scale and v_scale")
+    return k_scale, v_scale
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in fp32, saturated to e4m3's finite range, rounded to nearest even."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens], slot = block_id * block_size + offset; < 0: skip
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     block_size = kv_cache.shape[2]
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
@@ -24,8 +53,15 @@ def write_kv_cache(
     keep = slot_mapping >= 0  # padding rows of a CUDA-graph batch write nothing
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    scales = kv_scales(kv_cache, k_scale, v_scale)
+    if scales is None:
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        return
+    # The CPU has no index_copy_ for fp8: the bytes are copied as uint8.
+    raw = flat.view(torch.uint8)
+    raw[0].index_copy_(0, slot_mapping, quantize_fp8(key, scales[0]).view(torch.uint8))
+    raw[1].index_copy_(0, slot_mapping, quantize_fp8(value, scales[1]).view(torch.uint8))
 
 
 def paged_attention(
@@ -37,6 +73,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -44,6 +82,7 @@ def paged_attention(
     routine serves decode (q_len 1), prefill (q_len == seq_len) and chunked prefill / prefix-cache
     hits (anything between). Computed in fp32, returned in the query's dtype.
     """
+    scales = kv_scales(kv_cache, k_scale, v_scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -57,6 +96,8 @@ def paged_attention(
         blocks = block_tables[i, :num_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        if scales is not None:
+            k, v = k * scales[0], v * scales[1]
         q = query[start:end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
         if logits_soft_cap is not None:
