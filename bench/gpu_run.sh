@@ -6,6 +6,7 @@
 #   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
+#   bash bench/gpu_run.sh OUTDIR structured       # structured outputs' TPOT/TTFT cost (issue 22)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -144,6 +145,19 @@ for step in "$@"; do
             --input-len 128 512 --output-len 128 512 --prefix-len 2000 --step-stats \
             --no-enable-prefix-caching --result-json "$out/llama2_13b_prefix_uncached.json" 2>&1 |
             tee "$out/llama2_13b_prefix_uncached.txt"
+        ;;
+    structured)
+        # Issue 22's goals: 32 chat users, every request under a JSON schema (one cached schema,
+        # then a new schema each request) against the same workload unconstrained, in this call;
+        # Llama-3.1-8B dummy weights with a 128k tokenizer, the size the grammar's masks are for.
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        start_server "$out/structured_server.log" --model /tmp/llama8b --load-format dummy \
+            --dtype bfloat16 --max-model-len 8192 --served-model-name llama8b || continue
+        timeout 400 $py bench/structured.py --base-url http://127.0.0.1:8000 --model llama8b \
+            --users 32 --max-tokens 256 --warmup-duration 10 --duration "${STRUCTURED_DURATION:-60}" \
+            --result-json "$out/structured.json" 2>&1 | tee "$out/structured.txt"
+        kill $server
+        wait $server
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.

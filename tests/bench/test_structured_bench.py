@@ -1,0 +1,115 @@
+"""bench/structured.py: its schemas and requests, the goal ratios, one run of the CLI against a
+fake streaming server (the bench's own machinery), and a smoke run against a real engine on the
+tiny model (seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.app import ServerSettings
+from tests.support.fake_openai import FakeServer, running
+from tests.support.scripts import load_bench_script
+from tests.support.servers import engine_server
+
+structured = load_bench_script("structured")
+
+
+def _record(tag: str, k: int) -> dict:
+    return {"id": k, f"label_{tag}": "bolt", "tags": [f"{tag}-red"], "score": 0.5, "active": True}
+
+
+def test_each_tag_is_its_own_schema_of_the_same_size() -> None:
+    a, b = structured.records_schema("a", 5), structured.records_schema("b", 5)
+    assert a != b and len(json.dumps(a)) == len(json.dumps(b))
+    Draft202012Validator.check_schema(a)
+    validator = Draft202012Validator(a)
+    assert validator.is_valid({"records": [_record("a", k) for k in range(5)]})
+    # Fewer records than asked for: a grammar cannot end the answer early.
+    assert not validator.is_valid({"records": [_record("a", k) for k in range(4)]})
+    assert not validator.is_valid({"records": [_record("b", k) for k in range(5)]})
+    one = Draft202012Validator(structured.records_schema("c", 1, 1))
+    assert not one.is_valid({"records": [_record("c", 0), _record("c", 1)]})
+
+
+def test_requests_per_mode() -> None:
+    free, cached, new = (structured.Requests(m, "m", 32, 8) for m in structured.MODES)
+    assert free[0]["ignore_eos"] is True and "response_format" not in free[0]
+    assert free[0]["max_completion_tokens"] == cached[5]["max_completion_tokens"] == 32
+    assert all("ignore_eos" not in r[3] for r in (cached, new))
+    assert cached[0]["response_format"] == cached[7]["response_format"]
+    assert new[0]["response_format"] != new[1]["response_format"]
+    # Same prompt, each request its own tag at the start (no cross-mode prefix-cache hits).
+    prompts = [r[k]["messages"][0]["content"] for r in (free, cached, new) for k in (0, 1)]
+    assert len(set(prompts)) == 6 and all(p.endswith(structured.PROMPT) for p in prompts)
+    assert len(new) > 10**9
+    with pytest.raises(ValueError, match="unknown mode"):
+        structured.Requests("fast", "m", 1, 1)
+
+
+def test_the_cli_refuses_bad_arguments() -> None:
+    for argv in (["--modes", "fast"], ["--users", "0"], ["--duration", "0"]):
+        with pytest.raises(SystemExit):
+            structured.parse_args(["--model", "m", *argv])
+
+
+def test_end_to_end_against_a_fake_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def followed(*args: object) -> None:
+        # The fake streams whatever it is asked: it follows no schema.
+        pass
+
+    monkeypatch.setattr(structured, "check_schema_followed", followed)
+    server = FakeServer(delay_s=0.005)
+    out = tmp_path / "structured.json"
+    with running(server) as url:
+        rc = structured.main(
+            [
+                *("--base-url", url, "--model", "fake", "--users", "3", "--max-tokens", "6"),
+                *("--warmup-duration", "0.3", "--duration", "1.0", "--result-json", str(out)),
+            ]
+        )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["modes"]) == list(structured.MODES)
+    for mode in doc["modes"].values():
+        assert mode["successful_requests"] > 3 and mode["failed_requests"] == 0
+        assert mode["short"] == 0 and mode["tpot_ms"]["p50"] > 0
+    assert set(doc["ratios"]) == {
+        f"{m}_{s}_{p}_ratio"
+        for m in ("cached_schema", "new_schema")
+        for s in ("tpot", "ttft")
+        for p in ("p50", "p90")
+    }
+    schemas = [json.dumps(b.get("response_format")) for b in server.bodies]
+    assert len(set(schemas)) == 2 + sum("records_" in s for s in schemas)  # none, cached, new
+    report = capsys.readouterr().out
+    assert "TPOT cached schema / unconstrained" in report and "goal <= 1.2" in report
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 22: structured outputs not in the engine yet (400 'not supported')",
+)
+def test_smoke_against_the_engine(model_dirs, tmp_path: Path) -> None:
+    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=["tiny"])
+    out = tmp_path / "structured.json"
+    args = EngineArgs(model=str(model_dirs["llama"]), dtype="float32")
+    with engine_server(args, settings) as srv:
+        rc = structured.main(
+            [
+                *("--base-url", srv.url, "--model", "tiny", "--users", "4"),
+                *("--max-tokens", "12", "--items", "8", "--warmup-duration", "1"),
+                *("--duration", "3", "--result-json", str(out)),
+            ]
+        )
+    assert rc == 0
+    modes = json.loads(out.read_text())["modes"]
+    for mode in modes.values():
+        assert mode["successful_requests"] > 0 and mode["failed_requests"] == 0
+        assert mode["short"] == 0
