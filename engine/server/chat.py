@@ -7,6 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.server.completions import vllm_prompt_logprobs
 from kvfleet.engine.server.errors import bad_request
 from kvfleet.engine.server.protocol import ChatCompletionRequest, Usage, now, random_id
 from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext, traced
@@ -97,6 +98,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
     if not req.stream:
         result = (await ctx.collect(outputs, [ids], params))[0]
+        body: dict[str, Any] = {}
+        if result.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, result.prompt_logprobs)
         return web.json_response(
             {
                 "id": request_id,
@@ -116,6 +120,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 "usage": usage(
                     sum(len(c.token_ids) for c in result.outputs), result.num_cached_tokens
                 ),
+                **body,
             }
         )
 

@@ -68,6 +68,8 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_CAP)
     skip_special_tokens: bool = True
+    # vLLM's extension: each prompt token's logprob (and the top N) in the response.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -80,6 +82,11 @@ class _SamplingRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         return self
 
+    @property
+    def scores_prompt(self) -> int | None:
+        """Top N of the prompt's logprobs the engine computes; None: none."""
+        return self.prompt_logprobs
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = {
             "n": self.n,
@@ -90,6 +97,7 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": self.scores_prompt,
             "skip_special_tokens": self.skip_special_tokens,
         }
         for name in (
@@ -131,7 +139,8 @@ Prompt = Annotated[
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_CAP)
+    # 0 only with echo: the prompt scored, nothing generated (how lm-eval-harness asks).
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_TOKENS_CAP)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -146,8 +155,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of other than n is not supported")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (it scores the prompt, generating nothing)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         if len(self.prompts()) > MAX_PROMPTS:
@@ -161,6 +170,14 @@ class CompletionRequest(_SamplingRequest):
         if p and isinstance(p[0], int):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
+
+    @property
+    def scores_prompt(self) -> int | None:
+        """Top N of the prompt's logprobs to compute: echo with logprobs scores the echoed
+        prompt (as OpenAI and vLLM do); the larger of that and prompt_logprobs."""
+        echoed = self.logprobs if self.echo else None
+        asked = [n for n in (echoed, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling(max_tokens, self.logprobs)
@@ -189,6 +206,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("logit_bias is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
         return self
 
     @property

@@ -11,21 +11,10 @@ import torch
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
-from tests.support.engine import assert_no_leak
+from tests.support.engine import assert_no_leak, hf_prompt_logprobs
 
 # fp32 on both sides; the engine's attention and matmul order differ from HF's.
 ATOL = 1e-4
-
-
-def _hf_logprobs(model_dir: Path, prompt: list[int], gguf_file: str | None = None) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, gguf_file=gguf_file, dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
 
 
 def _check(out_prompt_logprobs, prompt: list[int], ref: torch.Tensor, top_n: int) -> None:
@@ -60,7 +49,7 @@ def test_prompt_logprobs_equal_hf(model_dirs, prompts, chunk: int) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert_no_leak(llm)
     for prompt, out in zip(prompts, outs, strict=True):
-        _check(out.prompt_logprobs, prompt, _hf_logprobs(path, prompt), 3)
+        _check(out.prompt_logprobs, prompt, hf_prompt_logprobs(path, prompt), 3)
 
 
 def test_prompt_logprobs_skip_the_prefix_cache(model_dirs, prompts) -> None:
@@ -68,7 +57,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(model_dirs, prompts) -> None:
     request without prompt_logprobs still takes its hit; n > 1 gets one list."""
     path = model_dirs["llama"]
     prompt = prompts[-1]
-    ref = _hf_logprobs(path, prompt)
+    ref = hf_prompt_logprobs(path, prompt)
     with LLM(
         str(path), dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=True
     ) as llm:
@@ -99,5 +88,5 @@ def test_prompt_logprobs_real_default_model(smollm2_gguf: Path) -> None:
         prompt = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog.")
         params = SamplingParams(max_tokens=1, prompt_logprobs=5)
         [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    ref = _hf_logprobs(file.parent, prompt, gguf_file=file.name)
+    ref = hf_prompt_logprobs(file.parent, prompt, gguf_file=file.name)
     _check(out.prompt_logprobs, prompt, ref, 5)

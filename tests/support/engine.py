@@ -47,6 +47,21 @@ def hf_greedy(
     return outs
 
 
+def hf_prompt_logprobs(
+    model_dir: Path, prompt: list[int], gguf_file: str | None = None
+) -> torch.Tensor:
+    """HF transformers' log_softmax over the vocabulary at each position of the prompt, in fp32:
+    row p scores prompt token p + 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf_file, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
 def assert_no_leak(llm) -> None:
     """Every request has left the engine and every KV block is back in the free queue."""
     stats = llm.engine.stats()
