@@ -9,6 +9,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvfleet.engine.layers.fp8 import Fp8Config, check_fp8_device, resolve_fp8
+
 logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -85,6 +87,12 @@ class EngineArgs(BaseModel):
         ge=1,
         description="split the model over this many GPUs of this machine, one process each",
     )
+    quantization: Literal["fp8"] | None = Field(
+        default=None,
+        description="fp8: linear-layer weights in fp8 (per-channel scales) with fp8 activations "
+        "(per-token scales), quantized at load; needs a GPU of compute capability 8.9+. "
+        "Default: as the checkpoint is (an fp8 checkpoint's quantization_config is read)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
@@ -122,6 +130,7 @@ class ModelConfig(BaseModel):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    quantization: Fp8Config | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -156,6 +165,13 @@ class ModelConfig(BaseModel):
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         _check_tensor_parallel(args.tensor_parallel_size, num_heads, num_kv_heads)
+        quantization = resolve_fp8(
+            args.quantization,
+            getattr(hf_config, "quantization_config", None),
+            dummy=args.load_format == "dummy",
+        )
+        if quantization is not None:
+            check_fp8_device(device)
         return cls(
             path=path,
             hf_config=hf_config,
@@ -165,6 +181,7 @@ class ModelConfig(BaseModel):
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            quantization=quantization,
         )
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:

@@ -17,6 +17,7 @@ from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, tp_rank, tp_size
 from kvfleet.engine.kv_cache_manager import cdiv
+from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
@@ -150,7 +151,7 @@ class ModelRunner:
         try:
             if self.device.type == "cuda":
                 self._check_weights_fit(cls)
-            with torch.device(self.device):
+            with torch.device(self.device), fp8_linear_layers(mc.quantization):
                 model = cls(mc.hf_config, mc.architecture)
         finally:
             torch.set_default_dtype(prev_dtype)
@@ -164,14 +165,15 @@ class ModelRunner:
     def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:
         """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
         mc = self.model_config
-        with torch.device("meta"):
+        with torch.device("meta"), fp8_linear_layers(mc.quantization):
             shapes = cls(mc.hf_config, mc.architecture)
         need = sum(p.numel() * p.element_size() for p in shapes.parameters())
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * self.args.gpu_memory_utilization
         if need > budget:
             raise ValueError(
-                f"the model's weights take {need / 2**30:.1f} GiB per GPU at {mc.dtype} with "
+                f"the model's weights take {need / 2**30:.1f} GiB per GPU at {mc.dtype}"
+                f"{' (linear layers in fp8)' if mc.quantization else ''} with "
                 f"tensor_parallel_size={tp_size()}, more than gpu_memory_utilization="
                 f"{self.args.gpu_memory_utilization} of this GPU's {total / 2**30:.1f} GiB: "
                 "raise tensor_parallel_size (or gpu_memory_utilization)"
