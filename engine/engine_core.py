@@ -133,6 +133,12 @@ class EngineCore:
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
                 "stop_token_ids",
             )
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                "logit_bias",
+            )
         if params.top_k > self.vocab_size:
             raise InvalidRequestError(
                 f"top_k ({params.top_k}) must not exceed the vocabulary size ({self.vocab_size})",

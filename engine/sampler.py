@@ -1,5 +1,5 @@
-"""Next-token choice for a batch of requests: penalties, temperature, top-k / top-p / min-p,
-greedy or seeded random sampling, and logprobs of the raw model distribution.
+"""Next-token choice for a batch of requests: penalties, logit bias, temperature, top-k / top-p /
+min-p, greedy or seeded random sampling, and logprobs of the raw model distribution.
 
 Each request's own preparation (its penalty state, its seeded generator, its banned tokens, the
 scalars it feeds into the batched ops) runs on its own, guarded: a request whose preparation
@@ -108,6 +108,7 @@ class Sampler:
         for i in failed:
             # A half-penalized row may hold NaNs; the batched ops must not see them.
             logits[i] = 0.0
+        self._apply_logit_bias(logits, reqs, failed)
         token_ids = self._choose(logits, rows)
         for i, (req, tok) in enumerate(zip(reqs, token_ids, strict=True)):
             if i in failed:
@@ -158,6 +159,28 @@ class Sampler:
             banned = [t for t in banned if 0 <= t < row.shape[0]]
             if banned:
                 row[banned] = float("-inf")
+
+    @staticmethod
+    def _apply_logit_bias(
+        logits: torch.Tensor, reqs: list[Request], failed: dict[int, Exception]
+    ) -> None:
+        """Every request's logit_bias added in one scatter for the whole batch. Its ids were
+        checked against the vocabulary at admission, so no request can fail the op; failed rows
+        are left out (their token is discarded anyway)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        biases: list[float] = []
+        for i, req in enumerate(reqs):
+            bias = req.sampling_params.logit_bias
+            if bias and i not in failed:
+                rows.extend([i] * len(bias))
+                cols.extend(bias)
+                biases.extend(bias.values())
+        if rows:
+            dev = logits.device
+            index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            values = torch.tensor(biases, dtype=logits.dtype, device=dev)
+            logits.index_put_(index, values, accumulate=True)
 
     def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         flags = [r.greedy for r in rows]

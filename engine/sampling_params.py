@@ -25,6 +25,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI's bounds on logit_bias.
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100.0
 # Size bounds on a structured-output constraint, checked before anything compiles it.
 MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
@@ -158,6 +161,18 @@ class SamplingParams(BaseModel):
     )
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: (
+        dict[
+            Annotated[int, Field(ge=0, le=INT32_MAX)],
+            Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)],
+        ]
+        | None
+    ) = Field(
+        default=None,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description=f"token id -> a bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] added to "
+        f"its logit before sampling, at most {MAX_LOGIT_BIAS_ENTRIES} ids inside the vocabulary",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

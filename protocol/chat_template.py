@@ -74,9 +74,11 @@ def render_chat_text(
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation through the model's chat template (ChatML without one); a 400
-    :class:`RequestRefused` when the template refuses it."""
+    """The conversation through the model's chat template (ChatML without one), with the
+    request's tools for a template that reads them; a 400 :class:`RequestRefused` when the
+    template refuses it."""
     kwargs = template_kwargs or {}
     clash = sorted(set(kwargs) & _template_kwargs_reserved(tokenizer))
     if clash:
@@ -88,6 +90,7 @@ def render_chat_text(
             chat_template=tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools,
             **kwargs,
         )
     except jinja2.TemplateError as e:

@@ -10,11 +10,11 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineArgs
@@ -25,6 +25,8 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
+from kvfleet.engine.server.tool_parsers import TOOL_CALL_PARSERS, parser_for_template
+from kvfleet.engine.server.tools import TOOL_SETTINGS, ToolSettings, load_chat_template
 from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body, refused
 from kvfleet.protocol.json_body import RequestRefused, check_content_encoding
 from kvfleet.telemetry.http import echo_request_id, observe_requests
@@ -83,6 +85,26 @@ class ServerSettings(BaseModel):
         gt=0,
         description="seconds a client has to send a request body; then 408",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="a Jinja chat template (a file, or the template inline) used instead of the "
+        "model's own; default: the model's, ChatML when it has none",
+    )
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="how tool calls are read from the model's output; default: from the chat "
+        "template's family (Llama 3 tokens: llama3_json, Mistral's: mistral, else hermes)",
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=True,
+        description='tool_choice "auto" (the default with tools): the model decides and its calls '
+        "are parsed; off, such requests get 400",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, v: str | None) -> str | None:
+        return None if v is None else load_chat_template(v)
 
 
 def resolve_api_key(settings: ServerSettings) -> str | None:
@@ -255,6 +277,14 @@ def build_app(
         client_max_size=settings.max_request_body_bytes,
     )
     app.on_response_prepare.append(echo_request_id)
+    tokenizer = engine.core.tokenizer
+    if settings.chat_template is not None and tokenizer is not None:
+        tokenizer.chat_template = settings.chat_template
+    template = tokenizer.chat_template if tokenizer is not None else None
+    app[TOOL_SETTINGS] = ToolSettings(
+        settings.tool_call_parser or parser_for_template(template),
+        settings.enable_auto_tool_choice,
+    )
     app[SERVING] = ServingContext(engine, names, settings.max_waiting_requests)
     app[METRICS] = metrics
     app[STARTED] = now()

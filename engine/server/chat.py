@@ -11,9 +11,20 @@ from kvfleet.engine.server.completions import vllm_prompt_logprobs
 from kvfleet.engine.server.errors import bad_request
 from kvfleet.engine.server.protocol import ChatCompletionRequest, Usage, now, random_id
 from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext, traced
-from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
+from kvfleet.engine.server.streaming import SSEResponse, relay
+from kvfleet.engine.server.tools import (
+    TOOL_SETTINGS,
+    StreamedChoices,
+    ToolPlan,
+    ToolSettings,
+    choice_message,
+    conversation_with_tools,
+    plan_tools,
+    template_reads_tools,
+)
 from kvfleet.engine.server.validation import parse_body, refused
 from kvfleet.protocol.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
     ChatMessage,
     chat_text_ids,
     conversation_of,
@@ -28,19 +39,28 @@ async def render_chat_served(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: tuple[ToolPlan, ToolSettings] | None = None,
 ) -> list[int]:
     """kvfleet.protocol's render_chat for the server: large conversations are rendered and
     tokenized off the event loop, and a text too long to fit the context is refused before
-    tokenizing."""
+    tokenizing. tools: the request's tool plan, rendered by the template when it reads tools,
+    else as text in the parser's format (kvfleet.engine.server.tools)."""
     if ctx.tokenizer is None:
         raise bad_request("this server runs without a tokenizer: chat is unavailable")
-    conversation = conversation_of(messages)
+    shown = None
+    if tools is None:
+        conversation = conversation_of(messages)
+    else:
+        plan, settings = tools
+        native = template_reads_tools(ctx.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE)
+        conversation = conversation_with_tools(messages, plan, native, settings.parser)
+        shown = plan.tools if native else None
     size = sum(len(entry["content"]) for entry in conversation)
     ctx.check_prompt_chars(size, "messages")
     try:
         text = await ctx.off_loop(
             size, OFF_LOOP_CHARS, render_chat_text, ctx.tokenizer, conversation,
-            add_generation_prompt, template_kwargs,
+            add_generation_prompt, template_kwargs, shown,
         )  # fmt: skip
     except RequestRefused as e:
         raise refused(e) from None
@@ -71,10 +91,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
     ctx.admit(req.model, req.n)
+    tool_settings = request.app[TOOL_SETTINGS]
+    plan = plan_tools(req, tool_settings)
     ids = await render_chat_served(
-        ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+        (plan, tool_settings),
+    )  # fmt: skip
+    params = ctx.prepare(
+        [ids],
+        req.requested_max_tokens,
+        lambda max_tokens: plan.sampling(req.sampling_params(max_tokens)),
     )
-    params = ctx.prepare([ids], req.requested_max_tokens, req.sampling_params)
     request_id = random_id("chatcmpl")
     created = now()
     model = req.model or ctx.model_name
@@ -110,9 +137,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 "choices": [
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": (message := choice_message(plan, c))[0],
                         "logprobs": logprobs(c),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": message[1],
                         "stop_reason": c.stop_reason,
                     }
                     for c in result.outputs
@@ -158,20 +185,25 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         )
     )
 
+    streamed = StreamedChoices(plan)
+
     def to_choices(_: int, delta: RequestOutput) -> list[dict[str, Any]]:
         nonlocal completion_tokens, cached
         cached = delta.num_cached_tokens
         choices = []
         for c in delta.outputs:
             completion_tokens += len(c.token_ids)
-            if nothing_to_send(c):
+            message, finish = streamed.delta(c)
+            # Text held back (an unfinished character, or what may start a tool call) with no
+            # logprobs or finish to carry makes no chunk.
+            if not message and finish is None and c.logprobs is None:
                 continue
             choices.append(
                 {
                     "index": c.index,
-                    "delta": {"content": c.text} if c.text else {},
+                    "delta": message,
                     "logprobs": logprobs(c),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                 }
             )

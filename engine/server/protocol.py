@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.protocol.chat_template import ChatMessage
@@ -34,6 +43,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOKENS_CAP = 2**31 - 1
 TOP_K_CAP = 2**31 - 1
 TOKEN_ID_MAX = 2**31 - 1
+# OpenAI's limits on the tools of one request and on logit_bias.
+MAX_TOOLS = 128
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class _Strict(BaseModel):
@@ -73,6 +86,8 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's shape: token id (as a JSON object key, so a string) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
@@ -81,6 +96,23 @@ class _SamplingRequest(_Strict):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_bounds(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids are allowed, got {len(v)}")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit() and int(key) <= TOKEN_ID_MAX):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"the bias of token {key} is {bias}; biases must be within "
+                    f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+                )
+        return v
 
     @property
     def scores_prompt(self) -> int | None:
@@ -99,6 +131,7 @@ class _SamplingRequest(_Strict):
             "logprobs": logprobs,
             "prompt_logprobs": self.scores_prompt,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": {int(k): b for k, b in (self.logit_bias or {}).items()} or None,
         }
         for name in (
             "temperature",
@@ -145,7 +178,6 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -153,8 +185,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of other than n is not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 needs echo (it scores the prompt, generating nothing)")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -183,27 +213,60 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling(max_tokens, self.logprobs)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # A JSON schema of the arguments, an object; checked further in kvfleet.engine.server.tools.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    # None: "auto" with tools, "none" without, as OpenAI defaults it.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: object) -> object:
+        # One message for any bad value, rather than one per member of the union.
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        try:
+            return NamedToolChoice.model_validate(v)
+        except ValidationError:
+            raise ValueError(
+                'must be "none", "auto", "required" or {"type": "function", "function": '
+                '{"name": ...}}'
+            ) from None
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format other than text is not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.prompt_logprobs is not None and self.stream:

@@ -293,7 +293,8 @@ class ParseResult:
 class ToolCallParser:
     """An incremental parser of one choice's output. feed() each new piece of text; it returns
     the content to show and the call deltas to send, holding back text that may still turn out
-    to start a call. finish() flushes what is held. parse() does both for a whole text.
+    to start a call. finish() returns what is held that is content after all. parse() does both
+    for a whole text.
 
     mode: a family (TOOL_CALL_PARSERS), or "array" (a JSON array of {name, arguments}: what the
     grammar of tool_choice required makes), or "named" (the arguments object of `name`)."""
@@ -317,6 +318,11 @@ class ToolCallParser:
             self.calls.append(_Call(0, name, bare_arguments=True))
 
     @property
+    def called(self) -> bool:
+        """Whether a call has been sent (its header, at least)."""
+        return any(c.header_sent for c in self.calls)
+
+    @property
     def marker(self) -> str:
         return "<tool_call>" if self.mode == HERMES else "[TOOL_CALLS]"
 
@@ -328,7 +334,7 @@ class ToolCallParser:
             pass
         return "".join(content), deltas
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self) -> str:
         """At the end of the output: held-back text is content after all; an unfinished call
         makes the output malformed."""
         if self._state not in ("content", "plain", "start", "llama_next", "trailing"):
@@ -337,13 +343,13 @@ class ToolCallParser:
             self.malformed = True
         held = "" if self.malformed else self._buf
         self._buf = ""
-        return held, []
+        return held
 
     def parse(self, text: str) -> ParseResult:
         """A whole output: its calls, or (as vLLM does) all of it as content when a call in it
         is malformed."""
         content, _ = self.feed(text)
-        rest, _ = self.finish()
+        rest = self.finish()
         if self.malformed:
             return ParseResult(text)
         calls = [ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in self.calls]

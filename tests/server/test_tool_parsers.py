@@ -46,9 +46,7 @@ def _streamed(mode: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[st
         c, d = parser.feed(piece)
         content.append(c)
         deltas.extend(d)
-    c, d = parser.finish()
-    content.append(c)
-    deltas.extend(d)
+    content.append(parser.finish())
     calls: dict[int, list] = {}
     for d in deltas:
         if d.id is not None:

@@ -1,0 +1,352 @@
+"""Tool calling for chat completions: what a request's tools, tool_choice and tool messages mean
+for its prompt, its sampling and the parsing of its output.
+
+- The prompt: a chat template that reads ``tools`` gets them (and assistant ``tool_calls`` and
+  ``tool`` messages) as Hugging Face templates expect. A template without tool support (plain
+  ChatML, as SmolLM2's) gets them written into the system message in the format of the parser
+  family, assistant calls written back in that format, and tool results as user messages, so the
+  model is asked for exactly what the parser reads.
+- ``tool_choice`` ``auto``: the output is parsed by the family's parser. ``required`` and a named
+  function: a JSON schema (an array of 1+ calls, or that function's arguments) constrains the
+  output by grammar, as vLLM does, and the JSON is read back into calls. ``none``: the tools are
+  left out of the prompt and nothing is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvfleet.engine.outputs import CompletionOutput
+from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.server.errors import bad_request
+from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from kvfleet.engine.server.tool_parsers import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    ToolCallParser,
+)
+from kvfleet.protocol.chat_template import ChatMessage, conversation_of
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """The server's tool-calling settings (--tool-call-parser, --enable-auto-tool-choice)."""
+
+    parser: str
+    enable_auto_tool_choice: bool = True
+
+
+TOOL_SETTINGS = web.AppKey("tool_settings", ToolSettings)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template itself inline."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"--chat-template {value!r} is neither a readable file nor an inline Jinja template"
+    )
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools change: the tools its prompt shows (None: none), how its output
+    is parsed (None: not at all) and the grammar that constrains it."""
+
+    tools: list[dict[str, Any]] | None
+    parse_mode: str | None = None
+    function_name: str | None = None
+    schema: dict[str, Any] | None = None
+
+    def parser(self) -> ToolCallParser | None:
+        if self.parse_mode is None:
+            return None
+        return ToolCallParser(self.parse_mode, self.function_name)
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """params with the grammar of required / a named function; a Mistral model's
+        [TOOL_CALLS] is a special token the parser must see."""
+        update: dict[str, Any] = {}
+        if self.schema is not None:
+            update["structured_outputs"] = StructuredOutputsParams(json=self.schema)
+        elif self.parse_mode == MISTRAL:
+            update["skip_special_tokens"] = False
+        return params.model_copy(update=update) if update else params
+
+
+def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
+    """Check the request's tools, tool_choice and tool messages (400s naming the parameter)
+    and plan them."""
+    tools = req.tools or []
+    check_tool_messages(req.messages)
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return ToolPlan(None)
+    names = [t.function.name for t in tools]
+    for i, tool in enumerate(tools):
+        if names.index(tool.function.name) != i:
+            raise bad_request(
+                f"tools[{i}]: the function name {tool.function.name!r} is used twice",
+                param=f"tools.{i}.function.name",
+            )
+        _check_parameters(tool, i)
+    if choice == "none":
+        return ToolPlan(None)
+    shown = [t.model_dump(exclude_none=True) for t in tools]
+    if choice in (None, "auto"):
+        if not settings.enable_auto_tool_choice:
+            raise bad_request(
+                'tool_choice "auto" is off on this server (started with '
+                "--no-enable-auto-tool-choice): use required, a named function or none",
+                param="tool_choice",
+            )
+        return ToolPlan(shown, settings.parser)
+    if _structured(req):
+        raise bad_request(
+            "response_format and a tool_choice that forces a call cannot both constrain the output",
+            param="tool_choice",
+        )
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise bad_request(
+                f"tool_choice names the function {name!r}, which is not among the tools "
+                f"({', '.join(names)})",
+                param="tool_choice",
+            )
+        return ToolPlan(shown, "named", name, _arguments_schema(tools[names.index(name)]))
+    return ToolPlan(shown, "array", schema=required_schema(tools, req.parallel_tool_calls))
+
+
+def _structured(req: ChatCompletionRequest) -> bool:
+    fmt = req.response_format
+    return bool(fmt) and fmt.get("type") not in (None, "text")
+
+
+def _check_parameters(tool: ChatTool, i: int) -> None:
+    params = tool.function.parameters
+    if params is None:
+        return
+    kind = params.get("type")
+    if kind is not None and kind != "object":
+        raise bad_request(
+            f"tools[{i}].function.parameters must be a JSON schema of an object (type "
+            f'"object"), not of {json.dumps(kind)}',
+            param=f"tools.{i}.function.parameters",
+        )
+    props = params.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(p, dict | bool) for p in props.values()):
+        raise bad_request(
+            f"tools[{i}].function.parameters.properties must map names to JSON schemas",
+            param=f"tools.{i}.function.parameters",
+        )
+
+
+def _arguments_schema(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
+    """tool_choice required as a JSON schema: an array of at least one call (at most one
+    without parallel_tool_calls), each the name of one tool with arguments of its schema."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "arguments": _arguments_schema(t),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """Assistant tool_calls are well formed; each tool message answers a call made before it."""
+    made: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        extra = m.model_extra or {}
+        calls = extra.get("tool_calls")
+        if calls is not None:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
+                                  param=f"messages.{i}.tool_calls")  # fmt: skip
+            made.update((c["id"], c["function"]["name"]) for c in _tool_calls(calls, i))
+        if m.role != "tool":
+            continue
+        call_id = extra.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"messages[{i}]: a tool message needs its tool_call_id",
+                              param=f"messages.{i}.tool_call_id")  # fmt: skip
+        if call_id not in made:
+            raise bad_request(
+                f"messages[{i}]: tool_call_id {call_id!r} answers no tool call of an earlier "
+                "assistant message",
+                param=f"messages.{i}.tool_call_id",
+            )
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    param = f"messages.{i}.tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", param=param)
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        ok = (
+            isinstance(fn, dict)
+            and isinstance(call.get("id"), str)
+            and call.get("type", "function") == "function"
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments"), str)
+        )
+        if not ok:
+            raise bad_request(
+                f"messages[{i}].tool_calls[{j}] must be {{id, type: function, function: "
+                "{name, arguments (a JSON string)}}",
+                param=f"{param}.{j}",
+            )
+        try:
+            json.loads(fn["arguments"])
+        except ValueError:
+            raise bad_request(
+                f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
+                param=f"{param}.{j}.function.arguments",
+            ) from None
+    return calls
+
+
+def template_reads_tools(template: str | None) -> bool:
+    return template is not None and "tools" in template
+
+
+def conversation_with_tools(
+    messages: list[ChatMessage], plan: ToolPlan, native: bool, family: str
+) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them. native: the template reads tools,
+    tool_calls and tool messages itself; otherwise they are written as text (see the module)."""
+    conversation = conversation_of(messages)
+    names: dict[str, str] = {}
+    for m, entry in zip(messages, conversation, strict=True):
+        extra = m.model_extra or {}
+        calls = [
+            {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]),
+             "id": c["id"]}
+            for c in extra.get("tool_calls") or ()
+        ]  # fmt: skip
+        names.update((c["id"], c["name"]) for c in calls)
+        if native:
+            if calls:
+                entry["tool_calls"] = [
+                    {"id": c["id"], "type": "function",
+                     "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for c in calls
+                ]  # fmt: skip
+            if m.role == "tool":
+                entry["tool_call_id"] = extra["tool_call_id"]
+            continue
+        if calls:
+            text = render_calls(family, calls)
+            entry["content"] = f"{entry['content']}\n{text}" if entry["content"] else text
+        if m.role == "tool":
+            call_id = extra["tool_call_id"]
+            entry["role"] = "user"
+            entry["content"] = (
+                f"Result of {names.get(call_id, 'the function')} (call {call_id}):\n"
+                f"{entry['content']}"
+            )
+            entry.pop("name", None)
+    if not native and plan.tools:
+        instructions = tools_instructions(plan.tools, family)
+        if conversation[0]["role"] in ("system", "developer"):
+            conversation[0]["content"] = f"{conversation[0]['content']}\n\n{instructions}"
+        else:
+            conversation.insert(0, {"role": "system", "content": instructions})
+    return conversation
+
+
+def render_calls(family: str, calls: list[dict[str, Any]]) -> str:
+    """Calls written as the family's models write them (and its parser reads them)."""
+    if family == LLAMA3_JSON:
+        return "; ".join(
+            json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls
+        )
+    items = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+    if family == MISTRAL:
+        return "[TOOL_CALLS]" + json.dumps(items)
+    assert family == HERMES
+    return "\n".join(f"<tool_call>\n{json.dumps(item)}\n</tool_call>" for item in items)
+
+
+def tools_instructions(tools: list[dict[str, Any]], family: str) -> str:
+    """The tools as a system message tells a model whose template knows none."""
+    listing = "\n".join(json.dumps(t["function"]) for t in tools)
+    example = render_calls(family, [{"name": "<function name>", "arguments": {"<arg>": "<value>"}}])
+    return (
+        "You have access to the following functions, each given as a JSON object with its name, "
+        "what it does and the JSON schema of its arguments:\n"
+        f"{listing}\n\n"
+        "To call one or more of them, reply with only this, once per call:\n"
+        f"{example}\n"
+        "Otherwise, answer normally."
+    )
+
+
+def _finish_reason(finish: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def choice_message(plan: ToolPlan, choice: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's message and finish reason, its tool calls parsed out."""
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    parser = plan.parser()
+    if parser is None:
+        return message, choice.finish_reason
+    result = parser.parse(choice.text)
+    if not result.calls:
+        return message, choice.finish_reason
+    message["content"] = result.content or None
+    message["tool_calls"] = [call.openai() for call in result.calls]
+    return message, _finish_reason(choice.finish_reason, True)
+
+
+class StreamedChoices:
+    """The delta objects of a streamed response's choices, tool calls parsed out of each
+    choice's text as it comes (one parser per choice)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.parsers: dict[int, ToolCallParser] = {}
+
+    def delta(self, choice: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        finish = choice.finish_reason
+        if self.plan.parse_mode is None:
+            return ({"content": choice.text} if choice.text else {}), finish
+        parser = self.parsers.get(choice.index)
+        if parser is None:
+            parser = self.parsers[choice.index] = self.plan.parser()  # type: ignore[assignment]
+        content, calls = parser.feed(choice.text)
+        if finish is not None:
+            content += parser.finish()
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [d.openai() for d in calls]
+        return delta, _finish_reason(finish, parser.called)
