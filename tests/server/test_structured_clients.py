@@ -292,7 +292,7 @@ def test_json_object_on_completions(client: OpenAI, stream: bool) -> None:
 
 
 @PENDING
-def test_vllm_structured_outputs_choice_regex_and_json(client: OpenAI) -> None:
+def test_vllm_structured_outputs_choice_grammar_regex_and_json(client: OpenAI) -> None:
     def ask(prompt: str, constraint: dict[str, Any]) -> str:
         completion = client.chat.completions.create(
             model=MODEL,
@@ -305,6 +305,7 @@ def test_vllm_structured_outputs_choice_regex_and_json(client: OpenAI) -> None:
         return completion.choices[0].message.content or ""
 
     assert ask("Is Paris in France?", {"choice": ["yes", "no"]}) in ("yes", "no")
+    assert ask("Is Paris in France?", {"grammar": 'root ::= "oui" | "non"'}) in ("oui", "non")
     assert re.fullmatch(r"[0-9]{4}", ask("In which year did WW2 end?", {"regex": r"[0-9]{4}"}))
     case = CASES[0]
     validate(case.schema, json.loads(ask(case.prompt, {"json": case.schema})))
