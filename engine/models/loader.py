@@ -1,5 +1,5 @@
-"""Weights into a model: HF safetensors (one file or sharded with an index), a GGUF file, or random
-("dummy") weights of the architecture for benchmarks."""
+"""Weights into a model: HF safetensors (one file or sharded with an index, fp8 ones with their
+scales included), a GGUF file, or random ("dummy") weights of the architecture for benchmarks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from kvfleet.engine.layers.fp8 import FP8
 from kvfleet.engine.layers.layernorm import LayerNorm, RMSNorm
 from kvfleet.engine.models import gguf_checkpoint
 
@@ -97,6 +98,11 @@ def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None
             # The loader narrows to this rank's slice first; copy_ converts the dtype after.
             loader(param, tensor, shard)
         loaded.add(target if shard is None else f"{target}#{shard}")
+        derived = getattr(param, "quantizes_into", None)
+        if derived is not None and tensor.dtype != FP8:
+            # A higher-precision weight loaded into an fp8 layer brought its scales with it.
+            sibling = f"{target.rsplit('.', 1)[0]}.{derived}"
+            loaded.add(sibling if shard is None else f"{sibling}#{shard}")
     expected = set()
     for name in params:
         module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
@@ -127,12 +133,15 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if id(param) in identity:
             param.data.fill_(identity[id(param)])
             continue
+        if getattr(param, "quantized_at_load", False):
+            continue  # fp8 scales: filled when their weights are quantized
         shapes = getattr(param, "checkpoint_shapes", {None: tuple(param.shape)})
+        dtype = getattr(param, "checkpoint_dtype", param.dtype)
         for shard, shape in shapes.items():
             # Generated where the parameter lives: a 13B model filled on the host takes minutes.
             key = zlib.crc32(f"{seed}:{name}:{shard}".encode())
             gen = torch.Generator(device=param.device).manual_seed(key)
-            whole = torch.empty(shape, dtype=param.dtype, device=param.device)
+            whole = torch.empty(shape, dtype=dtype, device=param.device)
             whole.uniform_(-1e-2, 1e-2, generator=gen)
             loader = getattr(param, "weight_loader", None)
             if loader is None:

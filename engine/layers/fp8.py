@@ -1,0 +1,204 @@
+"""FP8 weights with FP8 activations (W8A8), as `--quantization fp8` and pre-quantized
+checkpoints ask for: float8_e4m3fn weights with one fp32 scale per output channel, activations
+quantized per token as they arrive (or with the checkpoint's static `input_scale`), and the
+matmul through `torch._scaled_mm` (cuBLASLt on CUDA sm_89+; the same call, same arithmetic, on
+the CPU, so CPU tests check the real thing).
+
+Per-channel weight scales make fusing exact: q/k/v and gate/up rows keep the scales of the
+matrices they came from, and a checkpoint's per-tensor scale is expanded to every row of its
+shard rather than requantized to a common maximum."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# The smallest scale: an all-zero row or token quantizes to zeros instead of dividing by zero.
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# cuBLASLt's FP8 GEMM wants the reduction and output dimensions in multiples of 16 (checked on
+# torch 2.11 / H100; the batch dimension is free).
+_CUBLAS_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """checkpoint_fp8: the checkpoint holds fp8 weights and their scales; otherwise its
+    bf16/fp16/fp32 (or dequantized GGUF) weights are quantized as they load.
+    static_activations: the checkpoint holds one `input_scale` per linear layer."""
+
+    checkpoint_fp8: bool = False
+    static_activations: bool = False
+
+
+def _entry(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def _from_fp8_method(qc: Any) -> Fp8Config:
+    """vLLM's own format (quant_method "fp8", written by AutoFP8 and llm-compressor's legacy
+    path): per-tensor `weight_scale`, `input_scale` when activation_scheme is static."""
+    if _entry(qc, "weight_block_size"):
+        raise ValueError(
+            "the checkpoint's fp8 weights are block-quantized (weight_block_size); kvfleet "
+            "loads per-tensor and per-channel fp8 scales only"
+        )
+    scheme = _entry(qc, "activation_scheme") or "dynamic"
+    if scheme not in ("static", "dynamic"):
+        raise ValueError(f"fp8 activation_scheme {scheme!r}: expected 'static' or 'dynamic'")
+    return Fp8Config(checkpoint_fp8=True, static_activations=scheme == "static")
+
+
+def _from_compressed_tensors(qc: Any) -> Fp8Config:
+    """llm-compressor's format (RedHatAI's *-FP8-dynamic / *-FP8 models): one config group of
+    8-bit float weights with a tensor or channel strategy, activations per token (dynamic) or
+    per tensor (static)."""
+    groups = _entry(qc, "config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(
+            f"compressed-tensors checkpoint with {len(groups)} config groups; kvfleet loads one "
+            "group of fp8 weights"
+        )
+    (group,) = groups.values()
+    weights, acts = _entry(group, "weights") or {}, _entry(group, "input_activations")
+    if _entry(weights, "type") != "float" or _entry(weights, "num_bits") != 8:
+        raise ValueError(
+            "compressed-tensors checkpoint whose weights are not 8-bit floats "
+            f"({_entry(weights, 'type')}, {_entry(weights, 'num_bits')} bits): only its fp8 "
+            "formats load"
+        )
+    if _entry(weights, "strategy") not in ("tensor", "channel"):
+        raise ValueError(
+            f"compressed-tensors fp8 weight strategy {_entry(weights, 'strategy')!r}: only "
+            "'tensor' and 'channel' load"
+        )
+    if acts is None or _entry(acts, "type") != "float" or _entry(acts, "num_bits") != 8:
+        raise ValueError(
+            "compressed-tensors fp8 checkpoint without fp8 input activations (weight-only "
+            "fp8): kvfleet runs fp8 weights with fp8 activations only"
+        )
+    static = not _entry(acts, "dynamic")
+    if static and _entry(acts, "strategy") != "tensor":
+        raise ValueError("compressed-tensors static fp8 activations must be per tensor")
+    ignored = [name for name in _entry(qc, "ignore") or [] if name != "lm_head"]
+    if ignored:
+        raise ValueError(
+            f"compressed-tensors checkpoint leaves {ignored[:4]} unquantized; kvfleet keeps "
+            "only the LM head out of fp8"
+        )
+    return Fp8Config(checkpoint_fp8=True, static_activations=static)
+
+
+def resolve_fp8(flag: str | None, quantization_config: Any, *, dummy: bool) -> Fp8Config | None:
+    """The fp8 setting from `--quantization` and the checkpoint's config.json
+    `quantization_config`: a pre-quantized fp8 checkpoint is served in fp8 without the flag;
+    any other quantized checkpoint is an error. Dummy weights are random: quantized at load,
+    activations dynamic."""
+    method = _entry(quantization_config, "quant_method") if quantization_config else None
+    if method is None:
+        return Fp8Config() if flag == "fp8" else None
+    if method == "fp8":
+        config = _from_fp8_method(quantization_config)
+    elif method == "compressed-tensors":
+        config = _from_compressed_tensors(quantization_config)
+    else:
+        asked = f"--quantization {flag} conflicts with it" if flag else "it is not supported"
+        raise ValueError(
+            f"the checkpoint is quantized with {method!r} (config.json quantization_config): "
+            f"{asked}; kvfleet loads bf16/fp16/fp32, GGUF and fp8 checkpoints"
+        )
+    return Fp8Config() if dummy else config
+
+
+def check_fp8_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"fp8 weights need sm_89+ (Ada, Hopper or newer) for FP8 matmuls; this GPU "
+            f"({torch.cuda.get_device_name(device)}) is sm_{major}{minor}: serve without "
+            "--quantization fp8 and with a bf16/fp16 checkpoint"
+        )
+
+
+def check_fp8_shape(out_features: int, in_features: int, what: str) -> None:
+    if out_features % _CUBLAS_ALIGN or in_features % _CUBLAS_ALIGN:
+        raise ValueError(
+            f"{what}: fp8 weights of {out_features}x{in_features} per rank; FP8 matmuls need "
+            f"both dimensions in multiples of {_CUBLAS_ALIGN}"
+        )
+
+
+_current: Fp8Config | None = None
+
+
+@contextlib.contextmanager
+def fp8_linear_layers(config: Fp8Config | None) -> Iterator[None]:
+    """Linear layers built inside hold fp8 weights (None: the model dtype), as
+    torch.set_default_dtype decides the dtype of everything else built."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current_fp8() -> Fp8Config | None:
+    return _current
+
+
+def quantize_rows(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, fp32 scale per row) with weight ~= fp8 * scale[:, None]. amax: the rows'
+    largest magnitudes when `weight` is only a slice of them (a row-parallel rank's columns),
+    so every rank scales a row alike."""
+    weight = weight.float()
+    if amax is None:
+        amax = weight.abs().amax(dim=1)
+    scale = (amax.float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    fp8 = (weight / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return fp8, scale
+
+
+def quantize_tokens(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 rows, fp32 scale [M, 1]): each row (token) scaled by its own amax / 448, or by the
+    checkpoint's static scale, values beyond the fp8 range clamped."""
+    if static_scale is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+        scale = (amax / FP8_MAX).clamp_(min=_MIN_SCALE)
+    else:
+        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return fp8, scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
+    row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy."""
+    lead = x.shape[:-1]
+    x_fp8, x_scale = quantize_tokens(x.reshape(-1, x.shape[-1]), input_scale)
+    y = torch._scaled_mm(
+        x_fp8,
+        weight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),
+        out_dtype=x.dtype,
+        bias=bias,
+    )
+    return y.view(*lead, y.shape[-1])
