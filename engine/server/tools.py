@@ -47,11 +47,12 @@ TOOL_SETTINGS = web.AppKey("tool_settings", ToolSettings)
 
 def load_chat_template(value: str) -> str:
     """--chat-template: a file holding a Jinja template, or the template itself inline."""
+    # Inline first: a template is no path (and may be too long to be one).
+    if "{{" in value or "{%" in value:
+        return value
     path = Path(value)
     if path.is_file():
         return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
     raise ValueError(
         f"--chat-template {value!r} is neither a readable file nor an inline Jinja template"
     )
@@ -66,6 +67,9 @@ class ToolPlan:
     parse_mode: str | None = None
     function_name: str | None = None
     schema: dict[str, Any] | None = None
+    # parallel_tool_calls false: calls past the first are dropped (with auto; the grammar of
+    # required allows one only).
+    single_call: bool = False
 
     def parser(self) -> ToolCallParser | None:
         if self.parse_mode is None:
@@ -111,7 +115,7 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 "--no-enable-auto-tool-choice): use required, a named function or none",
                 param="tool_choice",
             )
-        return ToolPlan(shown, settings.parser)
+        return ToolPlan(shown, settings.parser, single_call=not req.parallel_tool_calls)
     if _structured(req):
         raise bad_request(
             "response_format and a tool_choice that forces a call cannot both constrain the output",
@@ -321,8 +325,9 @@ def choice_message(plan: ToolPlan, choice: CompletionOutput) -> tuple[dict[str, 
     result = parser.parse(choice.text)
     if not result.calls:
         return message, choice.finish_reason
+    calls = result.calls[:1] if plan.single_call else result.calls
     message["content"] = result.content or None
-    message["tool_calls"] = [call.openai() for call in result.calls]
+    message["tool_calls"] = [call.openai() for call in calls]
     return message, _finish_reason(choice.finish_reason, True)
 
 
@@ -347,6 +352,8 @@ class StreamedChoices:
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
+        if self.plan.single_call:
+            calls = [d for d in calls if d.index == 0]
         if calls:
             delta["tool_calls"] = [d.openai() for d in calls]
         return delta, _finish_reason(finish, parser.called)

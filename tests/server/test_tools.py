@@ -83,7 +83,8 @@ def client(server) -> OpenAI:
 
 
 def _chat(client: OpenAI, **kwargs: Any) -> Any:
-    return client.chat.completions.create(model=MODEL, temperature=0, max_tokens=48, **kwargs)
+    kwargs.setdefault("max_tokens", 48)
+    return client.chat.completions.create(model=MODEL, temperature=0, **kwargs)
 
 
 def _streamed_message(client: OpenAI, **kwargs: Any) -> tuple[str, list[dict], str, list]:
@@ -318,6 +319,15 @@ def test_plans_per_tool_choice() -> None:
     assert required.parse_mode == "array" and required.schema["maxItems"] == 1
 
 
+def test_chat_template_flag_takes_a_file_or_inline_text(tmp_path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(NATIVE)
+    assert ServerSettings(chat_template=str(path)).chat_template == NATIVE
+    assert ServerSettings(chat_template=NATIVE).chat_template == NATIVE
+    with pytest.raises(ValueError, match="neither a readable file nor an inline"):
+        ServerSettings(chat_template=str(tmp_path / "missing.jinja"))
+
+
 def test_auto_off_is_a_400() -> None:
     req = ChatCompletionRequest.model_validate({"messages": QUESTION, "tools": TOOLS})
     with pytest.raises(Exception, match="enable-auto-tool-choice"):
@@ -367,6 +377,22 @@ def test_a_template_that_reads_tools_gets_them() -> None:
     text = render_chat_text(Tokenizer(), conv, tools=plan.tools)
     assert "TOOL get_weather\nTOOL get_time\n" in text
     assert "CALL get_weather Paris" in text and "<tool>" in text and "RESULT call_9" in text
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    plan = _plan(tools=TOOLS, parallel_tool_calls=False)
+    text = "".join(
+        f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "{z}"}}}}</tool_call>'
+        for z in ("UTC", "CET")
+    )
+    whole, finish = choice_message(plan, CompletionOutput(0, text, finish_reason="stop"))
+    assert finish == "tool_calls"
+    assert [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]] == [
+        {"zone": "UTC"}
+    ]
+    streamed = StreamedChoices(plan)
+    deltas = [streamed.delta(CompletionOutput(0, ch))[0] for ch in text]
+    assert {c["index"] for d in deltas for c in d.get("tool_calls", [])} == {0}
 
 
 def test_streamed_choices_send_openai_tool_call_deltas() -> None:
