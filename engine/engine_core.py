@@ -15,9 +15,10 @@ from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.model_runner import ModelRunner
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import EngineStats, RequestOutput
-from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request
+from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
+from kvfleet.engine.structured_output import StructuredOutputs
 from kvfleet.engine.workers import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.vocab_size = self.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs need the tokenizer's text of every token id.
+        self.structured: StructuredOutputs | None = None
+        if self.tokenizer is not None:
+            self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self.runner.structured = self.structured
         logger.info(
             "engine ready: %s (%s) on %s x%d, %s, max_model_len=%d, prefix caching %s",
             self.model_config.path,
@@ -153,7 +159,16 @@ class EngineCore:
                 f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt",
                 "min_tokens",
             )
-        return EngineRequest(list(prompt_token_ids), params, prompt)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise InvalidRequestError(
+                    "structured_outputs needs a tokenizer (the engine runs without one)",
+                    "structured_outputs",
+                )
+            # A cache hit when the server compiled it off its event loop first.
+            grammar = self.structured.grammar(params.structured_outputs)
+        return EngineRequest(list(prompt_token_ids), params, prompt, grammar=grammar)
 
     def add_request(self, request_id: str, request: EngineRequest) -> None:
         """Queue an admitted request, as n child requests when n > 1. Raises ValueError, having
@@ -175,6 +190,7 @@ class EngineCore:
                     self.eos_token_ids,
                     self.model_config.max_model_len,
                     request.arrival_time,
+                    None if request.grammar is None else request.grammar.matcher(),
                 )
             )
         self.output_processor.add_request(request_id, request, children)
@@ -216,6 +232,10 @@ class EngineCore:
                 if i not in sampled.failed
             },
         )
+        for req in reqs:
+            # A grammar that allows no further token ends its sequence as a stop would.
+            if req.grammar is not None and req.grammar.terminated:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
         processed = self.output_processor.process(reqs, sampled)
         # The one place requests end for what the processor found: stop strings, failures.
         for req, status in processed.to_finish:

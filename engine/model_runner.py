@@ -23,6 +23,7 @@ from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import PromptLogprobsChunk, Sampler, SamplerOutput
 from kvfleet.engine.scheduler import SchedulerOutput
+from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class ModelRunner:
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(args.max_num_seqs - 1, -1, -1))
         self.before_forward: Callable[[StepPlan], None] | None = None
+        # Set by the engine when it has a tokenizer: the structured-output bitmasks (rank 0).
+        self.structured: StructuredOutputs | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -343,8 +346,11 @@ class ModelRunner:
             return [], SamplerOutput([], [], prompt_logprobs=prompt_logprobs)
         assert self.sampler is not None
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
+        # On the CPU while the forward launched above runs on the GPU, before the sampler waits
+        # for its logits.
+        grammar = self.structured.masks(sample_reqs) if self.structured is not None else None
         with torch.inference_mode():
-            sampled = self.sampler(logits, sample_reqs)
+            sampled = self.sampler(logits, sample_reqs, grammar)
         sampled.prompt_logprobs = prompt_logprobs
         return sample_reqs, sampled
 

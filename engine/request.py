@@ -6,10 +6,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfleet.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvfleet.engine.structured_output import CompiledGrammar, GrammarMatcher
 
 
 class InvalidRequestError(ValueError):
@@ -30,6 +34,8 @@ class EngineRequest:
     prompt: str | None = None
     # time.monotonic() at admission, where latency metrics start.
     arrival_time: float = field(default_factory=time.monotonic)
+    # The compiled structured_outputs constraint; each sequence gets its own matcher of it.
+    grammar: CompiledGrammar | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +73,7 @@ class Request:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         arrival_time: float | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +99,9 @@ class Request:
         self.generator: torch.Generator | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # Where this sequence is in its structured_outputs grammar: advanced by the sampler once
+        # per sampled token, kept across preemption like the output tokens it has seen.
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:

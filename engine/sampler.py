@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfleet.engine.request import Request
+from kvfleet.engine.structured_output import GrammarMasks, apply_bitmask
 
 # A sequence's prompt tokens scored in one step: (position in the prompt of the first, and for
 # each, (its logprob, top N (token id, logprob))).
@@ -84,7 +85,12 @@ class Sampler:
         if state is not None:
             state.add(token_id)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarMasks | None = None
+    ) -> SamplerOutput:
+        """`grammar`: the batch's structured-output bitmask, applied after penalties and bans
+        (logprobs stay those of the raw distribution); each constrained row's matcher then
+        accepts the token it sampled."""
         logits = logits.float()
         failed: dict[int, Exception] = {}
         rows: list[_Row] = []
@@ -105,15 +111,23 @@ class Sampler:
             except Exception as e:
                 failed[i] = e
                 rows[i] = _Row()
+        if grammar is not None:
+            for i, error in grammar.failed.items():
+                failed.setdefault(i, error)
+                rows[i] = _Row()
         for i in failed:
             # A half-penalized row may hold NaNs; the batched ops must not see them.
             logits[i] = 0.0
         self._apply_logit_bias(logits, reqs, failed)
+        if grammar is not None:
+            apply_bitmask(logits, grammar.bitmask.to(logits.device, non_blocking=True))
         token_ids = self._choose(logits, rows)
         for i, (req, tok) in enumerate(zip(reqs, token_ids, strict=True)):
             if i in failed:
                 continue
             try:
+                if req.grammar is not None:
+                    req.grammar.accept(tok)
                 self.record(req, tok)
             except Exception as e:
                 failed[i] = e

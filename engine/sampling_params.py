@@ -32,12 +32,32 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
+# Nesting of a JSON schema's own JSON. The grammar library refuses more than 128 levels and
+# crashes the process on some thousands; no real schema comes near this.
+MAX_SCHEMA_DEPTH = 64
 
 
 def child_seed(seed: int, index: int) -> int:
     """The seed of child `index` of an n > 1 request: seed + index, wrapped around within the
     signed 64-bit range so that it never leaves it."""
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value, counted without recursion (the value may be hostile) and
+    only up to limit + 1."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+    return deepest
 
 
 # vLLM's field name `json` shadows BaseModel's deprecated json() method, on purpose: the field
@@ -105,8 +125,13 @@ class StructuredOutputsParams(BaseModel):
                 "structured_outputs needs exactly one of json, regex, choice, grammar, "
                 f"json_object; got {', '.join(set_) if set_ else 'none'}"
             )
-        if self.json is not None and len(_json.dumps(self.json)) > MAX_STRUCTURED_SPEC_CHARS:
-            raise ValueError(f"json schema is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+        if self.json is not None:
+            if json_depth(self.json, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"json schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+            if len(_json.dumps(self.json)) > MAX_STRUCTURED_SPEC_CHARS:
+                raise ValueError(
+                    f"json schema is longer than {MAX_STRUCTURED_SPEC_CHARS} characters"
+                )
         if self.disable_any_whitespace and self.whitespace_pattern is not None:
             raise ValueError("disable_any_whitespace and whitespace_pattern exclude each other")
         return self

@@ -1,0 +1,271 @@
+"""Structured outputs: grammars compiled from a request's `structured_outputs` constraint, each
+sequence's matcher, and the batch's token bitmask.
+
+The grammar library is llguidance, chosen by measurement (bench/grammar_libs.py, RESULTS.md):
+JSON schemas compile in about a millisecond where xgrammar takes up to seconds and outlines-core
+tens of seconds, a mask takes microseconds at a 128k vocabulary, and its resource limits are
+deterministic fuel counts rather than a thread to kill.
+
+A compiled grammar is a validated matcher that every sequence copies (copies share the
+compiled lexer and grammar); compiled grammars are cached by constraint in a bounded LRU. A
+sequence's matcher lives on its Request, so it survives preemption and recompute with the
+output tokens it has seen: the sampler advances it exactly once per sampled token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.gbnf_to_lark
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from kvfleet.engine.request import InvalidRequestError, Request
+from kvfleet.engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept; a hit costs a dict lookup and a matcher copy.
+GRAMMAR_CACHE_SIZE = 256
+# Wall-clock bound on one compilation as the server waits for it (the fuel limits below bound
+# the work itself, so a thread left behind by a timeout still ends).
+COMPILE_TIMEOUT_S = 10.0
+# llguidance's defaults, tightened where a hostile request could make one step slow: the mask
+# of one step (step_lexer_fuel, step_max_items) must stay far below a decode step's time.
+_LIMITS = dict(
+    max_items_in_row=2000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=100_000,
+    max_grammar_size=200_000,
+    verbose_errors=False,
+)
+_ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
+
+
+class GrammarError(InvalidRequestError):
+    """A constraint that cannot be compiled: invalid, unsupported, or beyond the limits."""
+
+
+def _close_objects(schema: Any) -> Any:
+    """The schema with additionalProperties false wherever an object schema does not set it
+    (disable_additional_properties). StructuredOutputsParams bounds its depth."""
+    if isinstance(schema, list):
+        return [_close_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _close_objects(v) for k, v in schema.items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, llguidance grammar) for a constraint; GrammarError for one refused before
+    compiling."""
+    if params.json is not None:
+        schema = params.json
+        if params.disable_additional_properties:
+            schema = _close_objects(schema)
+        options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options["whitespace_pattern"] = params.whitespace_pattern
+        return "json", llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if params.json_object:
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        return "json_object", llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=options
+        )
+    if params.regex is not None:
+        return "regex", llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        alternatives = "|".join(f"({_regex_literal(c)})" for c in params.choice)
+        return "choice", llguidance.LLMatcher.grammar_from_regex(alternatives)
+    assert params.grammar is not None  # StructuredOutputsParams holds exactly one constraint
+    try:
+        lark = llguidance.gbnf_to_lark.any_to_lark(params.grammar)
+    except Exception as e:  # the converter raises its own error types for malformed GBNF
+        raise GrammarError(f"invalid grammar: {e}", "structured_outputs") from None
+    return "grammar", llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token; ValueError if the grammar does not allow it."""
+        if not self._matcher.consume_token(token_id) or self._matcher.is_error():
+            raise ValueError(f"the grammar refused token {token_id}: {self.error}")
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and allows no further token."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+    @property
+    def raw(self) -> Any:
+        return self._matcher
+
+
+class CompiledGrammar:
+    """A validated grammar; matcher() starts a sequence at its beginning."""
+
+    __slots__ = ("_prototype", "kind")
+
+    def __init__(self, kind: str, prototype: Any) -> None:
+        self.kind = kind
+        self._prototype = prototype
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._prototype.deep_copy())
+
+
+def _cache_key(params: StructuredOutputsParams) -> str:
+    return json.dumps(params.model_dump(exclude_defaults=True), sort_keys=True)
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler and cache, for one tokenizer and vocabulary."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+    ) -> None:
+        # The logits may be wider than the tokenizer (a padded vocabulary) or, rarely, narrower:
+        # the masks cover both, and ids without a token are never allowed.
+        self.mask_vocab = max(vocab_size, len(tokenizer))
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=self.mask_vocab, eos_token=sorted(eos_token_ids) or None
+        )
+        self.limits = llguidance.LLParserLimits(**_LIMITS)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.executor = llguidance.LLExecutor()
+        self.compiles = 0  # cache misses, for tests and metrics
+        self._buffer: torch.Tensor | None = None
+
+    def grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of a constraint, from the cache or compiled now (blocking, in
+        the caller's thread; bounded by the parser limits). GrammarError for a bad one."""
+        key = _cache_key(params)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        kind, spec = grammar_spec(params)
+        # The constructor validates and builds the lexer, without the GIL.
+        prototype = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
+        if prototype.is_error():
+            raise GrammarError(_explain(kind, prototype.get_error()), "structured_outputs")
+        compiled = CompiledGrammar(kind, prototype)
+        with self._lock:
+            self.compiles += 1
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    async def compile(
+        self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S
+    ) -> CompiledGrammar:
+        """grammar() off the event loop, within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.grammar, params), timeout)
+        except TimeoutError:
+            raise GrammarError(
+                f"the constraint took longer than {timeout:g} s to compile: simplify it",
+                "structured_outputs",
+            ) from None
+
+    def masks(self, reqs: list[Request]) -> GrammarMasks | None:
+        """The allowed-token bitmask of every row of a batch (int32, bit t of a row: token t
+        allowed; every bit set for a row without a grammar), the constrained rows computed in
+        parallel off the GIL; None when no row has a grammar. Rows whose matcher is in error
+        fail alone. The buffer is reused by the next call: the sampler copies it first."""
+        if all(req.grammar is None for req in reqs):
+            return None
+        width = (self.mask_vocab + 31) // 32
+        if self._buffer is None or self._buffer.shape[0] < len(reqs):
+            # Pinned, so the copy to the GPU is asynchronous.
+            self._buffer = torch.empty(
+                (max(len(reqs), 64), width),
+                dtype=torch.int32,
+                pin_memory=torch.cuda.is_available(),
+            )
+        view = self._buffer[: len(reqs)]
+        view.fill_(_ALL_ALLOWED)
+        failed: dict[int, Exception] = {}
+        rows: list[tuple[Any, int]] = []
+        for i, req in enumerate(reqs):
+            m = req.grammar
+            if m is None:
+                continue
+            if m.error is not None:
+                failed[i] = ValueError(f"grammar: {m.error}")
+                continue
+            rows.append((m.raw, i))
+        if rows:
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, rows, view)
+        return GrammarMasks(view, failed)
+
+
+@dataclass
+class GrammarMasks:
+    """A batch's token bitmask (on the CPU) and the rows that failed to compute theirs."""
+
+    bitmask: torch.Tensor
+    failed: dict[int, Exception]
+
+
+def _explain(kind: str, error: str) -> str:
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    if kind in ("json", "json_object"):
+        if "Unimplemented keys" in first:
+            return f"the JSON schema uses unsupported features: {first}"
+        return f"invalid JSON schema: {first}"
+    if kind == "grammar":
+        return f"invalid grammar: {first}"
+    return f"invalid {kind}: {first}"
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Ban, in one masked_fill for the whole batch, every token whose bit is clear: logits
+    [rows, vocab], bitmask int32 [rows, >= vocab / 32] on the logits' device."""
+    vocab = logits.shape[-1]
+    # Bytes of the little-endian words (on x86 and the GPU): bit t is bit t % 8 of byte t // 8.
+    bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
+    allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))

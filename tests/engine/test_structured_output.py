@@ -1,0 +1,262 @@
+"""Structured outputs in the engine: the constraint's shape, the grammar cache and its bounds, the
+batch bitmask (vocabulary padding included), per-row failure isolation, and constrained
+generation through the tiny random model (whose output only the grammar makes valid): JSON
+schemas, choice, regex, mixed batches, n > 1 with seeds, preemption, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import jsonschema
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.request import Request
+from kvfleet.engine.sampler import Sampler
+from kvfleet.engine.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
+from kvfleet.engine.structured_output import GrammarError, StructuredOutputs, apply_bitmask
+from tests.support.engine import assert_no_leak
+
+# A finite language: every constrained sequence must end, with "stop", well within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "size", "ok"],
+    "additionalProperties": False,
+}
+COMPACT = {"json": SCHEMA, "disable_any_whitespace": True}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    return AutoTokenizer.from_pretrained(model_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def structured(tokenizer) -> StructuredOutputs:
+    return StructuredOutputs(tokenizer, len(tokenizer), frozenset([tokenizer.eos_token_id]))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs) -> LLM:
+    return LLM(str(model_dirs["llama"]), dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def _no_leak_after(request):
+    yield
+    if "llm" in request.fixturenames:
+        assert_no_leak(request.getfixturevalue("llm"))
+
+
+def _allowed(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
+    return [t for t in range(vocab) if (int(bitmask_row[t // 32]) >> (t % 32)) & 1]
+
+
+def _req(rid: str, structured: StructuredOutputs, so: dict | None, **sp) -> Request:
+    params = SamplingParams(structured_outputs=so, **sp)
+    grammar = None if so is None else structured.grammar(params.structured_outputs).matcher()
+    return Request(rid, [5, 6, 7], params, frozenset([1]), 512, grammar=grammar)
+
+
+# -- the constraint ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["x"]}, "got regex, choice"),
+        ({"json_object": False}, "got none"),
+        ({"json": "[1]"}, "JSON schema object"),
+        ({"json": "{nope"}, "not valid JSON"),
+        ({"guided_json": {}}, "Extra inputs"),
+        ({"choice": []}, "at least 1"),
+        (
+            {"json_object": True, "disable_any_whitespace": True, "whitespace_pattern": " "},
+            "exclude",
+        ),
+    ],
+)
+def test_constraint_shape_is_checked(bad, message):
+    with pytest.raises(ValidationError, match=message):
+        StructuredOutputsParams(**bad)
+
+
+def test_json_schema_as_text_is_the_same_constraint():
+    assert StructuredOutputsParams(json=json.dumps(SCHEMA)) == StructuredOutputsParams(json=SCHEMA)
+
+
+# -- compiling and caching --------------------------------------------------------------------
+def test_grammars_are_cached_by_constraint_in_a_bounded_lru(tokenizer):
+    so = StructuredOutputs(tokenizer, len(tokenizer), frozenset([1]), cache_size=2)
+    a, b, c = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
+    first = so.grammar(a)
+    assert so.grammar(StructuredOutputsParams(regex="a+")) is first
+    so.grammar(b)
+    so.grammar(a)  # a is now the most recent: c evicts b
+    so.grammar(c)
+    assert so.compiles == 3
+    assert so.grammar(a) is first
+    so.grammar(b)
+    assert so.compiles == 4
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"json": {"not": {"type": "string"}}}, 'unsupported features.*"not"'),
+        ({"json": {"$ref": "#/$defs/missing"}}, "invalid JSON schema"),
+        ({"regex": "(unclosed"}, "invalid regex"),
+        ({"grammar": "start: undefined_rule"}, "invalid grammar"),
+    ],
+)
+def test_bad_constraints_are_grammar_errors(structured, params, message):
+    with pytest.raises(GrammarError, match=message) as e:
+        structured.grammar(StructuredOutputsParams(**params))
+    assert e.value.param == "structured_outputs"
+
+
+def test_hostile_schemas_are_refused_quickly(structured):
+    deep: dict = {"type": "string"}
+    for _ in range(20000):
+        deep = {"type": "object", "properties": {"x": deep}}
+    start = time.monotonic()
+    with pytest.raises(ValidationError, match=f"deeper than {MAX_SCHEMA_DEPTH}"):
+        StructuredOutputsParams(json=deep)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    structured.grammar(StructuredOutputsParams(json=wide))
+    assert time.monotonic() - start < 5
+
+
+def test_compile_off_the_loop_times_out(structured, monkeypatch):
+    monkeypatch.setattr(structured, "grammar", lambda params: time.sleep(0.5))
+    with pytest.raises(GrammarError, match=r"longer than 0\.05 s"):
+        asyncio.run(structured.compile(StructuredOutputsParams(regex="a"), timeout=0.05))
+
+
+# -- masks ------------------------------------------------------------------------------------
+def test_bitmask_rows_and_padded_vocabulary(tokenizer):
+    vocab = len(tokenizer) + 40  # the model's logits are wider than the tokenizer
+    so = StructuredOutputs(tokenizer, vocab, frozenset([tokenizer.eos_token_id]))
+    free = _req("free", so, None)
+    yes_no = _req("c", so, {"choice": ["yes", "no"]})
+    masks = so.masks([free, yes_no])
+    assert masks is not None and not masks.failed
+    assert _allowed(masks.bitmask[0], vocab) == list(range(vocab))
+    allowed = _allowed(masks.bitmask[1], vocab)
+    assert allowed and all(t < len(tokenizer) for t in allowed)
+    assert tokenizer.eos_token_id not in allowed  # nothing is complete yet
+    assert {tokenizer.decode([t])[0] for t in allowed} == {"y", "n"}
+    logits = torch.zeros(2, vocab)
+    apply_bitmask(logits, masks.bitmask)
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == allowed
+    assert so.masks([free]) is None
+
+
+def test_a_failing_matcher_fails_its_row_alone(structured, tokenizer):
+    good = _req("good", structured, {"choice": ["yes", "no"]})
+    bad = _req("bad", structured, {"choice": ["yes", "no"]})
+    bad.grammar.raw.consume_token(tokenizer.encode("zzz", add_special_tokens=False)[0])
+    reqs = [good, bad, _req("free", structured, None)]
+    masks = structured.masks(reqs)
+    assert list(masks.failed) == [1]
+    sampler = Sampler(structured.vocab_size, torch.device("cpu"), 0)
+    out = sampler(torch.randn(3, structured.vocab_size), reqs, masks)
+    assert list(out.failed) == [1]
+    assert tokenizer.decode([out.token_ids[0]])[0] in "yn"
+
+
+# -- through the engine -----------------------------------------------------------------------
+def _texts(outs) -> list[str]:
+    return [c.text for o in outs for c in o.outputs]
+
+
+def test_json_schema_choice_regex_and_grammar_outputs_are_valid(llm, prompts):
+    cases = [
+        (COMPACT, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+        ({"json_object": True, "disable_any_whitespace": True}, None),
+        ({"choice": ["alpha", "beta (b)", "c|d"]}, lambda t: t in ("alpha", "beta (b)", "c|d")),
+        ({"regex": "[0-9]{3}-[a-c]{2}"}, lambda t: len(t) == 6 and t[3] == "-"),
+        ({"grammar": 'root ::= "go " ("left" | "right")'}, lambda t: t in ("go left", "go right")),
+        ({"grammar": 'start: "n=" /[0-9]/'}, lambda t: t.startswith("n=") and len(t) == 3),
+    ]
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.9, seed=i, structured_outputs=so)
+        for i, (so, _) in enumerate(cases)
+    ]
+    outs = llm.generate([{"prompt_token_ids": prompts[1]}] * len(cases), params)
+    for (so, check), out in zip(cases, outs, strict=True):
+        c = out.outputs[0]
+        if check is None:  # json_object: any object, maybe cut by max_tokens on a random model
+            assert c.text.startswith("{"), c.text
+            continue
+        assert c.finish_reason == "stop", (so, c.text)
+        assert check(c.text) is not False, (so, c.text)
+
+
+def test_mixed_batch_n2_seeds_and_logprobs(llm, prompts):
+    free = SamplingParams(max_tokens=12, temperature=0)
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, free)[0].outputs[0].token_ids
+    constrained = SamplingParams(
+        max_tokens=64, temperature=1.0, seed=11, n=2, logprobs=3, structured_outputs=COMPACT
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": prompts[2]}, {"prompt_token_ids": prompts[3]}], [free, constrained]
+    )
+    assert outs[0].outputs[0].token_ids == alone  # the masks leave free rows alone
+    children = outs[1].outputs
+    assert len(children) == 2
+    for c in children:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        # Logprobs are of the raw distribution: its top token need not be allowed.
+        assert len(c.logprobs) == len(c.token_ids)
+    again = llm.generate({"prompt_token_ids": prompts[3]}, constrained)[0].outputs
+    assert [c.token_ids for c in again] == [c.token_ids for c in children]
+    raw = (
+        llm.generate(
+            {"prompt_token_ids": prompts[3]},
+            SamplingParams(max_tokens=1, temperature=0, logprobs=3),
+        )[0]
+        .outputs[0]
+        .logprobs[0]
+    )
+    # {chosen token and top 3: logprob}: the top 3 are the unconstrained model's, same values.
+    for token, logprob in raw.items():
+        assert children[0].logprobs[0][token] == pytest.approx(logprob, abs=1e-5)
+
+
+def test_constrained_generation_survives_preemption(model_dirs, prompts):
+    sp = SamplingParams(max_tokens=48, temperature=0.9, seed=3, structured_outputs=COMPACT)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    roomy = LLM(str(model_dirs["llama"]), dtype="float32")
+    tight = LLM(str(model_dirs["llama"]), dtype="float32", num_gpu_blocks_override=20)
+    expected = _texts(roomy.generate(batch, sp))
+    got = _texts(tight.generate(batch, sp))
+    assert tight.engine.stats().num_preemptions > 0
+    assert got == expected
+    for text in got:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert_no_leak(roomy)
+    assert_no_leak(tight)
+
+
+def test_grammar_end_finishes_with_stop_even_ignoring_eos(llm, prompts):
+    sp = SamplingParams(
+        max_tokens=50,
+        temperature=1.0,
+        seed=2,
+        ignore_eos=True,
+        structured_outputs={"choice": ["ok"]},
+    )
+    c = llm.generate({"prompt_token_ids": prompts[0]}, sp)[0].outputs[0]
+    assert (c.text, c.finish_reason) == ("ok", "stop")
