@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
 #   bash bench/gpu_run.sh OUTDIR structured       # structured outputs' TPOT/TTFT cost (issue 22)
+#   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -77,6 +78,40 @@ for step in "$@"; do
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static \
             --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
+        ;;
+    fp8-check)
+        # FP8 weights at real sizes: the GEMM against its dequantized reference, an 8B-class
+        # stack's first-token logprobs with --quantization fp8 against bf16.
+        timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
+            tee "$out/fp8_weights_tests.txt"
+        ;;
+    fp8w-requests | fp8w-latency | fp8w-llama2-13b)
+        # Issue 21's fp8-weight goals, bf16 then --quantization fp8 in the same call (dummy
+        # weights): Llama-3-8B 1000 x 256/256; batch-1 Llama-3.1-8B TPOT against its weight-read
+        # floor (fp8 weights count one byte); the article's Llama-2-13B workload. FP8_ENGINE_ARGS
+        # (e.g. "--kv-cache-dtype fp8") is added to the fp8 runs.
+        read -ra fp8_extra <<<"${FP8_ENGINE_ARGS:-}"
+        for q in bf16 fp8; do
+            qargs=()
+            [ $q = fp8 ] && qargs=(--quantization fp8 "${fp8_extra[@]}")
+            echo "== $step $q: ${qargs[*]}" | tee -a "$out/$step.txt"
+            case $step in
+            fp8w-requests)
+                timeout 280 $py bench/throughput.py --model bench/models/Meta-Llama-3-8B \
+                    --num-prompts 1000 --input-len 256 256 --output-len 256 256 "${qargs[@]}" \
+                    --result-json "$out/${step}_$q.json" 2>&1 | tee -a "$out/$step.txt"
+                ;;
+            fp8w-latency)
+                timeout 250 $py bench/latency.py --model bench/models/Llama-3.1-8B "${qargs[@]}" \
+                    2>&1 | tee -a "$out/$step.txt"
+                ;;
+            fp8w-llama2-13b)
+                timeout 280 $py bench/throughput.py --model bench/models/Llama-2-13b-hf \
+                    --num-prompts 256 --input-len 128 512 --output-len 128 512 --step-stats \
+                    "${qargs[@]}" --result-json "$out/${step}_$q.json" 2>&1 | tee -a "$out/$step.txt"
+                ;;
+            esac
+        done
         ;;
     profile)
         timeout 300 $py bench/profile_step.py --model bench/models/Qwen3-0.6B --batch 128 \
@@ -199,6 +234,8 @@ for step in "$@"; do
         [ "$spec" != "$rates" ] && prompts=${spec#*-}
         phases=""
         for r in ${rates//_/ }; do phases="$phases${phases:+;}${FLEET_SECONDS:-60}x$r"; done
+        # The device sends back only files named in letters, digits, '.', '_' and '-'.
+        name="fleet_routing_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \
@@ -207,8 +244,7 @@ for step in "$@"; do
             --phases "$phases" --system-prompts "$prompts" --system-words 2000 --turns 4 \
             --user-words 60 --reply-words 120 --max-tokens 100 --ttft-slo 1.0 \
             --log-dir "$out/fleet-routing-$spec-logs" \
-            --result-json "$out/fleet_routing_$spec${FLEET_POLICIES:+_$FLEET_POLICIES}.json" \
-            2>&1 | tee "$out/fleet_routing_$spec${FLEET_POLICIES:+_$FLEET_POLICIES}.txt"
+            --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
         ;;
     fleet-autoscale)
         # The builtin autoscaler from one replica to one per visible GPU: a ramp 2 -> PEAK -> 2
