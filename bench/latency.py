@@ -1,6 +1,8 @@
 """Batch-1 decode latency next to the memory floor: every decode step must read all weights
 once, so time per output token cannot beat weight bytes / memory bandwidth. The bandwidth is
-measured in the same run with a device-to-device copy.
+measured in the same run with a device-to-device copy. With --quantization fp8 the linear
+layers' weights count one byte each (their fp32 scales, the bf16 embeddings, LM head and norms
+as they are): the fp8 floor.
 
     python bench/latency.py --model bench/models/Llama-3.1-8B --load-format dummy
 """
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
     p.add_argument("--profile", action="store_true", help="cProfile one timed run (host time)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=False,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
     vocab = llm.engine.vocab_size

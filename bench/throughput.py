@@ -60,6 +60,7 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
     p.add_argument("--baselines", nargs="*", default=[], choices=["hf-static", "hf-continuous"])
     p.add_argument("--baseline-num-prompts", type=int, default=64,
                    help="baselines run the first N prompts of the same workload")  # fmt: skip
