@@ -26,6 +26,7 @@ import llguidance
 import llguidance.gbnf_to_lark
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 from kvfleet.engine.request import InvalidRequestError, Request
@@ -164,6 +165,7 @@ class StructuredOutputs:
         # the masks cover both, and ids without a token are never allowed.
         self.mask_vocab = max(vocab_size, len(tokenizer))
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=self.mask_vocab, eos_token=sorted(eos_token_ids) or None
         )
@@ -189,6 +191,11 @@ class StructuredOutputs:
         prototype = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
         if prototype.is_error():
             raise GrammarError(_explain(kind, prototype.get_error()), "structured_outputs")
+        if not self._can_start(prototype):
+            # A schema that only refers to itself, say: it compiles, but no output satisfies it.
+            raise GrammarError(
+                f"the {_KIND_NAMES[kind]} allows no output at all", "structured_outputs"
+            )
         compiled = CompiledGrammar(kind, prototype)
         with self._lock:
             self.compiles += 1
@@ -197,6 +204,14 @@ class StructuredOutputs:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _can_start(self, matcher: Any) -> bool:
+        """Whether some output satisfies the grammar: a first token other than EOS is allowed,
+        or the empty output is complete. Computing this first mask also warms the lexer."""
+        mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8).copy()
+        for eos in self.eos_token_ids:
+            mask[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
+        return bool(mask.any()) or bool(matcher.is_accepting())
 
     async def compile(
         self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S
@@ -248,6 +263,15 @@ class GrammarMasks:
 
     bitmask: torch.Tensor
     failed: dict[int, Exception]
+
+
+_KIND_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
 
 
 def _explain(kind: str, error: str) -> str:

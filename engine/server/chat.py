@@ -102,6 +102,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         req.requested_max_tokens,
         lambda max_tokens: plan.sampling(req.sampling_params(max_tokens)),
     )
+    constraint, field = req.constraint
+    await ctx.compile_constraints(params, field if constraint is not None else "tool_choice")
     request_id = random_id("chatcmpl")
     created = now()
     model = req.model or ctx.model_name

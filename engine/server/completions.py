@@ -117,6 +117,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     # max_tokens 0 (echo only) still runs one step: the prompt's last position samples.
     scoring_only = req.max_tokens == 0
     params = ctx.prepare(prompts, 1 if scoring_only else req.max_tokens, req.sampling_params)
+    await ctx.compile_constraints(params[:1], req.constraint[1])
     echoes = [
         (t if t is not None else await ctx.decode(ids)) if req.echo else ""
         for t, ids in zip(texts, prompts, strict=True)

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.protocol.chat_template import ChatMessage
 
 
@@ -63,6 +63,42 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # `schema` would shadow BaseModel.schema(); the JSON field is still "schema".
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Outputs always follow the schema here, strict or not (as in vLLM).
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        if self.json_schema is not None and self.json_schema.json_schema is not None:
+            # The schema's own bounds (depth, size), reported under response_format.
+            StructuredOutputsParams(json=self.json_schema.json_schema)
+        return self
+
+
+# vLLM's pre-2025 request extras for constraints: it removed them, so refused with the new name.
+_REMOVED_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -88,11 +124,26 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     # OpenAI's shape: token id (as a JSON object key, so a string) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: a regex, choice, grammar or JSON constraint on the output.
+    structured_outputs: StructuredOutputsParams | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_guided_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in _REMOVED_GUIDED.items():
+                if old in data:
+                    instead = f"structured_outputs.{new}" if new else "structured_outputs"
+                    raise ValueError(f"{old} was removed (as in vLLM): use {instead}")
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format_constraint is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         return self
@@ -119,6 +170,23 @@ class _SamplingRequest(_Strict):
         """Top N of the prompt's logprobs the engine computes; None: none."""
         return self.prompt_logprobs
 
+    @property
+    def response_format_constraint(self) -> StructuredOutputsParams | None:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.json_schema is not None and rf.json_schema.json_schema is not None:
+            return StructuredOutputsParams(json=rf.json_schema.json_schema)
+        return StructuredOutputsParams(json_object=True)
+
+    @property
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output constraint and the request field that set it (for its errors)."""
+        from_format = self.response_format_constraint
+        if from_format is not None:
+            return from_format, "response_format"
+        return self.structured_outputs, "structured_outputs"
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = {
             "n": self.n,
@@ -132,6 +200,7 @@ class _SamplingRequest(_Strict):
             "prompt_logprobs": self.scores_prompt,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": {int(k): b for k, b in (self.logit_bias or {}).items()} or None,
+            "structured_outputs": self.constraint[0],
         }
         for name in (
             "temperature",
@@ -245,7 +314,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # None: "auto" with tools, "none" without, as OpenAI defaults it.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -265,8 +333,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.prompt_logprobs is not None and self.stream:

@@ -21,6 +21,7 @@ from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
+from kvfleet.engine.structured_output import GrammarError
 from kvfleet.telemetry.genai import GenAISpan
 from kvfleet.telemetry.http import SPAN
 
@@ -147,6 +148,21 @@ class ServingContext:
             except ValidationError as e:
                 raise validation_error(e) from None
         return params
+
+    async def compile_constraints(self, params: list[SamplingParams], param: str) -> None:
+        """Compile each structured-output constraint off the event loop, within a time bound,
+        so that the engine's admission finds it cached; one that cannot be compiled is a 400
+        naming `param` (the request field it came from)."""
+        structured = self.engine.core.structured
+        for sp in params:
+            if sp.structured_outputs is None:
+                continue
+            if structured is None:
+                raise bad_request("structured outputs need a tokenizer", param=param)
+            try:
+                await structured.compile(sp.structured_outputs)
+            except GrammarError as e:
+                raise bad_request(str(e), param=param) from None
 
     def run(
         self,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -66,7 +67,8 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None
     parse_mode: str | None = None
     function_name: str | None = None
-    schema: dict[str, Any] | None = None
+    # The grammar of a forced call (required, or a named function).
+    structured: StructuredOutputsParams | None = None
     # parallel_tool_calls false: calls past the first are dropped (with auto; the grammar of
     # required allows one only).
     single_call: bool = False
@@ -80,8 +82,8 @@ class ToolPlan:
         """params with the grammar of required / a named function; a Mistral model's
         [TOOL_CALLS] is a special token the parser must see."""
         update: dict[str, Any] = {}
-        if self.schema is not None:
-            update["structured_outputs"] = StructuredOutputsParams(json=self.schema)
+        if self.structured is not None:
+            update["structured_outputs"] = self.structured
         elif self.parse_mode == MISTRAL:
             update["skip_special_tokens"] = False
         return params.model_copy(update=update) if update else params
@@ -118,7 +120,8 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
         return ToolPlan(shown, settings.parser, single_call=not req.parallel_tool_calls)
     if _structured(req):
         raise bad_request(
-            "response_format and a tool_choice that forces a call cannot both constrain the output",
+            "response_format (or structured_outputs) and a tool_choice that forces a call "
+            "cannot both constrain the output",
             param="tool_choice",
         )
     if isinstance(choice, NamedToolChoice):
@@ -129,13 +132,26 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 f"({', '.join(names)})",
                 param="tool_choice",
             )
-        return ToolPlan(shown, "named", name, _arguments_schema(tools[names.index(name)]))
-    return ToolPlan(shown, "array", schema=required_schema(tools, req.parallel_tool_calls))
+        schema = _arguments_schema(tools[names.index(name)])
+        return ToolPlan(shown, "named", name, _forced(schema))
+    schema = required_schema(tools, req.parallel_tool_calls)
+    return ToolPlan(shown, "array", structured=_forced(schema))
+
+
+def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The structured-outputs constraint of a forced call; a 400 on the tools when the schema
+    is beyond what structured outputs take (their size bound)."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValidationError as e:
+        reason = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise bad_request(
+            f"the tools' parameters cannot constrain a forced call: {reason}", param="tool_choice"
+        ) from None
 
 
 def _structured(req: ChatCompletionRequest) -> bool:
-    fmt = req.response_format
-    return bool(fmt) and fmt.get("type") not in (None, "text")
+    return req.constraint[0] is not None
 
 
 def _check_parameters(tool: ChatTool, i: int) -> None:

@@ -116,6 +116,8 @@ def test_grammars_are_cached_by_constraint_in_a_bounded_lru(tokenizer):
         ({"json": {"$ref": "#/$defs/missing"}}, "invalid JSON schema"),
         ({"regex": "(unclosed"}, "invalid regex"),
         ({"grammar": "start: undefined_rule"}, "invalid grammar"),
+        ({"json": {"$ref": "#"}}, "allows no output"),
+        ({"json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, "no output"),
     ],
 )
 def test_bad_constraints_are_grammar_errors(structured, params, message):

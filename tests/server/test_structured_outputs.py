@@ -1,0 +1,161 @@
+"""Structured outputs over HTTP with the real default model, for what the client-level suite
+(test_structured_clients.py) leaves out: response_format json_schema and the structured_outputs
+extra on /v1/completions, streamed regex output, n > 1 with a seed, the removed guided_* extras,
+unsupported schema features and conflicting constraints as 400s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from openai import BadRequestError, OpenAI
+
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.app import ServerSettings
+from tests.support.net import http_call
+from tests.support.servers import engine_server
+
+MODEL = "smollm2"
+CHOICES = ["red", "green", "blue"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
+    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_completions_take_response_format_and_structured_outputs(client: OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": CHOICES}, "count": {"type": "integer", "maximum": 9}},
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    }
+    out = client.completions.create(
+        model=MODEL,
+        prompt="A color and a count, as JSON:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "pick", "schema": schema, "strict": True},
+            },
+        },
+    )
+    assert out.choices[0].finish_reason == "stop", out.choices[0].text
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+    picked = client.completions.create(
+        model=MODEL,
+        prompt="My favourite color is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": CHOICES}},
+    )
+    assert picked.choices[0].text in CHOICES
+
+
+def test_streamed_regex_output_and_n2_with_a_seed(client: OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Give me a time of day."),
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": r"[0-2][0-9]:[0-5][0-9]"}},
+    )
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert re.fullmatch(r"[0-2][0-9]:[0-5][0-9]", text) and finish == "stop", (text, finish)
+
+    def two() -> list[str]:
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=_user("Name a color."),
+            max_tokens=8,
+            temperature=1.0,
+            seed=4,
+            n=2,
+            extra_body={"structured_outputs": {"choice": CHOICES}},
+        )
+        return [c.message.content or "" for c in out.choices]
+
+    first = two()
+    assert all(c in CHOICES for c in first)
+    assert two() == first
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"guided_json": {"type": "object"}}, None, "guided_json was removed"),
+        ({"guided_choice": ["a"]}, None, "use structured_outputs.choice"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            None,
+            "not both",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}},
+                }
+            },
+            "response_format",
+            'unsupported features.*"not"',
+        ),
+        ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs", "grammar"),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+            "cannot both constrain",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s(client: OpenAI, extra, param, message) -> None:
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=_user("Hi"), max_tokens=4, extra_body=extra
+        )
+    error = e.value.body
+    assert re.search(message, error["message"]), error
+    assert error["param"] == param, error
+
+
+def test_unsupported_feature_on_completions_names_response_format(server) -> None:
+    status, _, raw = http_call(
+        server.url + "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Hi",
+            "max_tokens": 4,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": True}},
+            },
+        },
+    )
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["param"] == "response_format" and "uniqueItems" in error["message"], error
