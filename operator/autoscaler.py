@@ -18,6 +18,11 @@ its content (not just its times) changes, and otherwise at most every REFRESH_SE
 writes the exact memory is kept in the process. After a restart a window may therefore close up
 to REFRESH_SECONDS early.
 
+For scaling ahead (forecast.py), each step learns the engine start time from the engine pods it
+lists (kept in status.autoscaling too: a restart keeps it; a new start is part of the content, so
+it is written when learned) and keeps the load samples of the last minute in the process only:
+after a restart the forecast waits for the window to fill again.
+
 A step that fails (the API, a scrape or the decision raising) leaves the replica count as it is
 and is tried again the next interval. It is made visible once per cause, not once per interval:
 status.autoscaling.failure names the cause (written when the cause changes, removed by the next
@@ -46,6 +51,7 @@ from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
+from kvfleet.operator.forecast import EngineStart, Sample, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
@@ -100,6 +106,9 @@ SIGNAL_NAMES = {
     "queue_per_replica": "queuePerReplica",
     "kv_cache_usage": "kvCacheUsage",
     "latency": "latencySeconds",
+    "forecast_slope": "forecastSlope",
+    "forecast_horizon": "forecastHorizonSeconds",
+    "forecast_in_flight": "forecastInFlight",
 }
 LATENCY_NAMES = {"ttft": "TTFT", "queueTime": "queue time"}
 
@@ -121,15 +130,12 @@ def policy_of(a: AutoscalingSpec) -> ScalingPolicy:
         latency_name=f"p{latency.quantile * 100:g} {LATENCY_NAMES[latency.metric]}"
         if latency
         else "latency",
+        scale_ahead=a.scale_ahead,
     )
 
 
-def _epoch(value: str) -> float:
-    return datetime.datetime.fromisoformat(value).timestamp()
-
-
-def _rfc3339(epoch: float) -> str:
-    return timestamp(datetime.datetime.fromtimestamp(epoch, datetime.UTC))
+def _rfc3339(seconds: float) -> str:
+    return timestamp(datetime.datetime.fromtimestamp(seconds, datetime.UTC))
 
 
 def load_memory(status: Mapping[str, Any]) -> Memory:
@@ -137,12 +143,23 @@ def load_memory(status: Mapping[str, Any]) -> Memory:
     state = status.get("autoscaling") or {}
     history = tuple(Recommendation(float(t), int(n)) for t, n in state.get("recommendations") or [])
     last_active = state.get("lastActiveTime")
-    return history, _epoch(last_active) if last_active else None
+    return history, epoch(last_active) if last_active else None
 
 
-def memory_state(decision: ScaleDecision, unreachable: Mapping[str, str]) -> dict[str, Any]:
+def load_starts(status: Mapping[str, Any]) -> tuple[EngineStart, ...]:
+    """The engine starts learned, as persisted in status.autoscaling."""
+    pairs = (status.get("autoscaling") or {}).get("engineStarts") or []
+    return tuple(EngineStart(float(ready), float(seconds)) for ready, seconds in pairs)
+
+
+def memory_state(
+    decision: ScaleDecision,
+    unreachable: Mapping[str, str],
+    starts: tuple[EngineStart, ...] = (),
+) -> dict[str, Any]:
     """status.autoscaling for a decision: its history as [unix seconds, replicas] pairs, when
-    work was last seen, and the pods whose metrics did not come or could not be used, with why."""
+    work was last seen, the pods whose metrics did not come or could not be used, with why, and
+    the engine starts learned with their estimate."""
     state: dict[str, Any] = {
         "recommendations": [[round(r.time, 3), r.replicas] for r in decision.history],
         "unreachablePods": sorted(unreachable),
@@ -153,6 +170,9 @@ def memory_state(decision: ScaleDecision, unreachable: Mapping[str, str]) -> dic
         }
     if decision.last_active is not None:
         state["lastActiveTime"] = _rfc3339(decision.last_active)
+    if (estimate := start_estimate(starts)) is not None:
+        state["engineStarts"] = [[round(s.ready, 3), round(s.seconds, 3)] for s in starts]
+        state["engineStartSeconds"] = round(estimate, 3)
     return state
 
 
@@ -163,6 +183,7 @@ def _content(state: Mapping[str, Any]) -> tuple[Any, ...]:
         [n for _, n in state.get("recommendations") or []],
         state.get("unreachablePods") or [],
         "lastActiveTime" in state,
+        state.get("engineStarts") or [],
     )
 
 
@@ -177,6 +198,7 @@ def status_update(
     decision: ScaleDecision,
     unreachable: Mapping[str, str],
     now: float,
+    starts: tuple[EngineStart, ...] = (),
 ) -> dict[str, Any]:
     """The status merge patch that records a decision; empty when nothing needs writing."""
     patch: dict[str, Any] = {}
@@ -193,7 +215,7 @@ def status_update(
                 SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
             },
         }
-    state = memory_state(decision, unreachable)
+    state = memory_state(decision, unreachable, starts)
     old = previous.get("autoscaling") or {}
     if state != old and (
         patch or _content(state) != _content(old) or now - _written_at(old) >= REFRESH_SECONDS
@@ -256,6 +278,10 @@ class Autoscaler:
         # difference is the interval's latency. Not persisted: after a restart the latency
         # signal is absent for one interval.
         self._buckets: dict[str, dict[str, Buckets]] = {}
+        # By uid: the engine starts learned, the engine pods seen Ready (forecast.learn), and the
+        # load samples of the trend's window.
+        self._starts: dict[str, tuple[tuple[EngineStart, ...], frozenset[str]]] = {}
+        self._load: dict[str, tuple[Sample, ...]] = {}
         # The last InferenceService each loop read, to report a failure that comes before the
         # next read succeeds.
         self._seen: dict[k.Key, dict[str, Any]] = {}
@@ -286,8 +312,9 @@ class Autoscaler:
     def _forget(self, key: k.Key) -> None:
         self._failing.pop(key, None)
         if body := self._seen.pop(key, None):
-            self._memory.pop(body["metadata"].get("uid", ""), None)
-            self._buckets.pop(body["metadata"].get("uid", ""), None)
+            uid = body["metadata"].get("uid", "")
+            for memory in (self._memory, self._buckets, self._starts, self._load):
+                memory.pop(uid, None)
 
     async def _loop(self, key: k.Key) -> None:
         while True:
@@ -369,6 +396,9 @@ class Autoscaler:
             latency = service_quantile(target.quantile, self._buckets.get(uid, {}), buckets)
             self._buckets[uid] = buckets
         history, last_active = self._memory.get(uid) or load_memory(status)
+        starts, seen = self._starts.get(uid) or (load_starts(status), frozenset())
+        starts, seen = learn(starts, of("engine"), seen)
+        self._starts[uid] = (starts, seen)
         if last_active is None:
             # Never seen busy: the idle time counts from the first look, so a new endpoint keeps
             # its replica for the whole scale-to-zero delay.
@@ -384,16 +414,19 @@ class Autoscaler:
                 held_requests=held,
                 starting=max(0, current - len(engines)),
                 latency=latency,
+                load=self._load.get(uid, ()),
+                start_seconds=start_estimate(starts),
             )
         logger.debug(
             "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
         )
         self._memory[uid] = (decision.history, decision.last_active)
+        self._load[uid] = decision.load
         if 0 < decision.replicas < current:
             # Before the status write that makes the reconciler shrink the Deployment.
             await self._rank_for_deletion(namespace, of("engine"), metrics)
         unreachable = {**decision.problems, **silent_routers}
-        patch = status_update(status, current, decision, unreachable, now)
+        patch = status_update(status, current, decision, unreachable, now, starts)
         was_failing = self._failing.pop(key, None) is not None
         recovered = failure_update(status, None, "", now)
         if recovered:

@@ -6,10 +6,13 @@ Two signals, as the engines report them: requests in flight (running + waiting) 
 a target, and mean KV-cache usage over a target; and optionally a third, a latency quantile of
 the service over the last interval (TTFT or queue time, from the engines' histograms: latency.py)
 over a target. Each gives a replica count (with a tolerance band that ignores small
-deviations); the largest wins, and the decision names it (``signal``). Then, as HPA does: clamp
-to [min, max] (with bound_replicas, which the reconciler uses too), scale up only to the lowest
-recommendation seen within the scale-up window and by a bounded step, and scale down only to the
-highest recommendation seen within the scale-down window.
+deviations); the largest wins, and the decision names it (``signal``). With scale_ahead and a
+learned engine start time, a fourth: the requests in flight the trend of the last minute projects
+one engine start ahead (forecast.py), so that the replicas a steady rise will need are serving
+when it gets there rather than one start time later; it only ever raises the count. Then, as
+HPA does: clamp to [min, max] (with bound_replicas, which the reconciler uses too), scale up only
+to the lowest recommendation seen within the scale-up window and by a bounded step, and scale
+down only to the highest recommendation seen within the scale-down window.
 A pod that did not answer, or answered with values no engine can report (not finite, negative,
 absurdly large, a KV-cache usage outside [0, 1]), is never a reason to scale: its numbers are left
 out, as if it had not answered, and it holds any scale-down. Nor is a replica still starting; a
@@ -25,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvfleet.operator.forecast import Projection, Sample, projection, recent
 from kvfleet.operator.latency import Buckets
 
 # Requests one engine or router can hold: far beyond any real batch or queue, so a larger count is
@@ -94,6 +98,8 @@ class ScalingPolicy:
     # against a target, in seconds; ``latency_name`` words it in the reason ("p90 TTFT").
     latency_target_s: float | None = None
     latency_name: str = "latency"
+    # Scale up ahead of a rising load by the engines' start time (forecast.py).
+    scale_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -116,12 +122,14 @@ class ScaleDecision:
     reason: str
     history: tuple[Recommendation, ...]  # to persist for the next decision
     last_active: float | None  # when work was last seen
-    # What set the count before windows and bounds: queueDepth, kvCacheUsage, latency,
+    # What set the count before windows and bounds: queueDepth, kvCacheUsage, latency, forecast,
     # heldRequests (scale from zero), idle, or unknown (no engine answered).
     signal: str = "unknown"
     signals: dict[str, float] = field(default_factory=dict)
     unanswered: tuple[str, ...] = ()
     problems: dict[str, str] = field(default_factory=dict)  # why each unanswered pod is
+    # The load history the trend is fitted to, this step's included: for the next decision.
+    load: tuple[Sample, ...] = ()
 
 
 def bound_replicas(replicas: int, min_replicas: int, max_replicas: int) -> int:
@@ -152,10 +160,14 @@ def decide(
     held_requests: float = 0.0,
     starting: int = 0,
     latency: float | None = None,
+    load: tuple[Sample, ...] = (),
+    start_seconds: float | None = None,
 ) -> ScaleDecision:
     """``starting``: replicas asked for that are not ready yet, so not among ``pods``.
     ``latency``: the service's latency quantile over the last interval, in seconds (None: no
-    request finished in it, or the policy has no latency target)."""
+    request finished in it, or the policy has no latency target).
+    ``load``: the previous decisions' load samples (ScaleDecision.load); ``start_seconds``: the
+    engines' learned start time (None: none learned yet, so no forecast)."""
     problems = {p.pod: why for p in pods if (why := p.problem) is not None}
     answered = [p for p in pods if p.pod not in problems]
     unanswered = tuple(problems)
@@ -174,6 +186,7 @@ def decide(
         "held": held_requests,
     }
 
+    load = recent(load, now)
     # -- what the load asks for ------------------------------------------------------------
     if current == 0:
         if held_requests > 0:
@@ -188,7 +201,7 @@ def decide(
         per_replica = in_flight / serving
         kv = sum(p.kv_cache_usage or 0.0 for p in answered) / serving
         signals.update(queue_per_replica=per_replica, kv_cache_usage=kv)
-        # Each signal's count and why; the largest wins, the first of equals.
+        # Each signal's count and why.
         candidates = [
             (
                 _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance),
@@ -211,6 +224,28 @@ def decide(
                 by_latency = min(by_latency, current)
             why = f"{policy.latency_name} {latency:.3g}s, target {target:g}s"
             candidates.append((by_latency, why, "latency"))
+        # The requests in flight the engines would hold with every replica ready: the trend's
+        # quantity, unmoved by replicas joining (a per-replica figure halves when they double).
+        demand = per_replica * current
+        load = (*load, Sample(now, demand))
+        if policy.scale_ahead and start_seconds is not None:
+            # The rise is capped at doubling the demand or the current capacity, whichever is
+            # more: what one decision's step may add anyway.
+            ahead = projection(
+                load, now, start_seconds, max(demand, current * policy.target_queue_depth)
+            )
+            if ahead is not None:
+                if not starting:
+                    # Replicas still starting were asked for to meet this rise; and the queue
+                    # that grows until they serve is no trend of the load: the next forecast
+                    # waits for them.
+                    candidates.append(_forecast(current, ahead, policy))
+                signals.update(
+                    forecast_slope=ahead.slope,
+                    forecast_horizon=ahead.horizon,
+                    forecast_in_flight=ahead.projected,
+                )
+        # The largest wins, the first of equals: the forecast decides only when it asks for more.
         raw, why, signal = max(candidates, key=lambda c: c[0])
         idle_for = now - last_active if last_active is not None else math.inf
         if raw == 0 and idle_for < policy.scale_to_zero_delay_s:
@@ -258,4 +293,18 @@ def decide(
     bounded = bound_replicas(desired, policy.min_replicas, policy.max_replicas)
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
-    return ScaleDecision(desired, why, history, last_active, signal, signals, unanswered, problems)
+    return ScaleDecision(
+        desired, why, history, last_active, signal, signals, unanswered, problems, load
+    )
+
+
+def _forecast(current: int, ahead: Projection, policy: ScalingPolicy) -> tuple[int, str, str]:
+    """The forecast's candidate: the replicas the projected requests in flight need."""
+    per_replica = ahead.projected / current
+    return (
+        _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance),
+        f"forecast: {ahead.value:.2f} requests in flight rising {ahead.slope:.3g}/s, "
+        f"{ahead.projected:.2f} in {ahead.horizon:.0f}s (the engine start time), "
+        f"target {policy.target_queue_depth:g} per replica",
+        "forecast",
+    )

@@ -303,6 +303,7 @@ class AutoscalingSpec(_Model):
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
     scale_to_zero_delay_seconds: int = Field(default=600, ge=0, le=86400)
     latency_target: LatencyTarget | None = None
+    scale_ahead: bool = True
 
     @model_validator(mode="after")
     def _cel(self) -> AutoscalingSpec:

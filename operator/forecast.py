@@ -1,0 +1,146 @@
+"""Scaling ahead of a rising load by the time an engine takes to start. Pure: the autoscaler
+feeds it the pods it lists and the load it computes, and keeps what it returns.
+
+The start time is learned from the engine pods themselves: from a pod's creationTimestamp to the
+lastTransitionTime of its Ready condition, which is scheduling, image pull, model load and
+warm-up, all of which a new replica will pay again. A pod counts once, at its first Ready: a pod
+whose containers restarted, or that turned Ready again after a spell unready, would count its
+outage as start-up. Each sample is capped (a pod left Pending for hours says nothing of the next
+one) and the estimate is the median of the last few, so one odd start does not move it.
+
+The trend is a least-squares line through the load of the last WINDOW_S seconds. It projects
+only when it is worth believing: enough samples over a long enough span, a rising slope, and a
+line that explains most of the variance (a noisy, flat load does not project); the projected
+rise is capped by the caller. A falling or flat load projects nothing: the forecast only ever
+brings a scale-up forward, never a scale-down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Engine starts kept for the estimate.
+START_SAMPLES = 5
+# A start longer than this is capped: the estimate is a forecast horizon, and a line fitted over a
+# minute says little about the load half an hour on.
+MAX_START_S = 1800.0
+# The load history the trend is fitted to, and what makes it worth projecting.
+WINDOW_S = 60.0
+MIN_SAMPLES = 4
+MIN_SPAN_S = 15.0
+MIN_R2 = 0.6
+
+
+@dataclass(frozen=True)
+class Sample:
+    time: float  # unix seconds
+    value: float
+
+
+@dataclass(frozen=True)
+class EngineStart:
+    ready: float  # unix seconds of the pod's first Ready
+    seconds: float  # from its creation to then
+
+
+@dataclass(frozen=True)
+class Projection:
+    slope: float  # load units per second
+    horizon: float  # seconds ahead
+    value: float  # the load now
+    projected: float  # the load one horizon ahead
+
+
+def epoch(value: str) -> float:
+    """Unix seconds of an RFC 3339 time, as the API server writes them."""
+    return datetime.datetime.fromisoformat(value).timestamp()
+
+
+def pod_start(pod: Mapping[str, Any]) -> EngineStart | None:
+    """How long a Ready pod took from creation to Ready, capped; None for a pod that is not
+    Ready, whose containers restarted, or whose times are missing or inconsistent."""
+    status = pod.get("status") or {}
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    ready = next(
+        (
+            c.get("lastTransitionTime")
+            for c in status.get("conditions") or []
+            if c.get("type") == "Ready" and c.get("status") == "True"
+        ),
+        None,
+    )
+    if not created or not ready:
+        return None
+    if any((c.get("restartCount") or 0) > 0 for c in status.get("containerStatuses") or []):
+        return None
+    try:
+        created_at, ready_at = epoch(created), epoch(ready)
+    except (TypeError, ValueError):
+        return None
+    if not created_at <= ready_at < math.inf:
+        return None  # clock skew between the nodes and the API server
+    return EngineStart(ready_at, min(ready_at - created_at, MAX_START_S))
+
+
+def learn(
+    starts: tuple[EngineStart, ...], pods: Iterable[Mapping[str, Any]], seen: frozenset[str]
+) -> tuple[tuple[EngineStart, ...], frozenset[str]]:
+    """``starts`` with the first Ready of each engine pod not counted yet, the last
+    START_SAMPLES kept; and the uids of the pods seen Ready so far that still exist, to pass as
+    ``seen`` next time. A pod counts when it is not in ``seen`` (so a pod Ready again after a
+    spell unready does not count twice) and it turned Ready after the newest start already
+    counted (so that after an operator restart, with nothing seen, the pods counted before are
+    not counted again)."""
+    newest = max((s.ready for s in starts), default=-math.inf)
+    existing, ready, new = set(), set(), []
+    for pod in pods:
+        uid = (pod.get("metadata") or {}).get("uid") or ""
+        existing.add(uid)
+        if (start := pod_start(pod)) is None or uid in seen:
+            continue
+        ready.add(uid)
+        if start.ready > newest:
+            new.append(start)
+    new.sort(key=lambda s: s.ready)
+    return (*starts, *new)[-START_SAMPLES:], frozenset((seen & existing) | ready)
+
+
+def start_estimate(starts: tuple[EngineStart, ...]) -> float | None:
+    """The service's engine start time in seconds: the median of its recent starts."""
+    return statistics.median(s.seconds for s in starts) if starts else None
+
+
+def recent(samples: Iterable[Sample], now: float) -> tuple[Sample, ...]:
+    """The samples inside the trend's window."""
+    return tuple(s for s in samples if 0 <= now - s.time <= WINDOW_S)
+
+
+def projection(
+    samples: tuple[Sample, ...], now: float, horizon: float, max_rise: float
+) -> Projection | None:
+    """The load ``horizon`` seconds after now by the trend of the window's samples, the rise
+    capped at ``max_rise``; None unless the load rises significantly (see the module's doc).
+    The last sample is the load now."""
+    window = recent(samples, now)
+    if len(window) < MIN_SAMPLES or not 0 < horizon < math.inf or not max_rise > 0:
+        return None
+    times = [s.time for s in window]
+    values = [s.value for s in window]
+    if max(times) - min(times) < MIN_SPAN_S:
+        return None
+    mean_t, mean_v = statistics.fmean(times), statistics.fmean(values)
+    stt = sum((t - mean_t) ** 2 for t in times)
+    svv = sum((v - mean_v) ** 2 for v in values)
+    stv = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values, strict=True))
+    if stt <= 0 or svv <= 0:
+        return None
+    slope = stv / stt
+    if not (slope > 0 and stv * stv / (stt * svv) >= MIN_R2):
+        return None
+    value = window[-1].value
+    return Projection(slope, horizon, value, value + min(slope * horizon, max_rise))
