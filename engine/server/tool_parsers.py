@@ -480,7 +480,3 @@ class ToolCallParser:
             return True
         self._state = "plain"
         return True
-
-
-def parse_tool_calls(mode: str, text: str, name: str | None = None) -> ParseResult:
-    return ToolCallParser(mode, name).parse(text)

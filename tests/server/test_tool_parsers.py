@@ -11,7 +11,6 @@ from kvfleet.engine.server.tool_parsers import (
     LLAMA3_JSON,
     MISTRAL,
     ToolCallParser,
-    parse_tool_calls,
     parser_for_template,
 )
 
@@ -60,7 +59,7 @@ def _streamed(mode: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[st
 
 @pytest.mark.parametrize(("mode", "text", "content", "calls"), CASES)
 def test_whole_text(mode: str, text: str, content: str, calls: list) -> None:
-    result = parse_tool_calls(mode, text)
+    result = ToolCallParser(mode).parse(text)
     assert result.content == content
     assert [(c.name, json.loads(c.arguments)) for c in result.calls] == calls
     assert len({c.id for c in result.calls}) == len(calls)
@@ -115,14 +114,14 @@ def _streamed_named(text: str, cut: int) -> tuple[str, list, list]:
     ],
 )
 def test_malformed_calls_are_content(mode: str, text: str) -> None:
-    result = parse_tool_calls(mode, text)
+    result = ToolCallParser(mode).parse(text)
     assert result.calls == [] and result.content == text
 
 
 def test_ids_are_unique_and_openai_shaped() -> None:
     call = '<tool_call>{{"name": "f{}", "arguments": {{}}}}</tool_call>'
     text = "".join(call.format(i) for i in range(50))
-    calls = parse_tool_calls(HERMES, text).calls
+    calls = ToolCallParser(HERMES).parse(text).calls
     assert len({c.id for c in calls}) == 50
     assert calls[0].openai() == {
         "id": calls[0].id,

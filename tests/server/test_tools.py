@@ -216,6 +216,26 @@ def test_a_named_function_is_called(client: OpenAI, stream) -> None:
     jsonschema.validate(json.loads(calls[0]["arguments"]), TIME["function"]["parameters"])
 
 
+def test_logit_bias_cannot_break_a_forced_call(client: OpenAI, server) -> None:
+    """The grammar's mask wins over a +100 bias: the biased token is banned where the schema
+    forbids it, and the call stays valid."""
+    status, _, raw = http_call(
+        server.url + "/tokenize", {"prompt": " Paris", "add_special_tokens": False}
+    )
+    assert status == 200
+    token = json.loads(raw)["tokens"][0]
+    resp = _chat(
+        client,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        logit_bias={str(token): 100},
+        max_tokens=60,
+    )
+    (call,) = resp.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+
+
 def test_tools_through_the_router(server) -> None:
     router = Router(RouterSettings(hold_timeout_s=5.0), None)
     router.set_endpoints([server.url.removeprefix("http://")])
