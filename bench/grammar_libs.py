@@ -444,6 +444,45 @@ def bench_tokenizer(
     return results
 
 
+def engine_batch_masks(hf_tokenizer: Any, vocab_size: int, rows: int) -> dict[str, str]:
+    """The engine's own per-step cost (kvfleet's StructuredOutputs.masks, llguidance's parallel
+    executor) for `rows` sequences under the typical schema, each following the valid output,
+    and the bitmask's application to logits on the CPU."""
+    from kvfleet.engine.request import Request
+    from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from kvfleet.engine.structured_output import StructuredOutputs, apply_bitmask
+
+    eos = frozenset([hf_tokenizer.eos_token_id])
+    so = StructuredOutputs(hf_tokenizer, vocab_size, eos)
+    params = StructuredOutputsParams(json=TYPICAL, disable_any_whitespace=True)
+    first = _timed(lambda: so.grammar(params))[0]
+    cached = _timed(lambda: so.grammar(params))[0]
+    grammar = so.grammar(params)
+    reqs = [
+        Request(f"r{i}", [1], SamplingParams(), eos, 1 << 20, grammar=grammar.matcher())
+        for i in range(rows)
+    ]
+    tokens = hf_tokenizer.encode(
+        json.dumps(TYPICAL_VALUE, separators=(",", ":")), add_special_tokens=False
+    )
+    logits = torch.zeros(rows, vocab_size)
+    fill, apply = [], []
+    for token in tokens:
+        seconds, masks = _timed(lambda: so.masks(reqs))
+        fill.append(seconds)
+        apply.append(_timed(lambda m=masks: apply_bitmask(logits, m.bitmask))[0])
+        for req in reqs:
+            req.grammar.accept(token)
+    return {
+        "compile (new schema) ms": f"{first * 1e3:.2f}",
+        "compile (cached) us": f"{cached * 1e6:.0f}",
+        f"masks() for {rows} rows, us per step (median/max)": (
+            f"{statistics.median(fill) * 1e6:.0f}/{max(fill) * 1e6:.0f}"
+        ),
+        f"apply_bitmask on CPU, {rows} rows, us (median)": f"{statistics.median(apply) * 1e6:.0f}",
+    }
+
+
 def _llama3_tokenizer(path: Path | None) -> tuple[Any, int]:
     from transformers import AutoTokenizer
 
@@ -469,6 +508,10 @@ def main() -> None:
     parser.add_argument("--llama3-dir", type=Path, default=None)
     parser.add_argument("--hostile-timeout", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument("--rows", type=int, default=32, help="batch rows for the engine's masks")
+    parser.add_argument(
+        "--engine-only", action="store_true", help="only the engine's batch masks (kvfleet)"
+    )
     args = parser.parse_args()
 
     from kvfleet.engine.default_model import default_model_path
@@ -478,7 +521,16 @@ def main() -> None:
     smol = gguf_checkpoint.load_tokenizer(gguf)
     smol_vocab = int(gguf_checkpoint.load_config(gguf).vocab_size)
     llama, llama_vocab = _llama3_tokenizer(args.llama3_dir)
-    results = {
+    engine = {
+        f"SmolLM2 ({smol_vocab})": engine_batch_masks(smol, smol_vocab, args.rows),
+        f"Llama-3 ({llama_vocab})": engine_batch_masks(llama, llama_vocab, args.rows),
+    }
+    logger.info("engine masks: %s", json.dumps(engine, indent=1))
+    if args.engine_only:
+        print(json.dumps(engine, indent=1))
+        return
+    results: dict[str, Any] = {
+        "kvfleet engine": engine,
         f"SmolLM2 ({smol_vocab})": bench_tokenizer(
             "smollm2", smol, smol_vocab, args.libs, args.hostile_timeout
         ),
