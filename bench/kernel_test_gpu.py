@@ -1,5 +1,6 @@
 """Checks every Triton kernel against its PyTorch twin at real sizes on a CUDA GPU, then times
-decode attention against the card's copy bandwidth (and prefill attention in TFLOP/s)::
+decode attention against the card's copy bandwidth (and prefill attention in TFLOP/s), with a
+bf16 KV cache and an FP8 (e4m3) one::
 
     python bench/kernel_test_gpu.py                 # checks, then the bandwidth table
     python bench/kernel_test_gpu.py --skip-bench    # checks only
@@ -8,9 +9,11 @@ decode attention against the card's copy bandwidth (and prefill attention in TFL
 Checks draw fresh random data, poison outputs with NaN before each kernel runs, and fail on any
 NaN or on an error over the stated tolerance (|out - ref| <= atol + rtol * |ref| elementwise);
 the exit code is 1 if any check failed. Decode bandwidth counts the K/V bytes the step must read
-(each sequence's context once per KV head) over the median kernel time, next to a measured
-device-to-device copy (bytes read plus bytes written). Needs kvfleet installed (``pip install
--e .``) with triton.
+(each sequence's context once per KV head, in the cache's own element size: 1 byte for FP8)
+over the median kernel time, next to a measured device-to-device copy (bytes read plus bytes
+written). FP8 checks compare the kernels with the reference reading the same FP8 cache (the
+cache write bit for bit), so their tolerances are the query dtype's. Needs kvfleet installed
+(``pip install -e .``) with triton.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from kvfleet.kernels.rms_norm import rms_norm
 logger = logging.getLogger("kvfleet.bench.kernel_test_gpu")
 
 BLOCK_SIZE = 16
+FP8 = reference.FP8_KV_DTYPE
+# K and V scales of the FP8 checks: random N(0, 1) K/V then span e4m3's range without saturating
+# (|x| / scale up to ~110 and ~270), and the two scales differ, so swapping them would show.
+FP8_SCALES = (0.04, 0.017)
 # (atol, rtol) against the fp32 reference, elementwise. bf16 attention multiplies probabilities
 # rounded to bf16 (8 significant bits) into V, and rounding the output alone is off by up to
 # 1.6e-2 where |out| is in [2, 4) (short contexts, whose output is nearly one V row); fp32 uses
@@ -60,13 +67,25 @@ NORM_FP32_TOL = (1e-5, 1e-5)
 class Paged:
     cache: torch.Tensor
     tables: torch.Tensor
+    k_scale: torch.Tensor | None = None  # an FP8 cache's
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict[str, torch.Tensor | None]:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
 
 def paged_context(
-    seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, dev: torch.device
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+    fp8: bool = False,
 ) -> Paged:
     """Random K/V in randomly permuted blocks (a fragmented cache); slots past each sequence's
-    length and the spare block 0 that pads block tables hold NaN, so unmasked reads show."""
+    length and the spare block 0 that pads block tables hold NaN, so unmasked reads show. With
+    fp8 the cache holds them quantized with FP8_SCALES (NaN stays NaN)."""
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks) + 1
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev).to(dtype)
@@ -79,7 +98,13 @@ def paged_context(
         start += nb
         if n % BLOCK_SIZE:
             cache[:, int(tables[i, nb - 1]), n % BLOCK_SIZE :] = float("nan")
-    return Paged(cache, tables)
+    if not fp8:
+        return Paged(cache, tables)
+    k_scale, v_scale = (torch.tensor(s, device=dev) for s in FP8_SCALES)
+    quantized = torch.stack(
+        [reference.quantize_fp8(cache[0], k_scale), reference.quantize_fp8(cache[1], v_scale)]
+    )
+    return Paged(quantized, tables, k_scale, v_scale)
 
 
 def report(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> bool:
@@ -100,19 +125,29 @@ def report(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: f
     return ok
 
 
-def check_cache_write(dev: torch.device, dtype: torch.dtype) -> bool:
+def check_cache_write(dev: torch.device, dtype: torch.dtype, fp8: bool = False) -> bool:
+    """With fp8, K/V magnitudes span e4m3's subnormals to past its saturation point, and the
+    cache must match the reference's bytes exactly."""
     num_tokens, num_kv_heads, head_dim, num_blocks = 4096, 8, 128, 600
-    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, device=dev, dtype=dtype)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, device=dev)
+    if fp8:
+        kv *= 10 ** torch.empty_like(kv).uniform_(-5, 2)
+    kv = kv.to(dtype)
     key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # strided, as after a qkv split
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=dev)[:num_tokens]
     slots[::7] = -1  # padding tokens of a CUDA-graph batch
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev)
+    cache = cache.to(FP8 if fp8 else dtype)
     expected = cache.clone()
     keep = slots >= 0
-    reference.write_kv_cache(key[keep], value[keep], expected, slots[keep])
-    write_kv_cache(key, value, cache, slots)
+    scales = [torch.tensor(s, device=dev) for s in FP8_SCALES] if fp8 else [None, None]
+    reference.write_kv_cache(key[keep], value[keep], expected, slots[keep], *scales)
+    write_kv_cache(key, value, cache, slots, *scales)
     torch.cuda.synchronize()
-    return report(f"write_kv_cache T={num_tokens} {dtype}", cache, expected, 0.0, 0.0)
+    if fp8:
+        cache, expected = cache.view(torch.uint8), expected.view(torch.uint8)
+    name = f"write_kv_cache T={num_tokens} {dtype}{' -> fp8 cache' if fp8 else ''}"
+    return report(name, cache, expected, 0.0, 0.0)
 
 
 def check_decode(
@@ -128,13 +163,14 @@ def check_decode(
     splits: list[int],
     shared: int = 0,
     prefix_splits: int = 1,
+    fp8: bool = False,
 ) -> bool:
     """With `shared`, every real row starts with row 0's first `shared` tokens (whole blocks)
-    and the kernel runs its cascade pass over them."""
+    and the kernel runs its cascade pass over them. fp8: an FP8 cache."""
     lens = torch.randint(shared + 1, max_len + 1, (batch,)).tolist()
     # Longest, shortest, a CUDA-graph padding row.
     lens[0], lens[1], lens[-1] = max_len, max(shared, 1), 0
-    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev, fp8)
     ctx.tables[:-1, : shared // BLOCK_SIZE] = ctx.tables[0, : shared // BLOCK_SIZE]
     prefix_len = torch.tensor([shared], device=dev) if shared else None
     query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
@@ -149,6 +185,7 @@ def check_decode(
         scale,
         window,
         cap,
+        **ctx.scales,
     )
     seq_lens = torch.tensor(lens, device=dev)
     atol, rtol = ATTN_TOL[dtype]
@@ -158,11 +195,13 @@ def check_decode(
         paged_decode_attention(
             query, ctx.cache, ctx.tables, seq_lens, scale, window, cap, out,
             num_splits=num_splits, prefix_len=prefix_len, prefix_splits=prefix_splits,
+            **ctx.scales,
         )  # fmt: skip
         torch.cuda.synchronize()
         name = (
             f"decode B={batch} ctx<={max_len} H={num_heads}/{num_kv_heads} D={head_dim} "
             f"win={window} cap={cap} S={num_splits} {str(dtype)[6:]}"
+            + (" fp8-KV" if fp8 else "")
             + (f" shared={shared} PS={prefix_splits}" if shared else "")
         )
         ok &= report(name, out[:real], ref, atol, rtol)
@@ -224,15 +263,18 @@ def check_prefill(
     head_dim: int,
     window: int | None,
     cap: float | None,
+    fp8: bool = False,
 ) -> bool:
     lens = [s for s, _ in seqs]
     qsl = [0]
     for _, q in seqs:
         qsl.append(qsl[-1] + q)
-    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev, fp8)
     query = torch.randn(qsl[-1], num_heads, head_dim, device=dev, dtype=dtype)
     scale = head_dim**-0.5
-    ref = reference.paged_attention(query, ctx.cache, ctx.tables, lens, qsl, scale, window, cap)
+    ref = reference.paged_attention(
+        query, ctx.cache, ctx.tables, lens, qsl, scale, window, cap, **ctx.scales
+    )
     out = torch.full_like(query, float("nan"))
     paged_prefill_attention(
         query,
@@ -245,11 +287,12 @@ def check_prefill(
         window,
         cap,
         out,
+        **ctx.scales,
     )
     torch.cuda.synchronize()
     name = (
         f"prefill {len(seqs)} seqs T={qsl[-1]} H={num_heads}/{num_kv_heads} D={head_dim} "
-        f"win={window} cap={cap} {str(dtype)[6:]}"
+        f"win={window} cap={cap} {str(dtype)[6:]}{' fp8-KV' if fp8 else ''}"
     )
     return report(name, out, ref, *ATTN_TOL[dtype])
 
@@ -338,6 +381,21 @@ def run_checks(dev: torch.device) -> bool:
         lambda: check_rms_norm(dev, bf16, 2304, zero_centred=True),
         lambda: check_act_and_mul(dev, "silu"),
         lambda: check_act_and_mul(dev, "gelu_pytorch_tanh"),
+        # FP8 KV cache: the write, decode at the bandwidth table's sizes (Llama-8B heads),
+        # windowed and soft-capped decode, the cascade pass, prefill and mixed chunks.
+        lambda: check_cache_write(dev, bf16, fp8=True),
+        lambda: check_cache_write(dev, torch.float32, fp8=True),
+        lambda: check_decode(dev, bf16, 64, 2048, 32, 8, 128, None, None, splits, fp8=True),
+        lambda: check_decode(dev, bf16, 8, 16384, 32, 8, 128, None, None, [1, 16], fp8=True),
+        lambda: check_decode(dev, bf16, 16, 3000, 32, 8, 128, 1024, 30.0, [1, 8], fp8=True),
+        lambda: check_decode(dev, bf16, 16, 1000, 16, 8, 256, 512, 50.0, [4], fp8=True),
+        lambda: check_decode(dev, torch.float16, 16, 1000, 32, 8, 128, None, None, [4], fp8=True),
+        lambda: check_decode(dev, bf16, 96, 2500, 40, 40, 128, None, None, [2], 2000, 4, True),
+        lambda: check_decode(dev, bf16, 64, 1500, 32, 8, 128, None, None, [1], 512, 1, True),
+        lambda: check_prefill(dev, bf16, mixed, 32, 8, 128, None, None, fp8=True),
+        lambda: check_prefill(dev, bf16, mixed, 32, 8, 128, 1024, 30.0, fp8=True),
+        lambda: check_prefill(dev, bf16, [(1500, 1500), (700, 300)], 16, 8, 256, 512, 50.0, True),
+        lambda: check_prefill(dev, torch.float32, mixed[:8], 32, 8, 128, None, None, fp8=True),
     ]
     return all([check() for check in checks])
 
@@ -386,11 +444,13 @@ def bench_decode(
     heads: tuple[int, int] = (32, 8),
     shared_prefix: int = 0,
     cascade: bool = False,
+    fp8: bool = False,
 ) -> tuple[float, float]:
-    """Time and logical KV bandwidth (every sequence's bytes counted, shared or not); with
-    `cascade`, the shared prefix goes through the kernel's shared-prefix pass."""
+    """Time and logical KV bandwidth (every sequence's bytes counted, shared or not, at the
+    cache's element size); with `cascade`, the shared prefix goes through the kernel's
+    shared-prefix pass; with fp8, the cache is FP8."""
     (num_heads, num_kv_heads), head_dim, dtype = heads, 128, torch.bfloat16
-    ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev)
+    ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev, fp8)
     # A prompt prefix every sequence shares: the same physical blocks head every block table.
     ctx.tables[:, : shared_prefix // BLOCK_SIZE] = ctx.tables[0, : shared_prefix // BLOCK_SIZE]
     query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
@@ -409,11 +469,12 @@ def bench_decode(
             num_splits=splits,
             prefix_len=prefix_len,
             prefix_splits=prefix_splits,
+            **ctx.scales,
         ),
         iters,
         warmup,
     )
-    kv_bytes = 2 * batch * ctx_len * num_kv_heads * head_dim * dtype.itemsize
+    kv_bytes = 2 * batch * ctx_len * num_kv_heads * head_dim * ctx.cache.element_size()
     return ms, kv_bytes / ms / 1e6
 
 
@@ -446,18 +507,21 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
     out = sys.stdout
     out.write(
         f"\n{torch.cuda.get_device_name(dev)}: device-to-device copy {copy_gbs:.0f} GB/s "
-        f"(read + write); 32 q / 8 kv heads, head_dim 128, bf16; median of {iters} CUDA-graph "
-        "replays\n\ndecode (KV bytes read / time)\n"
+        f"(read + write); 32 q / 8 kv heads, head_dim 128, bf16 queries; median of {iters} "
+        "CUDA-graph replays\n\ndecode (KV bytes read / time; an fp8 cache's bytes are 1 each)\n"
     )
-    out.write(f"{'batch x ctx':>13} {'splits':>12} {'us':>9} {'KV GB/s':>9} {'% copy':>7}\n")
+    out.write(
+        f"{'batch x ctx':>13} {'cache':>5} {'splits':>12} {'us':>9} {'KV GB/s':>9} {'% copy':>7}\n"
+    )
     for batch, ctx_len in ((64, 2048), (8, 16384)):
         chosen = choose_num_splits(32768, batch, 8, num_sms)
-        for splits in sorted({chosen, *extra_splits}):
-            ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup)
+        for fp8, splits in itertools.product((False, True), sorted({chosen, *extra_splits})):
+            ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, fp8=fp8)
             tag = f"{splits}{' (chosen)' if splits == chosen else ''}"
             pct = 100 * gbs / copy_gbs
             out.write(
-                f"{f'{batch} x {ctx_len}':>13} {tag:>12} {ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
+                f"{f'{batch} x {ctx_len}':>13} {'fp8' if fp8 else 'bf16':>5} {tag:>12} "
+                f"{ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
             )
     out.write("\ndecode, Llama-2-13B heads (40 q / 40 kv), chosen splits\n")
     for batch, ctx_len, shared, cascade in (
