@@ -46,6 +46,7 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--enforce-eager": 0,
     "--no-enforce-eager": 0,
     "--tensor-parallel-size": None,
+    "--quantization": None,
     "--host": None,
     "--port": None,
     "--served-model-name": "+",

@@ -48,6 +48,8 @@ from kvfleet.operator.spec import (
     InferenceServiceSpec,
     SpecError,
     engine_replicas,
+    fp8_cpu_warning,
+    fp8_gpu_problem,
     parse_spec,
     served_model_name,
 )
@@ -181,6 +183,9 @@ class Reconciler:
         self._clock = clock
         # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
         self._replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
+        # Per service: (uid, generation) of the spec last warned about, so a warning that holds
+        # for a spec is an Event once, not one per reconcile.
+        self._warned: dict[k.Key, tuple[str, int]] = {}
 
     async def reconcile(self, key: k.Key) -> None:
         namespace, name = key
@@ -188,6 +193,7 @@ class Reconciler:
         isvc = await self._api.get(url)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
             self._replicas_seen.pop(key, None)
+            self._warned.pop(key, None)
             return  # the garbage collector removes the children
         owner = Owner(name=name, namespace=namespace, uid=isvc["metadata"]["uid"])
         previous = isvc.get("status") or {}
@@ -204,10 +210,14 @@ class Reconciler:
             Problem(v.reason, v.message)
             for v in (policy_violations(spec, self._config) if spec is not None else [])
         ]
+        if spec is not None and (fp8 := fp8_gpu_problem(spec)) is not None:
+            # The engine would exit at start-up on these GPUs: keep the last applied spec.
+            refused.append(Problem("FP8Unsupported", fp8))
         for problem in refused:
             logger.warning("%s/%s: not applied: %s", namespace, name, problem.message)
         if spec is not None:
             self._refuse_scale_request(key, isvc, spec)
+            self._warn_once(key, isvc, "FP8OnCPU", fp8_cpu_warning(spec))
         if spec is not None and not refused:
             replicas = engine_replicas(spec, previous.get("desiredReplicas"))
             live, problems = await self._converge(owner, spec, replicas)
@@ -262,6 +272,20 @@ class Reconciler:
         ):
             logger.warning("%s/%s: replicas %s ignored: %s", *key, spec.replicas, MSG_SCALE_BUILTIN)
             kopf.event(isvc, type="Warning", reason="ScaleIgnored", message=MSG_SCALE_BUILTIN)
+
+    def _warn_once(
+        self, key: k.Key, isvc: dict[str, Any], reason: str, message: str | None
+    ) -> None:
+        """A Warning Event for something a spec asks that works but may surprise, once per
+        spec generation."""
+        if message is None:
+            return
+        seen = (isvc["metadata"]["uid"], isvc["metadata"].get("generation", 0))
+        if self._warned.get(key) == seen:
+            return
+        self._warned[key] = seen
+        logger.warning("%s/%s: %s", *key, message)
+        kopf.event(isvc, type="Warning", reason=reason, message=message)
 
     async def _converge(
         self, owner: Owner, spec: InferenceServiceSpec, replicas: int

@@ -327,6 +327,10 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--max-waiting-requests", str(e.max_waiting_requests)]
     if e.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+    if e.quantization is not None:
+        args += ["--quantization", e.quantization]
+    if e.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
     return args + list(e.extra_args)
 
 
@@ -529,6 +533,9 @@ def engine_deployment(
         "lifecycle": _prestop(),
         "securityContext": _restricted_container_security(),
         "volumeMounts": mounts,
+        # An engine that exits on an error (a GPU without fp8, weights that do not fit) leaves
+        # its last log lines as the termination message, which the Degraded condition quotes.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     template_annotations = {
         "prometheus.io/scrape": "true",

@@ -10,6 +10,7 @@ fails with the same message; tests/operator/test_crd_schema.py holds the two to 
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -85,6 +86,8 @@ MANAGED_FLAGS = (
     "--max-waiting-requests",
     "--shutdown-timeout",
     "--tensor-parallel-size",
+    "--quantization",
+    "--kv-cache-dtype",
     "-h",
     "--help",
 )
@@ -233,6 +236,9 @@ class EngineSpec(_Model):
     block_size: Literal[16] = 16
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # None: as the checkpoint is (an fp8 checkpoint's quantization_config is read).
+    quantization: Literal["fp8"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     max_waiting_requests: Annotated[int, Field(ge=1)] | None = None
     shutdown_timeout_seconds: int = Field(default=30, ge=0, le=3600)
@@ -357,6 +363,117 @@ class InferenceServiceSpec(_Model):
         if self.model_cache is not None and self.model.parsed_source.kind != "hf":
             raise ValueError(MSG_MODEL_CACHE_HF)
         return self
+
+
+# GPU Feature Discovery's node labels: the product name, and the compute capability.
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_MAJOR_LABEL = "nvidia.com/gpu.compute.major"
+GPU_MINOR_LABEL = "nvidia.com/gpu.compute.minor"
+# Words of a GFD product name (NVIDIA-A100-SXM4-80GB, Tesla-T4, NVIDIA-RTX-A6000) naming a GPU
+# older than Ada (compute capability < 8.9): Ampere's A-series, Volta, Turing, Pascal and before.
+# A name this does not recognise is taken as able: the engine itself refuses at start-up.
+_PRE_ADA_WORD = re.compile(
+    r"^(QUADRO|A\d{1,4}[A-Z]?|GV100|V100[A-Z]?|T4G?|T\d{3,4}|P\d{1,3}|K\d{1,3}|M\d{2})$"
+)
+_PRE_ADA_RTX = re.compile(r"^[23]\d{3}(TI)?$")
+
+
+def gpu_product_pre_ada(product: str) -> bool:
+    """Whether a GFD product label names a GPU without fp8 (compute capability < 8.9)."""
+    words = product.upper().replace("_", "-").split("-")
+    if "ADA" in words:
+        return False  # "RTX 6000 Ada Generation", not Ampere's RTX A6000
+    after_rtx = [w for prev, w in itertools.pairwise(words) if prev == "RTX"]
+    return any(_PRE_ADA_WORD.match(w) for w in words) or any(
+        _PRE_ADA_RTX.match(w) for w in after_rtx
+    )
+
+
+def _pinned_products(scheduling: SchedulingSpec) -> list[list[str]]:
+    """The GPU products each way of scheduling the pods allows, as the spec pins them: the
+    nodeSelector's product (all ways), and each required node-affinity term's `In` values for
+    the product label. Empty: nothing pins a product (any term without one allows any GPU)."""
+    pinned = scheduling.node_selector.get(GPU_PRODUCT_LABEL)
+    required = _get_path(
+        scheduling.affinity,
+        "nodeAffinity",
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "nodeSelectorTerms",
+    )
+    terms: list[list[str]] = []
+    for term in required if isinstance(required, list) else []:
+        values: list[str] | None = None
+        for expr in (term or {}).get("matchExpressions") or []:
+            if expr.get("key") == GPU_PRODUCT_LABEL and expr.get("operator") == "In":
+                values = [str(v) for v in expr.get("values") or []]
+        if values is None:
+            if pinned is None:
+                return []  # this term allows any product
+            values = [pinned]
+        elif pinned is not None:
+            values = [v for v in values if v == pinned]
+        terms.append(values)
+    if not terms and pinned is not None:
+        terms = [[pinned]]
+    return terms
+
+
+def _get_path(obj: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def fp8_gpu_problem(spec: InferenceServiceSpec) -> str | None:
+    """Why the spec's fp8 (quantization or kvCacheDtype) cannot run where it schedules the
+    engine: a GPU pinned (by nodeSelector or required node affinity) to products or a compute
+    capability older than 8.9. None when fine, unknown, or on the CPU."""
+    e = spec.engine
+    asked = [
+        f"{name} {value}"
+        for name, value, on in (
+            ("quantization", e.quantization, e.quantization is not None),
+            ("kvCacheDtype", e.kv_cache_dtype, e.kv_cache_dtype != "auto"),
+        )
+        if on
+    ]
+    if not asked or spec.resources.gpus == 0:
+        return None
+    where = None
+    selector = spec.scheduling.node_selector
+    major, minor = selector.get(GPU_MAJOR_LABEL), selector.get(GPU_MINOR_LABEL)
+    if major is not None and major.isdigit():
+        minor_n = int(minor) if minor is not None and minor.isdigit() else 9
+        if (int(major), minor_n) < (8, 9):
+            where = f"nodeSelector {GPU_MAJOR_LABEL}={major}" + (
+                f", {GPU_MINOR_LABEL}={minor}" if minor is not None else ""
+            )
+    terms = _pinned_products(spec.scheduling)
+    if where is None and terms and all(all(gpu_product_pre_ada(p) for p in t) for t in terms):
+        products = sorted({p for t in terms for p in t})
+        where = f"{GPU_PRODUCT_LABEL} {', '.join(products) or '(none)'}"
+    if where is None:
+        return None
+    return (
+        f"spec.engine {' and '.join(asked)} needs a GPU of compute capability 8.9+ (Ada, Hopper "
+        f"or newer), but the spec schedules the engine only onto older GPUs ({where}): set "
+        "quantization and kvCacheDtype back to their defaults, or schedule onto Ada/Hopper GPUs"
+    )
+
+
+def fp8_cpu_warning(spec: InferenceServiceSpec) -> str | None:
+    """fp8 on a CPU engine runs, through the engine's reference path, slowly: worth a Warning
+    Event, not a refusal (vLLM and KubeAI users expect the flag honoured)."""
+    e = spec.engine
+    if spec.resources.gpus > 0 or (e.quantization is None and e.kv_cache_dtype == "auto"):
+        return None
+    return (
+        "spec.engine asks for fp8 (quantization or kvCacheDtype) with resources.gpus 0: the CPU "
+        "engine emulates fp8 in its reference path, which saves memory but runs slower than "
+        "the model dtype; fp8 pays off on GPUs of compute capability 8.9+"
+    )
 
 
 def served_model_name(spec: InferenceServiceSpec) -> str:

@@ -26,6 +26,7 @@ SEVERITY = (
     "InvalidSpec",
     "ImageNotAllowed",
     "SecretNotAllowed",
+    "FP8Unsupported",
     "NameConflict",
     "ApplyFailed",
     "ImagePullError",
@@ -39,6 +40,9 @@ SEVERITY = (
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
 CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
 MAX_PROBLEMS_SHOWN = 3
+# A container's termination message, as the Degraded condition quotes it (the kubelet keeps up
+# to 4096 bytes of it).
+MAX_TERMINATION_CHARS = 300
 # Status keys this module owns; others (lastScaleDecision: the autoscaler's) are left alone.
 OWNED_KEYS = (
     "observedGeneration",
@@ -96,6 +100,19 @@ def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
     return obj
 
 
+def _last_line(message: Any) -> str:
+    """The last non-empty line of a termination message, at most MAX_TERMINATION_CHARS."""
+    if not isinstance(message, str):
+        return ""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1]
+    if len(line) > MAX_TERMINATION_CHARS:
+        line = line[: MAX_TERMINATION_CHARS - 3] + "..."
+    return line
+
+
 def _pod_problems(pod: Mapping[str, Any]) -> list[Problem]:
     name = _get(pod, "metadata", "name", default="?")
     component = _get(pod, "metadata", "labels", LABEL_COMPONENT, default="")
@@ -136,6 +153,10 @@ def _pod_problems(pod: Mapping[str, Any]) -> list[Problem]:
             exit_info = f"last exit code {last.get('exitCode', '?')}"
             if last.get("reason"):
                 exit_info += f" ({last['reason']})"
+            if said := _last_line(last.get("message")):
+                # The container's own reason: its termination-log line, or (FallbackToLogsOnError)
+                # the last line it logged, such as a GPU without fp8.
+                exit_info += f": {said}"
             if is_init:
                 problems.append(
                     Problem(
