@@ -62,10 +62,12 @@ for step in "$@"; do
     case $step in
     check)
         timeout 300 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
-        timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+        timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py 2>&1 |
+            tee "$out/gpu_tests.txt"
         ;;
     gputests)
-        timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+        timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py 2>&1 |
+            tee "$out/gpu_tests.txt"
         ;;
     qwen3)
         timeout 500 $py bench/throughput.py --model bench/models/Qwen3-0.6B --num-prompts 256 \
