@@ -14,7 +14,9 @@ children keep serving (Ready=True) while Degraded=True says why the change was n
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,13 +103,18 @@ def _get(obj: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:
 
 
 def _last_line(message: Any) -> str:
-    """The last non-empty line of a termination message, at most MAX_TERMINATION_CHARS."""
+    """The last non-empty line of a termination message (a JSON log record's message, with
+    --log-format json), at most MAX_TERMINATION_CHARS."""
     if not isinstance(message, str):
         return ""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if not lines:
         return ""
     line = lines[-1]
+    with contextlib.suppress(ValueError):
+        record = json.loads(line)
+        if isinstance(record, dict) and isinstance(record.get("message"), str):
+            line = record["message"]
     if len(line) > MAX_TERMINATION_CHARS:
         line = line[: MAX_TERMINATION_CHARS - 3] + "..."
     return line

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 from typing import Any
 
 import pytest
@@ -175,6 +176,10 @@ def test_a_crash_loop_quotes_the_last_line_of_the_termination_message() -> None:
     degraded = status["conditions"][2]
     assert degraded["reason"] == "CrashLoopBackOff"
     assert degraded["message"].endswith(f"(last exit code 1 (Error): {REASON})")
+    record = json.dumps({"level": "ERROR", "logger": "kvfleet.engine.cli", "message": REASON})
+    pod = _crashing_pod("llm-engine-1", {}, f'{{"level": "INFO"}}\n{record}\n')
+    status = compute_status(Observed(generation=1, selector="s", previous={}, pods=[pod]), NOW)
+    assert status["conditions"][2]["message"].endswith(f"(Error): {REASON})")
     pod = _crashing_pod("llm-engine-1", {}, "x" * 5000)
     status = compute_status(Observed(generation=1, selector="s", previous={}, pods=[pod]), NOW)
     assert len(status["conditions"][2]["message"]) < 500
