@@ -1,7 +1,8 @@
-"""Structured outputs over HTTP with the real default model, for what the client-level suite
-(test_structured_clients.py) leaves out: response_format json_schema and the structured_outputs
-extra on /v1/completions, streamed regex output, n > 1 with a seed, the removed guided_* extras,
-unsupported schema features and conflicting constraints as 400s."""
+"""Structured outputs over HTTP with the real default model: the SDK's parse() once, then what
+the client-level suite (test_structured_clients.py) leaves out: response_format json_schema and
+the structured_outputs extra on /v1/completions, streamed regex output, n > 1 with a seed, the
+removed guided_* extras, unsupported schema features and conflicting constraints as 400s, and
+a self-referring schema refused while the engine keeps serving."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
+from pydantic import BaseModel
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import ServerSettings
@@ -35,6 +37,24 @@ def client(server) -> OpenAI:
 
 def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
+
+
+class Pet(BaseModel):
+    name: str
+    legs: int
+
+
+def test_sdk_parse_returns_the_pydantic_object(client: OpenAI) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=_user("Describe a pet as JSON with its name and number of legs."),
+        response_format=Pet,
+        max_tokens=60,
+        temperature=0,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, Pet)
 
 
 def test_completions_take_response_format_and_structured_outputs(client: OpenAI) -> None:
@@ -141,6 +161,25 @@ def test_bad_constraints_are_400s(client: OpenAI, extra, param, message) -> None
     error = e.value.body
     assert re.search(message, error["message"]), error
     assert error["param"] == param, error
+
+
+def test_a_schema_no_output_satisfies_is_refused_and_the_engine_serves_on(
+    client: OpenAI,
+) -> None:
+    with pytest.raises(BadRequestError, match="allows no output"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=_user("Hi"),
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "loop", "schema": {"$ref": "#"}},
+            },
+        )
+    after = client.chat.completions.create(
+        model=MODEL, messages=_user("Hi"), max_tokens=2, temperature=0
+    )
+    assert after.choices[0].message.content
 
 
 def test_unsupported_feature_on_completions_names_response_format(server) -> None:
