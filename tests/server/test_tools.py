@@ -128,7 +128,7 @@ def _round_trip_messages(
 
 
 def test_auto_parses_what_the_model_decides_streamed_as_whole(client: OpenAI) -> None:
-    resp = _chat(client, messages=QUESTION, tools=TOOLS)
+    resp = _chat(client, messages=QUESTION, tools=TOOLS, max_tokens=24)
     message = resp.choices[0].message
     if message.tool_calls:  # what the model decides is its own; either way it is well formed
         assert resp.choices[0].finish_reason == "tool_calls"
@@ -158,7 +158,7 @@ def test_a_tool_result_is_answered(client: OpenAI) -> None:
     agent asks for the final answer; the round trip with forced calls is below)."""
     for stream in (False, True):
         kwargs = {"messages": _round_trip_messages("call_abc"), "tools": TOOLS,
-                  "tool_choice": "none"}  # fmt: skip
+                  "tool_choice": "none", "max_tokens": 12}  # fmt: skip
         if stream:
             content, calls, _, _ = _streamed_message(client, **kwargs)
         else:
@@ -168,7 +168,7 @@ def test_a_tool_result_is_answered(client: OpenAI) -> None:
 
 
 def test_none_never_calls(client: OpenAI) -> None:
-    resp = _chat(client, messages=QUESTION, tools=TOOLS, tool_choice="none")
+    resp = _chat(client, messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=12)
     assert resp.choices[0].message.tool_calls is None
     assert resp.choices[0].message.content
     assert resp.choices[0].finish_reason in ("stop", "length")
@@ -193,7 +193,7 @@ def test_required_makes_a_valid_call_and_the_round_trip_answers(client: OpenAI, 
         tool = next(t for t in TOOLS if t["function"]["name"] == call["name"])
         jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
     history = _round_trip_messages(calls[0]["id"], calls[0]["name"], calls[0]["arguments"])
-    answer = _chat(client, messages=history, tools=TOOLS, tool_choice="none")
+    answer = _chat(client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=12)
     assert answer.choices[0].message.content
 
 
