@@ -42,6 +42,19 @@ def test_fp8_gemm_equals_the_dequantized_reference(m, k, n):
     assert ((y - exact).norm() / exact.norm()).item() < 0.05
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_triton_quantization_equals_the_pytorch_function(static):
+    from kvfleet.engine.layers import fp8, fp8_kernels
+
+    x = torch.randn(300, 14336, device="cuda").to(torch.bfloat16) * 3
+    scale = torch.tensor(4.0 / 448, device="cuda") if static else None
+    q, s = fp8_kernels.quantize_tokens(x, scale)
+    q_ref, s_ref = fp8.quantize_tokens(x, scale)
+    assert torch.equal(s, s_ref)
+    mismatched = (q.float() != q_ref.float()).float().mean().item()
+    assert mismatched < 1e-4, mismatched  # only where the division rounds differently
+
+
 def _stack_config(tmp_path: Path, layers: int) -> Path:
     """Meta-Llama-3-8B's layer shapes and 128k vocabulary, `layers` deep."""
     config = json.loads((BENCH_MODELS / "Meta-Llama-3-8B" / "config.json").read_text())
