@@ -263,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": args.device,
         "max_model_len": max(args.window + 1, 2048),
         "enable_prefix_caching": False,
+        # Enough for every window at once; the CPU default (4 GiB) would crowd a shared machine.
+        "max_num_seqs": 16,
+        "kv_cache_memory_bytes": 512 << 20,
     }
     text_ids = load_tokenizer(model).encode(args.text.read_text(), add_special_tokens=False)
     text_ids = text_ids[: args.max_text_tokens]
