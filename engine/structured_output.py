@@ -186,7 +186,12 @@ class StructuredOutputs:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        kind, spec = grammar_spec(params)
+        try:
+            kind, spec = grammar_spec(params)
+        except GrammarError:
+            raise
+        except ValueError as e:  # llguidance's own check of what it is handed
+            raise GrammarError(str(e) or "invalid constraint", "structured_outputs") from None
         # The constructor validates and builds the lexer, without the GIL.
         prototype = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
         if prototype.is_error():
