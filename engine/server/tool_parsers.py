@@ -107,10 +107,11 @@ class _ObjectScanner:
     def feed(self, chunk: str) -> int:
         """Consume chunk up to the object's end; returns how many characters were used."""
         base = len(self.text)
+        self.text += chunk
         for n, ch in enumerate(chunk):
             if self.stage == "done" or self.error:
+                self.text = self.text[: base + n]
                 return n
-            self.text += ch
             self._step(ch, base + n)
         return len(chunk)
 
