@@ -8,9 +8,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from openai import OpenAI
 
 from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.request import Request
+from kvfleet.engine.sampler import Sampler
+from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.net import http_call
@@ -86,6 +90,31 @@ def test_biased_and_free_requests_share_a_batch(server) -> None:
         results = list(pool.map(lambda extra: _tokens(server, **extra), bodies))
     for body, tokens in zip(bodies, results, strict=True):
         assert tokens == (forced if body else free)
+
+
+def test_the_sampler_biases_each_row_alone_and_skips_failed_rows(monkeypatch) -> None:
+    def req(rid: str, **sp) -> Request:
+        return Request(rid, [5], SamplingParams(**sp), frozenset({1}), max_model_len=100)
+
+    sampler = Sampler(vocab_size=6, device=torch.device("cpu"), seed=0)
+    reqs = [
+        req("biased", temperature=0, logit_bias={2: 100.0, 4: -100.0}),
+        req("free", temperature=0),
+        req("broken", temperature=0, logit_bias={3: 100.0}),
+        req("banned", temperature=0, logit_bias={4: -100.0}),
+    ]
+    prepare = sampler._prepare
+
+    def failing(r: Request, row: torch.Tensor):
+        if r.request_id == "broken":
+            raise RuntimeError("this request's own failure")
+        return prepare(r, row)
+
+    monkeypatch.setattr(sampler, "_prepare", failing)
+    logits = torch.tensor([[0.0, 1.0, 0.5, 0.2, 9.0, 0.3]] * 4)
+    out = sampler(logits, reqs)
+    assert out.token_ids[0] == 2 and out.token_ids[1] == 4 and out.token_ids[3] == 1
+    assert list(out.failed) == [2]
 
 
 BAD = [
