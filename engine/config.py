@@ -70,6 +70,18 @@ class EngineArgs(BaseModel):
         description="bytes for the KV cache; default: what gpu_memory_utilization leaves on a "
         "GPU; on the CPU a fixed budget, capped at max_num_seqs full-length sequences",
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        default="auto",
+        description="KV-cache element type; auto: the model dtype; fp8 (= fp8_e4m3): "
+        "float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0, or see "
+        "--calculate-kv-scales), half the bytes of bf16, so about twice the cached tokens; "
+        "on a GPU it needs compute capability 8.9+",
+    )
+    calculate_kv_scales: bool = Field(
+        default=False,
+        description="with an fp8 KV cache: set each layer's k/v scales from the first batch's "
+        "K/V (their absolute maximum, with 2x headroom) instead of the checkpoint's or 1.0",
+    )
     load_format: Literal["auto", "dummy"] = Field(
         default="auto", description="dummy: random weights of the architecture, for benchmarks"
     )
@@ -104,7 +116,21 @@ class EngineArgs(BaseModel):
                 f"tensor_parallel_size={tp} needs {tp} GPUs but {torch.cuda.device_count()} "
                 "are visible"
             )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8')")
+        if self.kv_cache_dtype != "auto" and self.resolved_device().type == "cuda":
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU of compute capability "
+                    f"8.9+ (Ada, Hopper or newer) for fp8 conversions; this GPU "
+                    f"({torch.cuda.get_device_name()}) is sm_{major}{minor}: serve with "
+                    "kv_cache_dtype='auto'"
+                )
         return self
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolved_backend(self) -> str:
         if self.attention_backend != "auto":

@@ -102,6 +102,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.dtype = model_config.dtype
+        self.kv_dtype = args.kv_cache_torch_dtype(self.dtype)
         self.block_size = args.block_size
         self.max_blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         self.num_kv_heads = model_config.kv_heads_per_rank(tp_size())
@@ -134,6 +135,11 @@ class ModelRunner:
                 CASCADE_MIN_ROWS if self.cascade else None,
             )
             self.graphs.capture()
+        # The first real batch sets the FP8 KV scales (the warm-up and capture above ran on
+        # dummy inputs); it runs eagerly, since a captured graph does not calibrate.
+        self.kv_scales_pending = args.calculate_kv_scales
+        for layer in self.model.attention_layers():
+            layer.calculate_kv_scales = args.calculate_kv_scales
 
         # Persistent block tables, one row per running request: each step writes only the block
         # ids the scheduler appended, so host work does not grow with context length.
@@ -185,7 +191,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize
         return per_layer * mc.num_layers
 
     def _num_kv_blocks(self) -> int:
@@ -216,12 +222,13 @@ class ModelRunner:
 
     def _log_kv_size(self, num: int, tokens: int) -> None:
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s); max concurrency at "
             "max_model_len=%d: %.2fx",
             num - 1,
             self.block_size,
             tokens,
             num * self.block_bytes / 2**30,
+            str(self.kv_dtype).removeprefix("torch."),
             self.model_config.max_model_len,
             tokens / self.model_config.max_model_len,
         )
@@ -306,7 +313,8 @@ class ModelRunner:
         mc = self.model_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(mc.num_layers)
         ]
         self._bind_kv_cache(caches)
         return caches
@@ -434,7 +442,7 @@ class ModelRunner:
 
         dev = self.device
         ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
-        graphs = self.graphs
+        graphs = None if self.kv_scales_pending else self.graphs
         if (
             graphs is not None
             and not plan.prompt_logprobs
@@ -470,6 +478,7 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         with torch.inference_mode(), attention_context(meta):
             hidden = self.model(ids, pos)
+            self.kv_scales_pending = False
             scored = self._score_prompts(plan, hidden, qsl) if plan.prompt_logprobs else {}
             if not len(plan.sampling):
                 return None, scored

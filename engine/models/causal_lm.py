@@ -3,6 +3,8 @@ logits, and the checkpoint's q/k/v and gate/up projections fused into single par
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +21,10 @@ FUSED_QKV_GATE_UP: dict[str, tuple[str, str]] = {
     "gate_proj": ("gate_up_proj", "0"),
     "up_proj": ("gate_up_proj", "1"),
 }
+
+# The FP8 KV-cache scales of vLLM-format checkpoints: `model.layers.N.self_attn.k_scale`, in older
+# ones under `k_proj.` / `v_proj.` (or `attn.`); a group gives the layer and "k" or "v".
+_KV_SCALE = re.compile(r"\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?([kv])_scale$")
 
 
 class CausalLM(nn.Module):
@@ -54,3 +60,16 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def checkpoint_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hands the checkpoint's KV-cache scales to the attention layers (they are buffers with
+        a default, not parameters every checkpoint must fill) and passes the rest on."""
+        layers = self.attention_layers()
+        for name, tensor in tensors:
+            match = _KV_SCALE.search(name)
+            if match is None:
+                yield name, tensor
+            else:
+                layers[int(match[1])].set_kv_scale(match[2], tensor)
