@@ -17,8 +17,9 @@ from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.tiny_model import tiny_model_path
+from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.net import http_call
-from tests.support.servers import engine_server
+from tests.support.servers import engine_server, runner_in_thread
 
 MODEL = "tiny"
 PROMPT = [11, 12, 13, 14, 15]
@@ -90,6 +91,19 @@ def test_biased_and_free_requests_share_a_batch(server) -> None:
         results = list(pool.map(lambda extra: _tokens(server, **extra), bodies))
     for body, tokens in zip(bodies, results, strict=True):
         assert tokens == (forced if body else free)
+
+
+def test_logit_bias_through_the_router(server) -> None:
+    router = Router(RouterSettings(hold_timeout_s=5.0), None)
+    router.set_endpoints([server.url.removeprefix("http://")])
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0,
+            "logit_bias": {"42": 100}}  # fmt: skip
+    with runner_in_thread(build_runner(router)) as front:
+        status, _, raw = http_call(front.url + "/v1/completions", body)
+        assert status == 200, raw[:300]
+        assert json.loads(raw)["choices"][0]["logprobs"]["tokens"] == [_text(server, 42)] * 3
+        status, _, raw = http_call(front.url + "/v1/completions", {**body, "logit_bias": {"x": 1}})
+    assert status == 400 and json.loads(raw)["error"]["param"].startswith("logit_bias")
 
 
 def test_the_sampler_biases_each_row_alone_and_skips_failed_rows(monkeypatch) -> None:
