@@ -8,6 +8,7 @@
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
 #   bash bench/gpu_run.sh OUTDIR structured       # structured outputs' TPOT/TTFT cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
+#   bash bench/gpu_run.sh OUTDIR check fp8kv-llama2-13b    # fp8 KV cache: kernels, Llama-2-13B
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -61,7 +62,7 @@ start_server() {
 for step in "$@"; do
     case $step in
     check)
-        timeout 300 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
+        timeout 420 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
@@ -86,6 +87,17 @@ for step in "$@"; do
         # stack's first-token logprobs with --quantization fp8 against bf16.
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
             tee "$out/fp8_weights_tests.txt"
+        ;;
+    fp8kv-llama2-13b)
+        # Issue 21's fp8 KV goal: the article's Llama-2-13B workload (256 requests, input and
+        # output uniform in [128, 512]), bf16 cache then --kv-cache-dtype fp8, in one call.
+        for kv in auto fp8; do
+            echo "== $step kv-cache-dtype $kv" | tee -a "$out/$step.txt"
+            timeout 280 $py bench/throughput.py --model bench/models/Llama-2-13b-hf \
+                --num-prompts 256 --input-len 128 512 --output-len 128 512 --step-stats \
+                --kv-cache-dtype $kv --result-json "$out/${step}_$kv.json" 2>&1 |
+                tee -a "$out/$step.txt"
+        done
         ;;
     fp8w-requests | fp8w-latency | fp8w-llama2-13b)
         # Issue 21's fp8-weight goals, bf16 then --quantization fp8 in the same call (dummy

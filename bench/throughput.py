@@ -61,6 +61,8 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
     )
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto")
+    p.add_argument("--calculate-kv-scales", action="store_true")
     p.add_argument("--baselines", nargs="*", default=[], choices=["hf-static", "hf-continuous"])
     p.add_argument("--baseline-num-prompts", type=int, default=64,
                    help="baselines run the first N prompts of the same workload")  # fmt: skip
