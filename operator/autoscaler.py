@@ -396,14 +396,14 @@ class Autoscaler:
             latency = service_quantile(target.quantile, self._buckets.get(uid, {}), buckets)
             self._buckets[uid] = buckets
         history, last_active = self._memory.get(uid) or load_memory(status)
-        starts, seen = self._starts.get(uid) or (load_starts(status), frozenset())
-        starts, seen = learn(starts, of("engine"), seen)
-        self._starts[uid] = (starts, seen)
         if last_active is None:
             # Never seen busy: the idle time counts from the first look, so a new endpoint keeps
             # its replica for the whole scale-to-zero delay.
             last_active = now
         with _failing_as("DecisionFailed"):
+            starts, seen = self._starts.get(uid) or (load_starts(status), None)
+            starts, seen = learn(starts, of("engine"), seen)
+            self._starts[uid] = (starts, seen)
             decision = decide(
                 current,
                 metrics,

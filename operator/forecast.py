@@ -3,8 +3,8 @@ feeds it the pods it lists and the load it computes, and keeps what it returns.
 
 The start time is learned from the engine pods themselves: from a pod's creationTimestamp to the
 lastTransitionTime of its Ready condition, which is scheduling, image pull, model load and
-warm-up, all of which a new replica will pay again. A pod counts once, at its first Ready: a pod
-whose containers restarted, or that turned Ready again after a spell unready, would count its
+warm-up, all of which a new replica will pay again. A pod counts once, at its first Ready; not a
+pod whose containers restarted, nor a Ready again after a spell unready: either would count an
 outage as start-up. Each sample is capped (a pod left Pending for hours says nothing of the next
 one) and the estimate is the median of the last few, so one odd start does not move it.
 
@@ -88,15 +88,16 @@ def pod_start(pod: Mapping[str, Any]) -> EngineStart | None:
 
 
 def learn(
-    starts: tuple[EngineStart, ...], pods: Iterable[Mapping[str, Any]], seen: frozenset[str]
+    starts: tuple[EngineStart, ...], pods: Iterable[Mapping[str, Any]], seen: frozenset[str] | None
 ) -> tuple[tuple[EngineStart, ...], frozenset[str]]:
     """``starts`` with the first Ready of each engine pod not counted yet, the last
     START_SAMPLES kept; and the uids of the pods seen Ready so far that still exist, to pass as
-    ``seen`` next time. A pod counts when it is not in ``seen`` (so a pod Ready again after a
-    spell unready does not count twice) and it turned Ready after the newest start already
-    counted (so that after an operator restart, with nothing seen, the pods counted before are
-    not counted again)."""
-    newest = max((s.ready for s in starts), default=-math.inf)
+    ``seen`` next time. A pod seen Ready before does not count again (a Ready after a spell
+    unready is no start). ``seen`` None: this process has not looked yet (it just started), so
+    only pods Ready after the newest start counted count, which keeps a restart from counting
+    the same pods twice."""
+    newest = max((s.ready for s in starts), default=-math.inf) if seen is None else -math.inf
+    seen = seen or frozenset()
     existing, ready, new = set(), set(), []
     for pod in pods:
         uid = (pod.get("metadata") or {}).get("uid") or ""

@@ -5,8 +5,10 @@ scaling_policy.decide), without a cluster."""
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +28,7 @@ from kvfleet.operator.scaling_policy import PodMetrics, Recommendation, ScalingP
 from kvfleet.operator.spec import parse_spec
 
 T0 = 1_750_000_000.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rfc3339(seconds: float) -> str:
@@ -69,15 +72,18 @@ def test_a_start_is_creation_to_first_ready_and_only_of_a_clean_start():
 
 def test_each_pod_counts_once_also_after_an_operator_restart():
     pods = [pod("a", T0, T0 + 20), pod("b", T0, T0 + 22), pod("c", T0 + 100, None)]
-    starts, seen = learn((), pods, frozenset())
+    starts, seen = learn((), pods, None)
     assert [s.seconds for s in starts] == [20, 22] and seen == {"a", "b"}
     assert learn(starts, pods, seen) == (starts, seen)
     # Pod a turns Ready again after a spell unready: its first start was counted already.
     pods[0] = pod("a", T0, T0 + 500)
     assert learn(starts, pods, seen)[0] == starts
+    # Within a process, a pod Ready in the same second as the newest start still counts.
+    pods.append(pod("d", T0 + 2, T0 + 22))
+    assert [s.seconds for s in learn(starts, pods, seen)[0]] == [20, 22, 20]
     # A restarted operator has seen nothing, but knows the newest start it counted.
     pods = [pod("a", T0, T0 + 20), pod("b", T0, T0 + 22), pod("c", T0 + 100, T0 + 130)]
-    again, seen = learn(starts, pods, frozenset())
+    again, seen = learn(starts, pods, None)
     assert [s.seconds for s in again] == [20, 22, 30]
     # Pods gone are forgotten.
     assert learn(again, pods[2:], seen)[1] == {"c"}
@@ -86,7 +92,7 @@ def test_each_pod_counts_once_also_after_an_operator_restart():
 def test_the_estimate_is_the_median_of_the_last_few_so_one_odd_start_does_not_move_it():
     pods = [pod(str(i), T0 + i, T0 + i + 18 + i % 3) for i in range(8)]
     pods.append(pod("slow", T0 + 9, T0 + 9 + 1000))
-    starts, _ = learn((), pods, frozenset())
+    starts, _ = learn((), pods, None)
     assert len(starts) == START_SAMPLES and starts[-1].seconds == 1000
     assert start_estimate(starts) == 19
     assert start_estimate(()) is None
@@ -295,3 +301,15 @@ def test_a_forecast_decision_names_its_signal_and_metrics_in_status():
     assert last["metrics"]["forecastHorizonSeconds"] == 20
     assert last["metrics"]["forecastSlope"] == pytest.approx(0.1)
     assert last["metrics"]["forecastInFlight"] == pytest.approx(4.5)
+
+
+def test_the_crd_holds_what_the_autoscaler_writes():
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservices.kvfleet.dev.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    memory = status["properties"]["autoscaling"]["properties"]
+    assert memory["engineStarts"]["maxItems"] == START_SAMPLES
+    assert f"capped at {MAX_START_S:g}" in memory["engineStarts"]["description"]
+    decision = status["properties"]["lastScaleDecision"]["properties"]
+    assert "forecast" in decision["signal"]["enum"]
+    for name in ("forecastSlope", "forecastHorizonSeconds", "forecastInFlight"):
+        assert name in decision["metrics"]["description"]
