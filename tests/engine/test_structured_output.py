@@ -260,3 +260,33 @@ def test_grammar_end_finishes_with_stop_even_ignoring_eos(llm, prompts):
     )
     c = llm.generate({"prompt_token_ids": prompts[0]}, sp)[0].outputs[0]
     assert (c.text, c.finish_reason) == ("ok", "stop")
+
+
+def test_constraint_with_penalties_min_tokens_stop_and_logit_bias(llm, prompts):
+    sp = SamplingParams(
+        max_tokens=48,
+        temperature=0.7,
+        seed=9,
+        repetition_penalty=1.5,
+        presence_penalty=1.0,
+        min_tokens=4,
+        stop=["never seen"],
+        # +100 on 300 ids: a token the grammar forbids stays forbidden whatever its bias.
+        logit_bias={t: 100.0 for t in range(3, 303)},
+        structured_outputs=COMPACT,
+    )
+    c = llm.generate({"prompt_token_ids": prompts[4]}, sp)[0].outputs[0]
+    assert c.finish_reason == "stop"
+    jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_tensor_parallel_samples_under_the_grammar_on_rank_0(llm, model_dirs, prompts):
+    sp = SamplingParams(max_tokens=48, temperature=0, structured_outputs=COMPACT)
+    batch = [{"prompt_token_ids": p} for p in prompts[:3]]
+    one_rank = _texts(llm.generate(batch, sp))
+    path = str(model_dirs["llama"])
+    with LLM(path, tensor_parallel_size=2, device="cpu", dtype="float32") as two:
+        assert two.engine.runner.structured is not None  # rank 0's runner; workers have none
+        assert _texts(two.generate(batch, sp)) == one_rank
+    for text in one_rank:
+        jsonschema.validate(json.loads(text), SCHEMA)
