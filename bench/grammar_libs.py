@@ -11,8 +11,10 @@ a forked child under a time limit, with its peak memory read back from the kerne
     python bench/grammar_libs.py                      # both tokenizers, all three libraries
     python bench/grammar_libs.py --libs llguidance --hostile-timeout 5
 
-The Llama-3 tokenizer is bench/dummy_tokenizer.py's for bench/models/Llama-3.1-8B (128256 ids),
-built into a temporary directory when --llama3-dir is not given.
+llguidance is kvfleet's dependency; the others are for this comparison only
+(`pip install xgrammar outlines-core`). The Llama-3 tokenizer is bench/dummy_tokenizer.py's for
+bench/models/Llama-3.1-8B (128256 ids), built into a temporary directory when --llama3-dir is
+not given.
 """
 
 from __future__ import annotations
