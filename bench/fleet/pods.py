@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 import signal
@@ -66,6 +67,10 @@ class Pod:
     exited: float | None = None
     # The engine's last counters, read just before SIGTERM: they outlive the process.
     final_metrics: dict[str, float] = field(default_factory=dict)
+    # The Ready condition as last written, and when it last changed (as the kubelet reports
+    # it: the operator learns engine start times from creationTimestamp to this).
+    ready_flag: str | None = None
+    ready_since: str | None = None
 
     @property
     def url(self) -> str:
@@ -303,6 +308,10 @@ class PodRunner:
     async def _pod_status(self, pod: Pod) -> None:
         ready = pod.ready is not None and pod.terminating is None
         flag = "True" if ready else "False"
+        if flag != pod.ready_flag:
+            pod.ready_flag = flag
+            pod.ready_since = datetime.datetime.now(datetime.UTC).isoformat()
+        since = {"lastTransitionTime": pod.ready_since}
         status = {
             "phase": "Running" if pod.proc is not None else "Pending",
             "podIP": pod.ip if pod.proc is not None else None,
@@ -310,8 +319,8 @@ class PodRunner:
             "hostIP": "127.0.0.1",
             "conditions": [
                 {"type": "PodScheduled", "status": "True" if pod.proc else "False"},
-                {"type": "ContainersReady", "status": flag},
-                {"type": "Ready", "status": flag},
+                {"type": "ContainersReady", "status": flag, **since},
+                {"type": "Ready", "status": flag, **since},
             ],
         }
         url = resource_url(PODS, self.namespace, pod.name) + "/status"

@@ -110,6 +110,7 @@ def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
                 "maxReplicas": ns.max_replicas,
                 "targetQueueDepth": ns.target_queue_depth,
                 "scaleDownStabilizationSeconds": ns.scale_down_window,
+                "scaleAhead": not ns.no_scale_ahead,
             },
             "routing": {"prefixLength": ns.prefix_length, "loadFactor": ns.load_factor},
         },
@@ -324,7 +325,9 @@ async def run_policy(
                         {k: int(r1[k] - r0[k]) for k in r0} if policy != "round-robin" else None,
                         replicas, scale_events(f, workload, t0, time.monotonic()),
                         ns.ttft_slo)  # fmt: skip
-    return {**summary, "decisions": decisions}
+    status = (await call(f.k, "get", resource_url(ISVCS, NAMESPACE, SERVICE))).get("status", {})
+    learned = (status.get("autoscaling") or {}).get("engineStartSeconds")
+    return {**summary, "decisions": decisions, "learned_engine_start_s": learned}
 
 
 def summarize(
@@ -434,6 +437,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--latency-target",
         type=_latency_target,
         help="METRIC:QUANTILE:SECONDS, e.g. ttft:0.9:0.5: spec.autoscaling.latencyTarget",
+    )
+    p.add_argument(
+        "--no-scale-ahead",
+        action="store_true",
+        help="spec.autoscaling.scaleAhead false: no scale-up ahead of the trend by the learned "
+        "engine start time (for comparisons)",
     )
     p.add_argument("--autoscale-interval", type=float, default=2.0, help="the operator's" + d)
     p.add_argument("--prefix-length", type=int, default=256, help="the router's" + d)

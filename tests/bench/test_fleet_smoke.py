@@ -46,6 +46,8 @@ def test_fleet_scales_up_and_down_under_a_ramp_without_failures(
     # Each scale decision the status reported, with the signal that made it.
     assert [d["decision"]["to"] for d in run["decisions"]][-2:] == [2, 1], run["decisions"]
     assert all(d["decision"].get("signal") for d in run["decisions"])
+    # The operator learned the engines' start time from the pods the harness reports Ready.
+    assert 0 < run["learned_engine_start_s"] <= max(up["engine_start_s"]) + 1.5
     assert 0 < run["replica_seconds"] < run["static_peak_replica_seconds"]
     assert "| prefix |" in capsys.readouterr().out
 
@@ -53,6 +55,9 @@ def test_fleet_scales_up_and_down_under_a_ramp_without_failures(
 def test_phases_name_a_rate_sweep_and_refuse_nonsense() -> None:
     ns = fleet.parse_args(["--phases", "30x8;20x1,40x16", "--latency-target", "ttft:0.9:0.5"])
     assert ns.latency_target == ("ttft", 0.9, 0.5)
+    assert fleet.inference_service(ns)["spec"]["autoscaling"]["scaleAhead"] is True
+    off = fleet.parse_args(["--no-scale-ahead"])
+    assert fleet.inference_service(off)["spec"]["autoscaling"]["scaleAhead"] is False
     assert fleet.inference_service(ns)["spec"]["autoscaling"]["latencyTarget"] == {
         "metric": "ttft", "quantile": 0.9, "targetSeconds": 0.5
     }  # fmt: skip
