@@ -1,17 +1,19 @@
 """What structured outputs cost (issue 22): closed-loop chat users against a running
 OpenAI-compatible server, the same prompts and output length in three modes, one after another:
 
-- ``unconstrained``: no response_format, ``ignore_eos`` so that every answer is max_tokens long;
+- ``unconstrained``: no constraint, ``ignore_eos`` so that every answer is max_tokens long;
 - ``cached_schema``: every request under one JSON schema, compiled once in the warm-up;
 - ``new_schema``: every request under a schema the server has never seen (its compile included).
 
 A grammar ends an answer when the JSON is complete, and ignore_eos cannot override that, so the
 schema asks for at least ``--items`` records: far more than max_tokens can hold, every
-constrained answer runs to max_tokens too, and TPOT compares like with like. Each prompt starts
-with its own tag, so no mode gets prefix-cache hits that another did not. Before measuring, one
-small answer per schema is checked to be the JSON asked for: a server that ignored
-response_format would otherwise look free. Reports TPOT and TTFT p50/p90 per mode and their
-ratios against issue 22's goals::
+constrained answer runs to max_tokens too, and TPOT compares like with like. The constraint is
+vLLM's ``structured_outputs`` JSON with ``disable_any_whitespace``: under JSON's free whitespace a
+model of random weights (and a small real one, greedy) writes newlines for ever, whose masks are
+not the ones an answer needs. Each prompt starts with its own tag, so no mode gets prefix-cache
+hits that another did not. Before measuring, one small answer is checked to be the JSON asked
+for: a server that ignored the constraint would otherwise look free. Reports TPOT and TTFT
+p50/p90 per mode and their ratios against issue 22's goals::
 
     python bench/structured.py --base-url http://127.0.0.1:8000 --model NAME --users 32 \\
         --max-tokens 256 --warmup-duration 10 --duration 60 --result-json out.json
@@ -86,8 +88,9 @@ def records_schema(tag: str, items: int, max_items: int | None = None) -> dict[s
     }
 
 
-def response_format(schema: dict[str, Any], name: str) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+def constraint(schema: dict[str, Any]) -> dict[str, Any]:
+    """The request field that puts ``schema`` on the answer, compact JSON."""
+    return {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
 
 
 class Requests(Sequence[dict[str, Any]]):
@@ -98,7 +101,7 @@ class Requests(Sequence[dict[str, Any]]):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.mode, self.model, self.max_tokens, self.items = mode, model, max_tokens, items
-        self._cached = response_format(records_schema("cached", items), "records")
+        self._cached = constraint(records_schema("cached", items))
 
     def __len__(self) -> int:
         # closed_loop takes request k % len: no request comes back round.
@@ -113,10 +116,9 @@ class Requests(Sequence[dict[str, Any]]):
             raise TypeError("requests are built one at a time")
         extra = None
         if self.mode == "cached_schema":
-            extra = {"response_format": self._cached}
+            extra = self._cached
         elif self.mode == "new_schema":
-            extra = {"response_format": response_format(records_schema(f"n{k}", self.items),
-                                                        f"records_{k}")}  # fmt: skip
+            extra = constraint(records_schema(f"n{k}", self.items))
         return build_payload(
             SampleRequest([], self.max_tokens),
             "chat",
@@ -141,13 +143,13 @@ async def check_schema_followed(
     url: str, model: str, headers: dict[str, str], timeout_s: float
 ) -> None:
     """One answer under a one-record schema must be that JSON: random weights never write it
-    by chance, so this proves the server applies response_format."""
+    by chance, so this proves the server applies the constraint."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": PROMPT}],
         "max_completion_tokens": 512,
         "temperature": 0,
-        "response_format": response_format(records_schema("check", 1, 1), "check"),
+        **constraint(records_schema("check", 1, 1)),
     }
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with (
@@ -156,7 +158,7 @@ async def check_schema_followed(
     ):
         text = await resp.text()
         if resp.status != 200:
-            raise RuntimeError(f"a json_schema request failed: HTTP {resp.status}: {text[:300]}")
+            raise RuntimeError(f"a constrained request failed: HTTP {resp.status}: {text[:300]}")
     choice = json.loads(text)["choices"][0]
     content = choice["message"]["content"]
     try:

@@ -38,11 +38,12 @@ def test_each_tag_is_its_own_schema_of_the_same_size() -> None:
 
 def test_requests_per_mode() -> None:
     free, cached, new = (structured.Requests(m, "m", 32, 8) for m in structured.MODES)
-    assert free[0]["ignore_eos"] is True and "response_format" not in free[0]
+    assert free[0]["ignore_eos"] is True and "structured_outputs" not in free[0]
     assert free[0]["max_completion_tokens"] == cached[5]["max_completion_tokens"] == 32
     assert all("ignore_eos" not in r[3] for r in (cached, new))
-    assert cached[0]["response_format"] == cached[7]["response_format"]
-    assert new[0]["response_format"] != new[1]["response_format"]
+    assert cached[0]["structured_outputs"] == cached[7]["structured_outputs"]
+    assert new[0]["structured_outputs"] != new[1]["structured_outputs"]
+    assert new[0]["structured_outputs"]["disable_any_whitespace"] is True
     # Same prompt, each request its own tag at the start (no cross-mode prefix-cache hits).
     prompts = [r[k]["messages"][0]["content"] for r in (free, cached, new) for k in (0, 1)]
     assert len(set(prompts)) == 6 and all(p.endswith(structured.PROMPT) for p in prompts)
@@ -86,16 +87,12 @@ def test_end_to_end_against_a_fake_server(
         for s in ("tpot", "ttft")
         for p in ("p50", "p90")
     }
-    schemas = [json.dumps(b.get("response_format")) for b in server.bodies]
-    assert len(set(schemas)) == 2 + sum("records_" in s for s in schemas)  # none, cached, new
+    schemas = [json.dumps(b.get("structured_outputs")) for b in server.bodies]
+    assert len(set(schemas)) == 2 + sum("label_n" in s for s in schemas)  # none, cached, new
     report = capsys.readouterr().out
     assert "TPOT cached schema / unconstrained" in report and "goal <= 1.2" in report
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: structured outputs not in the engine yet (400 'not supported')",
-)
 def test_smoke_against_the_engine(model_dirs, tmp_path: Path) -> None:
     settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=["tiny"])
     out = tmp_path / "structured.json"
