@@ -39,14 +39,6 @@ from tests.support.servers import engine_server, runner_in_thread
 MODEL = "smollm2"
 SYSTEM = "You are a helpful assistant. Answer in JSON."
 
-# The engine refuses response_format other than text and structured_outputs today (400 "not
-# supported"), so these tests fail for that reason; strict, so that the marker has to go the
-# moment structured outputs land.
-PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="issue 22: structured outputs not in the engine yet (400 'not supported')",
-)
-
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
@@ -132,7 +124,6 @@ def schema_answers(server) -> dict[str, tuple[int, dict[str, Any]]]:
     return {c.name: a for c, a in zip(cases, answers, strict=True)}
 
 
-@PENDING
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_every_answer_validates_against_its_schema(schema_answers, case: SchemaCase) -> None:
     status, body = schema_answers[case.name]
@@ -147,7 +138,6 @@ def test_every_answer_validates_against_its_schema(schema_answers, case: SchemaC
     validate(case.schema, json.loads(choice["message"]["content"]))
 
 
-@PENDING
 def test_an_answer_that_cannot_fit_ends_with_length(schema_answers) -> None:
     status, body = schema_answers[TOO_LONG.name]
     assert status == 200, body
@@ -192,7 +182,6 @@ def assert_city(city: Any) -> None:
     assert city.nickname is None or isinstance(city.nickname, str)
 
 
-@PENDING
 def test_sdk_parse_returns_the_pydantic_model(client: OpenAI) -> None:
     completion = client.chat.completions.parse(
         model=MODEL,
@@ -207,7 +196,6 @@ def test_sdk_parse_returns_the_pydantic_model(client: OpenAI) -> None:
     assert completion.choices[0].finish_reason == "stop"
 
 
-@PENDING
 def test_sdk_stream_helper_parses_the_streamed_answer(client: OpenAI) -> None:
     with client.chat.completions.stream(
         model=MODEL,
@@ -223,7 +211,6 @@ def test_sdk_stream_helper_parses_the_streamed_answer(client: OpenAI) -> None:
     assert "".join(deltas) == final.choices[0].message.content
 
 
-@PENDING
 def test_langchain_with_structured_output(server) -> None:
     from langchain_openai import ChatOpenAI
 
@@ -246,7 +233,6 @@ def test_langchain_with_structured_output(server) -> None:
 JSON_OBJECT = {"type": "json_object"}
 
 
-@PENDING
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_json_object_on_chat(client: OpenAI, stream: bool) -> None:
     kwargs: dict[str, Any] = {
@@ -270,7 +256,6 @@ def test_json_object_on_chat(client: OpenAI, stream: bool) -> None:
     assert isinstance(json.loads(text), dict)
 
 
-@PENDING
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_json_object_on_completions(client: OpenAI, stream: bool) -> None:
     kwargs: dict[str, Any] = {
@@ -291,7 +276,6 @@ def test_json_object_on_completions(client: OpenAI, stream: bool) -> None:
     assert isinstance(json.loads(text), dict)
 
 
-@PENDING
 def test_vllm_structured_outputs_choice_grammar_regex_and_json(client: OpenAI) -> None:
     def ask(prompt: str, constraint: dict[str, Any]) -> str:
         completion = client.chat.completions.create(
@@ -376,19 +360,7 @@ HOSTILE: dict[str, tuple[dict[str, Any], str]] = {
 REFUSAL_S = 10.0
 
 
-# Refused by the request's validation already, and by the right parameter.
-REFUSED_BEFORE_STRUCTURED_OUTPUTS = {
-    "response_format_a_string", "empty_choice", "bad_regex", "json_not_a_schema", "two_constraints"
-}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=() if n in REFUSED_BEFORE_STRUCTURED_OUTPUTS else PENDING)
-        for n in HOSTILE
-    ],
-)
+@pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_schemas_are_400s_naming_the_param(server, name: str) -> None:
     extra, param = HOSTILE[name]
     body = chat_body("Hi", max_tokens=8, **extra)
@@ -403,7 +375,6 @@ def test_hostile_schemas_are_400s_naming_the_param(server, name: str) -> None:
     assert plain_latency(server) < REFUSAL_S
 
 
-@PENDING
 def test_a_flood_of_new_schemas_does_not_stall_a_plain_request(server) -> None:
     alone = plain_latency(server)
     # Each schema new to the engine (its own property names) and big enough to take a while
@@ -433,7 +404,6 @@ def test_a_flood_of_new_schemas_does_not_stall_a_plain_request(server) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@PENDING
 def test_json_schema_through_the_router(server) -> None:
     case = next(c for c in CASES if c.name == "extraction_record")
     body = chat_body(case.prompt, response_format=response_format(case), max_tokens=MAX_TOKENS)
