@@ -205,7 +205,8 @@ for step in "$@"; do
         start_server "$out/structured_server.log" --model /tmp/llama8b --load-format dummy \
             --dtype bfloat16 --max-model-len 8192 --served-model-name llama8b || continue
         timeout 400 $py bench/structured.py --base-url http://127.0.0.1:8000 --model llama8b \
-            --users 32 --max-tokens 256 --warmup-duration 10 --duration "${STRUCTURED_DURATION:-60}" \
+            --users 32 --max-tokens 256 --warmup-duration 10 --duration "${STRUCTURED_DURATION:-30}" \
+            --rounds 2 \
             --result-json "$out/structured.json" 2>&1 | tee "$out/structured.txt"
         kill $server
         wait $server

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve import (
     BenchmarkMetrics,
+    RequestRecord,
     SampleRequest,
     build_payload,
     closed_loop,
@@ -97,10 +98,12 @@ class Requests(Sequence[dict[str, Any]]):
     """Request ``k`` of a mode, built when asked for: the new-schema mode needs a schema per
     request and cannot know beforehand how many requests the users will send."""
 
-    def __init__(self, mode: str, model: str, max_tokens: int, items: int) -> None:
+    def __init__(self, mode: str, model: str, max_tokens: int, items: int, round_: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.mode, self.model, self.max_tokens, self.items = mode, model, max_tokens, items
+        # In the tags of prompts and new schemas: a later round meets nothing cached.
+        self.round = round_
         self._cached = constraint(records_schema("cached", items))
 
     def __len__(self) -> int:
@@ -118,13 +121,13 @@ class Requests(Sequence[dict[str, Any]]):
         if self.mode == "cached_schema":
             extra = self._cached
         elif self.mode == "new_schema":
-            extra = constraint(records_schema(f"n{k}", self.items))
+            extra = constraint(records_schema(f"r{self.round}n{k}", self.items))
         return build_payload(
             SampleRequest([], self.max_tokens),
             "chat",
             self.model,
             ignore_eos=self.mode == "unconstrained",
-            prompt_text=f"[{self.mode} {k}] {PROMPT}",
+            prompt_text=f"[{self.mode} {self.round}.{k}] {PROMPT}",
             extra_body=extra,
         )
 
@@ -232,12 +235,12 @@ def format_report(
 
 
 async def run_mode(
-    mode: str, args: argparse.Namespace, url: str, headers: dict[str, str]
-) -> tuple[BenchmarkMetrics, int, int]:
-    """(metrics over the measured window, answers shorter than max_tokens, requests sent)."""
+    mode: str, round_: int, args: argparse.Namespace, url: str, headers: dict[str, str]
+) -> tuple[list[RequestRecord], int]:
+    """(the records of the measured window, requests sent) of one mode's turn."""
     every = await closed_loop(
         url,
-        Requests(mode, args.model, args.max_tokens, args.items),
+        Requests(mode, args.model, args.max_tokens, args.items, round_),
         _Zeros(),
         users=args.users,
         duration_s=args.duration,
@@ -246,9 +249,8 @@ async def run_mode(
         timeout_s=args.timeout,
     )
     window = in_window(every, args.duration)
-    short = sum(1 for r in window if r.success and r.output_tokens < args.max_tokens)
     logger.info("%s: %d requests sent, %d in the window", mode, len(every), len(window))
-    return compute_metrics(window, args.duration), short, len(every)
+    return window, len(every)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -268,8 +270,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="records the schema asks for: more than max-tokens hold",
     )
     p.add_argument("--warmup-duration", type=float, default=10.0, help="seconds per mode")
-    p.add_argument("--duration", type=float, default=60.0, help="measured seconds per mode")
+    p.add_argument(
+        "--duration", type=float, default=60.0, help="measured seconds per mode and round"
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, run in this order")
+    p.add_argument("--rounds", type=int, default=1, help="turns of every mode, interleaved")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
     p.add_argument("--result-json", type=Path, default=None)
     p.add_argument("--log-level", default="INFO")
@@ -278,7 +283,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for mode in args.modes:
         if mode not in MODES:
             p.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    for name in ("users", "max_tokens", "items"):
+    if len(set(args.modes)) != len(args.modes):
+        p.error("--modes names a mode twice: use --rounds to repeat them")
+    for name in ("users", "max_tokens", "items", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.duration <= 0 or args.warmup_duration < 0:
@@ -295,11 +302,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = args.base_url.rstrip("/") + CHAT_PATH
     if any(m != "unconstrained" for m in args.modes):
         asyncio.run(check_schema_followed(url, args.model, headers, args.timeout))
-    metrics: dict[str, BenchmarkMetrics] = {}
-    short: dict[str, int] = {}
-    sent: dict[str, int] = {}
-    for mode in args.modes:
-        metrics[mode], short[mode], sent[mode] = asyncio.run(run_mode(mode, args, url, headers))
+    records: dict[str, list[RequestRecord]] = {m: [] for m in args.modes}
+    sent = dict.fromkeys(args.modes, 0)
+    # Modes take turns, round after round: a drift in the machine's speed (another job, clocks)
+    # then falls on every mode alike instead of on whichever ran at the time.
+    for round_ in range(args.rounds):
+        for mode in args.modes:
+            window, n = asyncio.run(run_mode(mode, round_, args, url, headers))
+            records[mode] += window
+            sent[mode] += n
+    metrics = {m: compute_metrics(records[m], args.duration * args.rounds) for m in args.modes}
+    short = {
+        m: sum(1 for r in records[m] if r.success and r.output_tokens < args.max_tokens)
+        for m in args.modes
+    }
     sys.stdout.write(format_report(metrics, short, args.max_tokens))
     sys.stdout.flush()
     if args.result_json is not None:

@@ -48,12 +48,18 @@ def test_requests_per_mode() -> None:
     prompts = [r[k]["messages"][0]["content"] for r in (free, cached, new) for k in (0, 1)]
     assert len(set(prompts)) == 6 and all(p.endswith(structured.PROMPT) for p in prompts)
     assert len(new) > 10**9
+    # A later round repeats neither a prompt nor a new schema.
+    later = structured.Requests("new_schema", "m", 32, 8, 1)
+    assert later[0]["structured_outputs"] != new[0]["structured_outputs"]
+    assert later[0]["messages"] != new[0]["messages"]
     with pytest.raises(ValueError, match="unknown mode"):
         structured.Requests("fast", "m", 1, 1)
 
 
 def test_the_cli_refuses_bad_arguments() -> None:
-    for argv in (["--modes", "fast"], ["--users", "0"], ["--duration", "0"]):
+    bad = (["--modes", "fast"], ["--modes", "new_schema,new_schema"], ["--users", "0"],
+           ["--duration", "0"], ["--rounds", "0"])  # fmt: skip
+    for argv in bad:
         with pytest.raises(SystemExit):
             structured.parse_args(["--model", "m", *argv])
 
@@ -72,7 +78,8 @@ def test_end_to_end_against_a_fake_server(
         rc = structured.main(
             [
                 *("--base-url", url, "--model", "fake", "--users", "3", "--max-tokens", "6"),
-                *("--warmup-duration", "0.3", "--duration", "1.0", "--result-json", str(out)),
+                *("--warmup-duration", "0.3", "--duration", "0.6", "--rounds", "2"),
+                *("--result-json", str(out)),
             ]
         )
     assert rc == 0
@@ -88,7 +95,7 @@ def test_end_to_end_against_a_fake_server(
         for p in ("p50", "p90")
     }
     schemas = [json.dumps(b.get("structured_outputs")) for b in server.bodies]
-    assert len(set(schemas)) == 2 + sum("label_n" in s for s in schemas)  # none, cached, new
+    assert len(set(schemas)) == 2 + sum("label_r" in s for s in schemas)  # none, cached, new
     report = capsys.readouterr().out
     assert "TPOT cached schema / unconstrained" in report and "goal <= 1.2" in report
 
