@@ -224,8 +224,8 @@ def format_report(
         if key not in r:
             continue
         line = f"{label}, p50: {fmt(r[key], 3)}"
-        if goal is not None:
-            line += f" (goal <= {goal}: {'met' if (r[key] or 0) <= goal else 'MISSED'})"
+        if goal is not None and r[key] is not None:
+            line += f" (goal <= {goal}: {'met' if r[key] <= goal else 'MISSED'})"
         lines.append(line)
     cached, base = metrics.get("cached_schema"), metrics.get("unconstrained")
     if cached and base and cached.ttft_ms["p50"] is not None and base.ttft_ms["p50"] is not None:

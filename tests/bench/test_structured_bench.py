@@ -117,3 +117,10 @@ def test_smoke_against_the_engine(model_dirs, tmp_path: Path) -> None:
     for mode in modes.values():
         assert mode["successful_requests"] > 0 and mode["failed_requests"] == 0
         assert mode["short"] == 0
+
+
+def test_no_verdict_without_measurements() -> None:
+    empty = structured.compute_metrics([], 1.0)
+    modes = structured.MODES
+    report = structured.format_report({m: empty for m in modes}, dict.fromkeys(modes, 0), 8)
+    assert "n/a" in report and "met" not in report and "MISSED" not in report
