@@ -99,7 +99,8 @@ class StructuredOutputsParams(BaseModel):
         default=None,
         min_length=1,
         max_length=MAX_CHOICE_CHARS,
-        description="a regex for the whitespace JSON may have between tokens",
+        description="a regex for the whitespace JSON may have between tokens; default: at "
+        "most 32 spaces, tabs or newlines",
     )
 
     @field_validator("json", mode="before")

@@ -78,6 +78,22 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
+# The whitespace JSON may have between two tokens unless the request says otherwise: enough for
+# pretty-printing (a newline and indentation), bounded, because a grammar that allows unbounded
+# whitespace lets a model spend its whole budget on it and return truncated JSON (a failure
+# vLLM users meet with any-whitespace JSON grammars, and what a random-weight model always does).
+DEFAULT_WHITESPACE_PATTERN = r"[\x20\x0A\x0D\x09]{0,32}"
+
+
+def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    if params.disable_any_whitespace:
+        return {"whitespace_flexible": False}
+    return {
+        "whitespace_flexible": True,
+        "whitespace_pattern": params.whitespace_pattern or DEFAULT_WHITESPACE_PATTERN,
+    }
+
+
 def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, llguidance grammar) for a constraint; GrammarError for one refused before
     compiling."""
@@ -85,14 +101,12 @@ def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
         schema = params.json
         if params.disable_additional_properties:
             schema = _close_objects(schema)
-        options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
-        return "json", llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        return "json", llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults=_json_options(params)
+        )
     if params.json_object:
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
         return "json_object", llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, defaults=options
+            {"type": "object"}, defaults=_json_options(params)
         )
     if params.regex is not None:
         return "regex", llguidance.LLMatcher.grammar_from_regex(params.regex)

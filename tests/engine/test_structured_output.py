@@ -10,6 +10,8 @@ import json
 import time
 
 import jsonschema
+import llguidance
+import llguidance.hf
 import pytest
 import torch
 from pydantic import ValidationError
@@ -19,7 +21,13 @@ from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
-from kvfleet.engine.structured_output import GrammarError, StructuredOutputs, apply_bitmask
+from kvfleet.engine.structured_output import (
+    GrammarError,
+    StructuredOutputs,
+    apply_bitmask,
+    grammar_spec,
+)
+from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.engine import assert_no_leak
 
 # A finite language: every constrained sequence must end, with "stop", well within max_tokens.
@@ -290,3 +298,25 @@ def test_tensor_parallel_samples_under_the_grammar_on_rank_0(llm, model_dirs, pr
         assert _texts(two.generate(batch, sp)) == one_rank
     for text in one_rank:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_whitespace_between_tokens_is_bounded_by_default() -> None:
+    """A model cannot loop on grammar-legal whitespace: 32 in a row at most, unless the request
+    sets its own pattern."""
+
+    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tiny_model_path()))
+
+    def accepts(params: StructuredOutputsParams, text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar_spec(params)[1])
+        return m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    default = StructuredOutputsParams(json=schema)
+    assert accepts(default, '{\n    "a": 1\n}')
+    assert accepts(default, "{" + " " * 32 + '"a":1}')
+    assert not accepts(default, "{" + " " * 33 + '"a":1}')
+    assert not accepts(StructuredOutputsParams(json_object=True), "{" + "\n" * 40 + "}")
+    assert accepts(StructuredOutputsParams(json=schema, whitespace_pattern=r"[ ]*"),
+                   "{" + " " * 40 + '"a":1}')  # fmt: skip
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert not accepts(compact, '{ "a":1}')
