@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +37,12 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept; a hit costs a dict lookup and a matcher copy.
 GRAMMAR_CACHE_SIZE = 256
-# Wall-clock bound on one compilation as the server waits for it (the fuel limits below bound
-# the work itself, so a thread left behind by a timeout still ends).
+# Wall-clock bound on one compilation, counted from when a compile thread takes it up (the fuel
+# limits below bound the work itself, so a thread left behind by a timeout still ends).
 COMPILE_TIMEOUT_S = 10.0
+# Threads that compile grammars; their own pool, so compilations neither queue behind other
+# blocking work nor, in a burst of new schemas, count their wait for a thread as compile time.
+COMPILE_THREADS = 4
 # llguidance's defaults, tightened where a hostile request could make one step slow: the mask
 # of one step (step_lexer_fuel, step_max_items) must stay far below a decode step's time.
 _LIMITS = dict(
@@ -187,6 +191,7 @@ class StructuredOutputs:
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._compilers = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self.executor = llguidance.LLExecutor()
         self.compiles = 0  # cache misses, for tests and metrics
         self._buffer: torch.Tensor | None = None
@@ -235,9 +240,19 @@ class StructuredOutputs:
     async def compile(
         self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S
     ) -> CompiledGrammar:
-        """grammar() off the event loop, within `timeout` seconds."""
+        """grammar() off the event loop, within `timeout` seconds of compiling: a wait for a free
+        compile thread (a burst of new schemas) is not held against the request."""
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def run() -> CompiledGrammar:
+            loop.call_soon_threadsafe(started.set)
+            return self.grammar(params)
+
+        future = loop.run_in_executor(self._compilers, run)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.grammar, params), timeout)
+            await started.wait()
+            return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise GrammarError(
                 f"the constraint took longer than {timeout:g} s to compile: simplify it",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import llguidance
@@ -150,6 +151,15 @@ def test_compile_off_the_loop_times_out(structured, monkeypatch):
     monkeypatch.setattr(structured, "grammar", lambda params: time.sleep(0.5))
     with pytest.raises(GrammarError, match=r"longer than 0\.05 s"):
         asyncio.run(structured.compile(StructuredOutputsParams(regex="a"), timeout=0.05))
+
+
+def test_a_wait_for_a_compile_thread_is_not_compile_time(structured, monkeypatch):
+    """A burst of new schemas queues for the compile threads; a quick one behind slow ones
+    still compiles, since its timeout counts from when a thread takes it up."""
+    monkeypatch.setattr(structured, "_compilers", ThreadPoolExecutor(1))
+    structured._compilers.submit(time.sleep, 0.5)  # the one thread, busy for 0.5 s
+    compiled = asyncio.run(structured.compile(StructuredOutputsParams(regex="ab"), timeout=0.3))
+    assert compiled.kind == "regex"
 
 
 # -- masks ------------------------------------------------------------------------------------
