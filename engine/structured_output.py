@@ -26,7 +26,6 @@ from typing import Any
 import llguidance
 import llguidance.gbnf_to_lark
 import llguidance.hf
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -288,7 +287,13 @@ class StructuredOutputs:
                 continue
             rows.append((m.raw, i))
         if rows:
-            llguidance.torch.fill_next_token_bitmask_par(self.executor, rows, view)
+            # The executor writes each listed row of the contiguous int32 buffer in parallel.
+            # (llguidance.torch wraps this same call, but importing it imports torch.compile and
+            # with it Triton, seconds of start-up and a Triton not in interpreter mode on CPUs.)
+            assert view.dtype == torch.int32 and view.is_contiguous() and not view.is_cuda
+            self.executor.unsafe_compute_mask_ptr(
+                rows, view.data_ptr(), view.shape[1] * 4, view.shape[0]
+            )
         return GrammarMasks(view, failed)
 
 

@@ -124,3 +124,19 @@ def test_static_tools_find_every_module_of_the_dev_install() -> None:
         if not any((root / "kvfleet" / p.relative_to(ROOT)).is_file() for root in roots)
     ]
     assert not missing, f"not visible to static tools (run make install): {missing}"
+
+
+def test_the_engine_imports_neither_triton_nor_torch_compile() -> None:
+    """Triton is a GPU dependency the CPU install does not carry, and on the CPU the kernels
+    run only in Triton's interpreter, which must be switched on before Triton is imported:
+    importing the engine and its server (the default model's path) must not import it, nor
+    torch.compile's machinery (seconds of start-up that brings Triton with it)."""
+    code = (
+        "import sys, kvfleet.engine, kvfleet.engine.server.app, kvfleet.engine.cli; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'triton'}), "
+        "'torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert out.split() == ["[]", "False"], out
