@@ -418,9 +418,7 @@ class ModelRunner:
         prefix = shared_prefix_len(tables, seq_lens, self.block_size)
         return prefix if prefix >= CASCADE_MIN_PREFIX else 0
 
-    def forward(
-        self, plan: StepPlan
-    ) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk]]:
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk]]:
         """Run a plan through this rank's model: the logits of the sampling sequences (None
         when none samples), and the scored prompt tokens of the sequences that asked, by
         sequence index (rank 0 only)."""
