@@ -163,3 +163,25 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for an input holding gate and up side by side, in the input dtype."""
     gate, up = x.chunk(2, dim=-1)
     return GATED_ACTIVATIONS[activation](gate) * up
+
+
+# FP8 (e4m3) activations, as the fp8 linear layers quantize them: the twin of
+# kernels.fp8_quant.quantize_tokens.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+# The smallest scale: an all-zero row or token quantizes to zeros instead of dividing by zero.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def quantize_tokens(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 rows, fp32 scale [M, 1]): each row (token) scaled by its own amax / 448, or by the
+    checkpoint's static scale, values beyond the fp8 range clamped."""
+    if static_scale is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+        scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    else:
+        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return fp8, scale

@@ -17,10 +17,8 @@ from typing import Any
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-# The smallest scale: an all-zero row or token quantizes to zeros instead of dividing by zero.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE, quantize_tokens
+
 # Up to this many tokens, cuBLASLt's unscaled (per-tensor) FP8 GEMM plus a scaling epilogue beats
 # its row-wise-scaled GEMM (bench/fp8_linear_bench.py on an H100: 1.1-2.5x faster at Llama-3-8B's
 # shapes up to 64 tokens, about even from 256).
@@ -172,20 +170,6 @@ def quantize_rows(
     return fp8, scale
 
 
-def quantize_tokens(
-    x: torch.Tensor, static_scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 rows, fp32 scale [M, 1]): each row (token) scaled by its own amax / 448, or by the
-    checkpoint's static scale, values beyond the fp8 range clamped."""
-    if static_scale is None:
-        amax = x.abs().amax(dim=-1, keepdim=True).float()
-        scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
-    else:
-        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return fp8, scale
-
-
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -195,19 +179,20 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
     row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. On
-    CUDA the elementwise work runs in Triton kernels (fp8_kernels), on the CPU in PyTorch."""
+    CUDA the elementwise work runs in Triton kernels (kernels.fp8_quant), on the CPU in their
+    PyTorch twins."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
-        from kvfleet.engine.layers import fp8_kernels
+        from kvfleet.kernels import fp8_quant
 
-        x_fp8, x_scale = fp8_kernels.quantize_tokens(x2.contiguous(), input_scale)
+        x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
         if x2.shape[0] <= _SMALL_BATCH:
             one = _unit_scale(x.device)
             acc = torch._scaled_mm(
                 x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
             )
-            y = fp8_kernels.scale_rows_cols(acc, x_scale, weight_scale, bias, x.dtype)
+            y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, x.dtype)
             return y.view(*lead, y.shape[-1])
     else:
         x_fp8, x_scale = quantize_tokens(x2, input_scale)

@@ -44,12 +44,12 @@ def test_fp8_gemm_equals_the_dequantized_reference(m, k, n):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_triton_quantization_equals_the_pytorch_function(static):
-    from kvfleet.engine.layers import fp8, fp8_kernels
+    from kvfleet.kernels import fp8_quant
 
     x = torch.randn(300, 14336, device="cuda").to(torch.bfloat16) * 3
     scale = torch.tensor(4.0 / 448, device="cuda") if static else None
-    q, s = fp8_kernels.quantize_tokens(x, scale)
-    q_ref, s_ref = fp8.quantize_tokens(x, scale)
+    q, s = fp8_quant.quantize_tokens(x, scale)
+    q_ref, s_ref = quantize_tokens(x, scale)
     assert torch.equal(s, s_ref)
     mismatched = (q.float() != q_ref.float()).float().mean().item()
     assert mismatched < 1e-4, mismatched  # only where the division rounds differently

@@ -3,7 +3,7 @@ kernel per operation and a decode step's tiny launches add up (measured on an H1
 bench/fp8_linear_bench.py: ~15 us per per-token quantization, 4 per layer):
 
 * `quantize_tokens`: a row's amax, its scale and its fp8 values in one kernel (twin of
-  fp8.quantize_tokens: same fp32 arithmetic, same clamping);
+  reference.quantize_tokens: same fp32 arithmetic, same clamping);
 * `scale_rows_cols`: the FP8 GEMM's fp32 accumulators times the token and channel scales, plus
   the bias, in the output dtype: the epilogue for small batches, whose unscaled (per-tensor)
   cuBLASLt GEMM is up to twice as fast as its row-wise-scaled one."""
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.layers.fp8 import FP8, FP8_MAX, MIN_SCALE
+from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _quantize_rows_kernel(
 def quantize_tokens(
     x: torch.Tensor, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As fp8.quantize_tokens, for a 2-D x with unit column stride."""
+    """As reference.quantize_tokens, for a 2-D x with unit column stride."""
     m, k = x.shape
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)

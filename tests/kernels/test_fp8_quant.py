@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kvfleet.engine.layers import fp8, fp8_kernels
+from kvfleet.kernels import fp8_quant, reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -21,9 +21,9 @@ def test_quantize_tokens_equals_the_pytorch_function(dtype, k, static):
     x = (torch.randn(5, k, generator=gen) * torch.logspace(-2, 2, 5)[:, None]).to(dtype)
     x[2] = 0
     scale = torch.tensor(3.0 / 448) if static else None  # clamps the larger rows
-    q, s = fp8_kernels.quantize_tokens(x, scale)
-    q_ref, s_ref = fp8.quantize_tokens(x, scale)
-    assert q.dtype == fp8.FP8 and s.shape == (5, 1)
+    q, s = fp8_quant.quantize_tokens(x, scale)
+    q_ref, s_ref = reference.quantize_tokens(x, scale)
+    assert q.dtype == reference.FP8 and s.shape == (5, 1)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     # The interpreter's fp8 cast does not round to nearest (2-3% of values land one or more
     # steps toward zero); a GPU's cvt.rn.satfinite does, and test_fp8_weights_gpu.py checks
@@ -38,7 +38,7 @@ def test_scale_rows_cols_is_the_row_wise_epilogue(bias):
     acc = torch.randn(7, 2100, generator=gen) * 1000
     rows, cols = torch.rand(7, 1, generator=gen), torch.rand(2100, generator=gen)
     b = torch.randn(2100, generator=gen).to(torch.bfloat16) if bias else None
-    y = fp8_kernels.scale_rows_cols(acc, rows, cols, b, torch.bfloat16)
+    y = fp8_quant.scale_rows_cols(acc, rows, cols, b, torch.bfloat16)
     ref = acc * (rows * cols) + (b.float() if bias else 0)
     assert y.dtype == torch.bfloat16
     # The interpreter's bf16 cast truncates: one bf16 step (2^-7 relative), not half of one.
