@@ -112,9 +112,13 @@ class EngineCore:
         return None if self.workers is None else self.workers.failure()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        """Stop the tensor-parallel workers and give back the runner's memory (KV cache,
+        weights); the engine runs no step after this."""
         if self.workers is not None:
             self.workers.shutdown()
+        runner = getattr(self, "runner", None)  # absent when the model failed to load
+        if runner is not None:
+            runner.release()
 
     # -- requests --------------------------------------------------------------------------
     def admit(

@@ -319,6 +319,19 @@ class ModelRunner:
         self._bind_kv_cache(caches)
         return caches
 
+    def release(self) -> None:
+        """Give back the KV cache, the CUDA graphs and the weights (the runner runs no step
+        after this): a stopped engine frees its memory even while something still refers to
+        it (a server object a caller keeps, an LLM in a notebook)."""
+        if self.model is None:
+            return
+        self._bind_kv_cache([])
+        self.kv_caches = []
+        self.graphs = None
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
         layers = self.model.attention_layers()
         for i, layer in enumerate(layers):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from kvfleet.engine import LLM
 from kvfleet.engine.tiny_model import (
     ARCHITECTURES,
     MARKER_NAME,
@@ -219,3 +222,16 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
         build_tiny_model(tmp_path / "x", "falcon")
     with pytest.raises(ValueError, match="num_kv_heads"):
         build_tiny_model(tmp_path / "x", "llama", num_heads=4, num_kv_heads=3)
+
+
+def test_shutdown_gives_the_memory_back(model_dirs) -> None:
+    """A stopped engine frees its KV cache and weights even while the LLM object lives on."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32")
+    runner = llm.engine.runner
+    cache = weakref.ref(runner.kv_caches[0])
+    weight = weakref.ref(next(runner.model.parameters()))
+    llm.shutdown()
+    llm.shutdown()  # twice is harmless
+    gc.collect()
+    assert cache() is None and weight() is None
+    assert runner.kv_caches == [] and runner.model is None
