@@ -112,10 +112,14 @@ class EngineCore:
         return None if self.workers is None else self.workers.failure()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and give back the runner's memory (KV cache,
-        weights); the engine runs no step after this."""
+        """Stop the tensor-parallel workers (nothing to do with one rank)."""
         if self.workers is not None:
             self.workers.shutdown()
+
+    def close(self) -> None:
+        """shutdown(), and give back the runner's memory (KV cache, CUDA graphs, weights):
+        what the engine's owner calls when it is done with it; no step runs after this."""
+        self.shutdown()
         runner = getattr(self, "runner", None)  # absent when the model failed to load
         if runner is not None:
             runner.release()

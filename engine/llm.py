@@ -38,8 +38,9 @@ class LLM:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now rather than at interpreter exit."""
-        self.engine.shutdown()
+        """Stop the tensor-parallel workers and give back the engine's memory now rather than
+        at interpreter exit; the LLM generates nothing after this."""
+        self.engine.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -395,6 +395,9 @@ class EngineServer:
             await asyncio.sleep(0.1)
         await self._runner.cleanup()
         await self.engine.stop()
+        # The server made this engine: its memory goes back with it, whoever still refers to
+        # the server object.
+        self.engine.core.close()
         logger.info("stopped")
 
 
