@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
 #   bash bench/gpu_run.sh OUTDIR structured       # structured outputs' TPOT/TTFT cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
-#   bash bench/gpu_run.sh OUTDIR check fp8kv-llama2-13b    # fp8 KV cache: kernels, Llama-2-13B
+#   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -90,14 +90,20 @@ for step in "$@"; do
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
             tee "$out/fp8_weights_tests.txt"
         ;;
-    fp8kv-llama2-13b)
-        # Issue 21's fp8 KV goal: the article's Llama-2-13B workload (256 requests, input and
-        # output uniform in [128, 512]), bf16 cache then --kv-cache-dtype fp8, in one call.
-        for kv in auto fp8; do
-            echo "== $step kv-cache-dtype $kv" | tee -a "$out/$step.txt"
+    fp8-llama2-13b)
+        # Issue 21's Llama-2-13B goals: the article's workload (256 requests, input and output
+        # uniform in [128, 512]) in bf16, with an fp8 KV cache, and with fp8 weights and KV cache,
+        # in one call.
+        for variant in bf16 fp8kv fp8w-fp8kv; do
+            case $variant in
+            bf16) vargs=() ;;
+            fp8kv) vargs=(--kv-cache-dtype fp8) ;;
+            fp8w-fp8kv) vargs=(--quantization fp8 --kv-cache-dtype fp8) ;;
+            esac
+            echo "== $step $variant: ${vargs[*]}" | tee -a "$out/$step.txt"
             timeout 280 $py bench/throughput.py --model bench/models/Llama-2-13b-hf \
                 --num-prompts 256 --input-len 128 512 --output-len 128 512 --step-stats \
-                --kv-cache-dtype $kv --result-json "$out/${step}_$kv.json" 2>&1 |
+                "${vargs[@]}" --result-json "$out/${step}_$variant.json" 2>&1 |
                 tee -a "$out/$step.txt"
         done
         ;;
