@@ -31,6 +31,8 @@ import torch
 
 from kvfleet.engine.request import InvalidRequestError, Request
 from kvfleet.engine.sampling_params import StructuredOutputsParams
+from kvfleet.kernels import reference
+from kvfleet.kernels.availability import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -326,10 +328,12 @@ def _explain(kind: str, error: str) -> str:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Ban, in one masked_fill for the whole batch, every token whose bit is clear: logits
+    """Ban, in one step for the whole batch, every token whose bit is clear: logits
     [rows, vocab], bitmask int32 [rows, >= vocab / 32] on the logits' device."""
-    vocab = logits.shape[-1]
-    # Bytes of the little-endian words (on x86 and the GPU): bit t is bit t % 8 of byte t // 8.
-    bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
-    allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
-    logits.masked_fill_(allowed == 0, float("-inf"))
+    if logits.is_cuda and triton_available():
+        # Imported here: the engine imports no Triton on the CPU.
+        from kvfleet.kernels.grammar_mask import apply_token_bitmask
+
+        apply_token_bitmask(logits, bitmask)
+    else:
+        reference.apply_token_bitmask(logits, bitmask)

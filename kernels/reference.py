@@ -185,3 +185,14 @@ def quantize_tokens(
         scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return fp8, scale
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place, into every logit whose bit is clear: logits [rows, vocab], bitmask int32
+    [rows, >= vocab / 32] on the logits' device, bit t of a row being bit t % 32 of word t // 32.
+    The twin of kernels.grammar_mask.apply_token_bitmask."""
+    vocab = logits.shape[-1]
+    # Bytes of the little-endian words (on x86 and the GPU): bit t is bit t % 8 of byte t // 8.
+    bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
+    allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
