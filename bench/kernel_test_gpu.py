@@ -31,6 +31,7 @@ import torch
 from kvfleet.kernels import reference
 from kvfleet.kernels.activation import act_and_mul
 from kvfleet.kernels.cache_write import write_kv_cache
+from kvfleet.kernels.grammar_mask import apply_token_bitmask
 from kvfleet.kernels.paged_attention import (
     choose_num_splits,
     choose_prefix_splits,
@@ -344,6 +345,26 @@ def check_act_and_mul(dev: torch.device, activation: str) -> bool:
     return report(f"act_and_mul {activation} {tuple(x.shape)} bf16", got, want, 1e-2, 1.6e-2)
 
 
+def check_grammar_mask(dev: torch.device, dtype: torch.dtype, vocab: int) -> bool:
+    """Bit for bit against the twin: every other row of a wider batch (a row stride of its own), a
+    bitmask wider than the vocabulary, free rows (all bits set) and a row with everything banned."""
+    rows = 32
+    batch = torch.randn(2 * rows, vocab + 64, device=dev).to(dtype)
+    logits = batch[::2, :vocab]
+    bitmask = torch.randint(-(2**31), 2**31, (rows, vocab // 32 + 8), device=dev).int()
+    bitmask[::3] = -1
+    bitmask[1] = 0
+    want = logits.clone()
+    reference.apply_token_bitmask(want, bitmask)
+    untouched = batch.clone()
+    apply_token_bitmask(logits, bitmask)
+    untouched[::2, :vocab] = want
+    ok = torch.equal(batch, untouched)
+    name = f"grammar_mask {tuple(logits.shape)} {str(dtype)[6:]}"
+    logger.info("%s %-58s %s", "PASS" if ok else "FAIL", name, "bit-exact" if ok else "differs")
+    return ok
+
+
 def run_checks(dev: torch.device) -> bool:
     bf16 = torch.bfloat16
     mixed = [(2048, 2048), (3000, 512), (1000, 1), (4100, 1), (17, 17), (100, 37), (16, 16)]
@@ -381,6 +402,9 @@ def run_checks(dev: torch.device) -> bool:
         lambda: check_rms_norm(dev, bf16, 2304, zero_centred=True),
         lambda: check_act_and_mul(dev, "silu"),
         lambda: check_act_and_mul(dev, "gelu_pytorch_tanh"),
+        lambda: check_grammar_mask(dev, bf16, 128256),
+        lambda: check_grammar_mask(dev, torch.float32, 151936),
+        lambda: check_grammar_mask(dev, torch.float16, 49152 + 17),
         # FP8 KV cache: the write, decode at the bandwidth table's sizes (Llama-8B heads),
         # windowed and soft-capped decode, the cascade pass, prefill and mixed chunks.
         lambda: check_cache_write(dev, bf16, fp8=True),

@@ -120,6 +120,9 @@ class Sampler:
             logits[i] = 0.0
         self._apply_logit_bias(logits, reqs, failed)
         if grammar is not None:
+            # From StructuredOutputs.masks' pinned buffer, so the copy does not stall the host.
+            # That buffer is rewritten only after this step's tokens reach the host, which
+            # waits for the copy first.
             apply_bitmask(logits, grammar.bitmask.to(logits.device, non_blocking=True))
         token_ids = self._choose(logits, rows)
         for i, (req, tok) in enumerate(zip(reqs, token_ids, strict=True)):
