@@ -5,6 +5,7 @@ bf16 KV cache and an FP8 (e4m3) one::
     python bench/kernel_test_gpu.py                 # checks, then the bandwidth table
     python bench/kernel_test_gpu.py --skip-bench    # checks only
     python bench/kernel_test_gpu.py --iters 200 --splits 1,4,8,16
+    python bench/kernel_test_gpu.py --fp8-decode-sweep   # the fp8-cache decode's tiles
 
 Checks draw fresh random data, poison outputs with NaN before each kernel runs, and fail on any
 NaN or on an error over the stated tolerance (|out - ref| <= atol + rtol * |ref| elementwise);
@@ -574,6 +575,35 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
         out.write(f"{name:>42} {ms * 1e3:9.1f} {tflops:9.0f}\n")
 
 
+def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int) -> None:
+    """The fp8-cache decode kernel's tile (keys per K/V tile) and launch (warps, stages) around
+    the shipped choice, at the bandwidth table's sizes: what the 85%-of-copy goal needs."""
+    from kvfleet.kernels import paged_attention
+
+    copy_gbs = copy_bandwidth(dev, iters, warmup)
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    shipped = paged_attention._kv_tile_tokens, paged_attention._FP8_DECODE_LAUNCH
+    out = sys.stdout
+    out.write(f"\nfp8-cache decode sweep (copy {copy_gbs:.0f} GB/s)\n")
+    out.write(
+        f"{'batch x ctx':>13} {'keys':>5} {'warps':>5} {'stages':>6} {'us':>9} {'% copy':>7}\n"
+    )
+    try:
+        for (batch, ctx_len), keys, (warps, stages) in itertools.product(
+            ((64, 2048), (8, 16384)), (64, 128), ((2, 6), (2, 4), (4, 4), (4, 3), (8, 3))
+        ):
+            paged_attention._kv_tile_tokens = lambda head_dim, itemsize, keys=keys: keys
+            paged_attention._FP8_DECODE_LAUNCH = (warps, stages)
+            splits = choose_num_splits(32768, batch, 8, num_sms)
+            ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, fp8=True)
+            out.write(
+                f"{f'{batch} x {ctx_len}':>13} {keys:>5} {warps:>5} {stages:>6} "
+                f"{ms * 1e3:9.1f} {100 * gbs / copy_gbs:6.1f}%\n"
+            )
+    finally:
+        paged_attention._kv_tile_tokens, paged_attention._FP8_DECODE_LAUNCH = shipped
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Check the Triton kernels against the PyTorch reference on a GPU; time them."
@@ -589,6 +619,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument(
+        "--fp8-decode-sweep",
+        action="store_true",
+        help="only sweep the fp8-cache decode kernel's tile and launch (no checks, no table)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -600,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
     torch.manual_seed(args.seed)
+    if args.fp8_decode_sweep:
+        sweep_fp8_decode(dev, args.iters, args.warmup)
+        return 0
     ok = True
     if not args.skip_checks:
         ok = run_checks(dev)
