@@ -5,6 +5,7 @@
 - ``llama3_json`` (Llama 3.x): ``{"name": ..., "parameters": {...}}``, optionally after
   ``<|python_tag|>``, several separated by ``;``, and only at the start of the output;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional content.
+  Its calls get ids of 9 letters and digits, the only ids Mistral's chat templates take back.
 
 Besides these, the output of a grammar-constrained request (``tool_choice`` ``required``: a JSON
 array of calls; a named function: its arguments object) is read by the same machinery.
@@ -16,7 +17,10 @@ a streamed response's calls are exactly the non-streamed one's. Pure: no I/O, no
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +30,7 @@ MISTRAL = "mistral"
 TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)
 
 _WS = " \t\r\n"
+_MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -39,8 +44,17 @@ _AFTER_CALL = {
 }
 
 
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def tool_call_id(family: str | None, taken: Container[str] = ()) -> str:
+    """A new call id, none of taken. Mistral's templates (and vLLM's mistral parser) refuse any
+    id but 9 letters and digits when the call comes back in the conversation; the other
+    families get OpenAI's ``call_`` form."""
+    while True:
+        if family == MISTRAL:
+            call_id = "".join(secrets.choice(_MISTRAL_ID_CHARS) for _ in range(9))
+        else:
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+        if call_id not in taken:
+            return call_id
 
 
 def parser_for_template(template: str | None) -> str:
@@ -209,9 +223,11 @@ class _Call:
     they come (a JSON object streams character by character; an arguments string, which some
     models write, is decoded whole)."""
 
-    def __init__(self, index: int, name: str | None = None, bare_arguments: bool = False) -> None:
+    def __init__(
+        self, index: int, call_id: str, name: str | None = None, bare_arguments: bool = False
+    ) -> None:
         self.index = index
-        self.id = tool_call_id()
+        self.id = call_id
         self.name = name
         # bare_arguments: the text is the arguments object itself (a named function's output).
         self.bare = bare_arguments
@@ -298,11 +314,22 @@ class ToolCallParser:
     for a whole text.
 
     mode: a family (TOOL_CALL_PARSERS), or "array" (a JSON array of {name, arguments}: what the
-    grammar of tool_choice required makes), or "named" (the arguments object of `name`)."""
+    grammar of tool_choice required makes), or "named" (the arguments object of `name`).
+    family: the server's parser family, whose ids the calls get (None: OpenAI's); call_ids: ids
+    not to use again (those of the conversation and of the response's other choices), each new
+    call's id added."""
 
-    def __init__(self, mode: str, name: str | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        name: str | None = None,
+        family: str | None = None,
+        call_ids: set[str] | None = None,
+    ) -> None:
         self.mode = mode
         self.name = name
+        self.family = family
+        self.call_ids = set() if call_ids is None else call_ids
         self.calls: list[_Call] = []
         self.malformed = False
         self._buf = ""
@@ -316,7 +343,7 @@ class ToolCallParser:
             "named": "object",
         }[mode]
         if mode == "named":
-            self.calls.append(_Call(0, name, bare_arguments=True))
+            self.calls.append(_Call(0, self._new_id(), name, bare_arguments=True))
 
     @property
     def called(self) -> bool:
@@ -427,9 +454,14 @@ class ToolCallParser:
         return True
 
     def _open_object(self) -> bool:
-        self.calls.append(_Call(len(self.calls)))
+        self.calls.append(_Call(len(self.calls), self._new_id()))
         self._state = "object"
         return True
+
+    def _new_id(self) -> str:
+        call_id = tool_call_id(self.family, self.call_ids)
+        self.call_ids.add(call_id)
+        return call_id
 
     def _malformed(self) -> bool:
         self.malformed = True

@@ -15,7 +15,7 @@ for its prompt, its sampling and the parsing of its output.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +72,17 @@ class ToolPlan:
     # parallel_tool_calls false: calls past the first are dropped (with auto; the grammar of
     # required allows one only).
     single_call: bool = False
+    # The server's parser family, whose ids the calls get (Mistral's differ), also when the
+    # grammar of a forced call makes them.
+    family: str | None = None
+    # The ids of the conversation's calls and of this response's: a new call's id is none of
+    # them (one plan per request, so the choices of a response share it).
+    call_ids: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def parser(self) -> ToolCallParser | None:
         if self.parse_mode is None:
             return None
-        return ToolCallParser(self.parse_mode, self.function_name)
+        return ToolCallParser(self.parse_mode, self.function_name, self.family, self.call_ids)
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
         """params with the grammar of required / a named function; a Mistral model's
@@ -93,7 +99,7 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
     """Check the request's tools, tool_choice and tool messages (400s naming the parameter)
     and plan them."""
     tools = req.tools or []
-    check_tool_messages(req.messages)
+    made = check_tool_messages(req.messages)
     choice = req.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -117,7 +123,8 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 "--no-enable-auto-tool-choice): use required, a named function or none",
                 param="tool_choice",
             )
-        return ToolPlan(shown, settings.parser, single_call=not req.parallel_tool_calls)
+        return ToolPlan(shown, settings.parser, single_call=not req.parallel_tool_calls,
+                        family=settings.parser, call_ids=made)  # fmt: skip
     if _structured(req):
         raise bad_request(
             "response_format (or structured_outputs) and a tool_choice that forces a call "
@@ -133,9 +140,11 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 param="tool_choice",
             )
         schema = _arguments_schema(tools[names.index(name)])
-        return ToolPlan(shown, "named", name, _forced(schema))
+        return ToolPlan(shown, "named", name, _forced(schema), family=settings.parser,
+                        call_ids=made)  # fmt: skip
     schema = required_schema(tools, req.parallel_tool_calls)
-    return ToolPlan(shown, "array", structured=_forced(schema))
+    return ToolPlan(shown, "array", structured=_forced(schema), family=settings.parser,
+                    call_ids=made)  # fmt: skip
 
 
 def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:
@@ -198,8 +207,9 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def check_tool_messages(messages: list[ChatMessage]) -> None:
-    """Assistant tool_calls are well formed; each tool message answers a call made before it."""
+def check_tool_messages(messages: list[ChatMessage]) -> set[str]:
+    """Assistant tool_calls are well formed; each tool message answers a call made before it.
+    Returns the ids of the calls made."""
     made: dict[str, str] = {}
     for i, m in enumerate(messages):
         extra = m.model_extra or {}
@@ -221,6 +231,7 @@ def check_tool_messages(messages: list[ChatMessage]) -> None:
                 "assistant message",
                 param=f"messages.{i}.tool_call_id",
             )
+    return set(made)
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
