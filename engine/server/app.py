@@ -26,7 +26,12 @@ from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.tool_parsers import TOOL_CALL_PARSERS, parser_for_template
-from kvfleet.engine.server.tools import TOOL_SETTINGS, ToolSettings, load_chat_template
+from kvfleet.engine.server.tools import (
+    TOOL_SETTINGS,
+    ToolSettings,
+    load_chat_template,
+    plan_prompt,
+)
 from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body, refused
 from kvfleet.protocol.json_body import RequestRefused, check_content_encoding
 from kvfleet.telemetry.http import echo_request_id, observe_requests
@@ -241,7 +246,12 @@ async def _tokenize(request: web.Request) -> web.Response:
     req = await parse_body(request, TokenizeRequest)
     check_model(req.model, ctx.served_model_names)
     if req.messages is not None:
-        ids = await render_chat_served(ctx, req.messages, req.add_generation_prompt)
+        # The prompt exactly as chat completions renders it, tools included.
+        plan = plan_prompt(req.tools or [], req.messages)
+        ids = await render_chat_served(
+            ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+            (plan, request.app[TOOL_SETTINGS]),
+        )  # fmt: skip
     else:
         ids = await ctx.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
     return web.json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})

@@ -353,12 +353,19 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    # With messages, as on chat completions: the prompt is counted as chat renders it.
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None and (
+            self.tools is not None or self.chat_template_kwargs is not None
+        ):
+            raise ValueError("tools and chat_template_kwargs go with messages, not prompt")
         return self
 
 

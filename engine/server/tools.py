@@ -15,7 +15,7 @@ for its prompt, its sampling and the parsing of its output.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +95,12 @@ class ToolPlan:
         return params.model_copy(update=update) if update else params
 
 
-def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
-    """Check the request's tools, tool_choice and tool messages (400s naming the parameter)
-    and plan them."""
-    tools = req.tools or []
-    made = check_tool_messages(req.messages)
-    choice = req.tool_choice
+def plan_prompt(tools: list[ChatTool], messages: list[ChatMessage]) -> ToolPlan:
+    """Check tools and tool messages (400s naming the parameter) and plan the prompt alone: the
+    tools shown as every tool_choice but none shows them (what /tokenize counts)."""
+    made = check_tool_messages(messages)
     if not tools:
-        if choice not in (None, "none"):
-            raise bad_request("tool_choice needs tools", param="tool_choice")
-        return ToolPlan(None)
+        return ToolPlan(None, call_ids=made)
     names = [t.function.name for t in tools]
     for i, tool in enumerate(tools):
         if names.index(tool.function.name) != i:
@@ -113,9 +109,21 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 param=f"tools.{i}.function.name",
             )
         _check_parameters(tool, i)
+    return ToolPlan([t.model_dump(exclude_none=True) for t in tools], call_ids=made)
+
+
+def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
+    """Check the request's tools, tool_choice and tool messages (400s naming the parameter)
+    and plan them."""
+    tools = req.tools or []
+    plan = plan_prompt(tools, req.messages)
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return plan
     if choice == "none":
         return ToolPlan(None)
-    shown = [t.model_dump(exclude_none=True) for t in tools]
     if choice in (None, "auto"):
         if not settings.enable_auto_tool_choice:
             raise bad_request(
@@ -123,14 +131,15 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 "--no-enable-auto-tool-choice): use required, a named function or none",
                 param="tool_choice",
             )
-        return ToolPlan(shown, settings.parser, single_call=not req.parallel_tool_calls,
-                        family=settings.parser, call_ids=made)  # fmt: skip
+        return replace(plan, parse_mode=settings.parser, family=settings.parser,
+                       single_call=not req.parallel_tool_calls)  # fmt: skip
     if _structured(req):
         raise bad_request(
             "response_format (or structured_outputs) and a tool_choice that forces a call "
             "cannot both constrain the output",
             param="tool_choice",
         )
+    names = [t.function.name for t in tools]
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
@@ -140,11 +149,10 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 param="tool_choice",
             )
         schema = _arguments_schema(tools[names.index(name)])
-        return ToolPlan(shown, "named", name, _forced(schema), family=settings.parser,
-                        call_ids=made)  # fmt: skip
+        return replace(plan, parse_mode="named", function_name=name, structured=_forced(schema),
+                       family=settings.parser)  # fmt: skip
     schema = required_schema(tools, req.parallel_tool_calls)
-    return ToolPlan(shown, "array", structured=_forced(schema), family=settings.parser,
-                    call_ids=made)  # fmt: skip
+    return replace(plan, parse_mode="array", structured=_forced(schema), family=settings.parser)
 
 
 def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:

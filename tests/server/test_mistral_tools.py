@@ -20,6 +20,7 @@ from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.protocol import ChatCompletionRequest
 from kvfleet.engine.server.tool_parsers import HERMES, MISTRAL
 from kvfleet.engine.server.tools import StreamedChoices, ToolSettings, choice_message, plan_tools
+from tests.support.net import http_call
 from tests.support.servers import engine_server
 
 MODEL = "smollm2"
@@ -140,6 +141,18 @@ def test_the_choices_of_a_response_get_distinct_ids(client: OpenAI) -> None:
     ids = [c.id for choice in resp.choices for c in choice.message.tool_calls or []]
     assert len(ids) >= 3 and len(set(ids)) == len(ids)
     assert all(MISTRAL_ID.match(i) for i in ids)
+
+
+def test_tokenize_counts_the_tools_as_the_template_renders_them(client: OpenAI) -> None:
+    """/tokenize's chat form with tools: the template's own rendering, the count chat reports."""
+    body = {"model": MODEL, "messages": QUESTION, "tools": [TIME]}
+    status, _, raw = http_call(str(client.base_url).removesuffix("/v1/") + "/tokenize", body)
+    assert status == 200, raw
+    count = json.loads(raw)["count"]
+    usage = _chat(client, messages=QUESTION, tools=[TIME], max_tokens=1).usage
+    assert count == usage.prompt_tokens
+    plain = _chat(client, messages=QUESTION, max_tokens=1).usage.prompt_tokens
+    assert count > plain + 20  # [AVAILABLE_TOOLS] and the schema
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""/tokenize's chat form counts a prompt as /v1/chat/completions renders it: with tools (written
+into the system message for the default model's ChatML template, which reads none), tool calls and
+results in the history, add_generation_prompt and chat_template_kwargs; the tools are checked as
+chat checks them, with the same 400s."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.app import ServerSettings
+from tests.support.net import http_call
+from tests.support.servers import engine_server
+
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+HISTORY = [
+    *QUESTION,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def url(smollm2_gguf):
+    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
+    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+        yield s.url
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    status, _, raw = http_call(url + path, body)
+    return status, json.loads(raw)
+
+
+def _prompt_tokens(url: str, body: dict[str, Any]) -> int:
+    status, resp = _post(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, **body})
+    assert status == 200, resp
+    return resp["usage"]["prompt_tokens"]
+
+
+def _count(url: str, body: dict[str, Any]) -> int:
+    status, resp = _post(url, "/tokenize", {"model": MODEL, **body})
+    assert status == 200, resp
+    assert resp["count"] == len(resp["tokens"])
+    return resp["count"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": QUESTION, "tools": [WEATHER]},
+        {"messages": HISTORY, "tools": [WEATHER]},
+        {"messages": HISTORY},
+        {"messages": QUESTION, "tools": [WEATHER], "add_generation_prompt": False},
+        {"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}},
+    ],
+    ids=["tools", "tools and history", "history alone", "no generation prompt", "kwargs"],
+)
+def test_the_count_is_chats_prompt_tokens(url: str, body: dict[str, Any]) -> None:
+    assert _count(url, body) == _prompt_tokens(url, body)
+
+
+def test_tools_add_their_tokens(url: str) -> None:
+    plain = _count(url, {"messages": QUESTION})
+    with_tools = _count(url, {"messages": QUESTION, "tools": [WEATHER]})
+    # The tool's description and schema are in the prompt.
+    assert with_tools > plain + 20
+
+
+BAD = [
+    ("tool without function", {"tools": [{"type": "function"}]}),
+    ("bad function name", {"tools": [{"type": "function", "function": {"name": "a b"}}]}),
+    ("parameters not an object schema", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}),
+    ("duplicate names", {"tools": [WEATHER, WEATHER]}),
+    ("tool message answering nothing",
+     {"messages": [*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]}),
+    ("arguments not JSON", {"messages": [*QUESTION, {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]}),
+    ("kwargs setting a template argument", {"chat_template_kwargs": {"tokenize": True}}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body", [c[1] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_tools_are_chats_400s(url: str, body: dict[str, Any]) -> None:
+    body = {"model": MODEL, "messages": QUESTION, **body}
+    status, tokenize = _post(url, "/tokenize", body)
+    chat_status, chat = _post(url, "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert status == chat_status == 400, tokenize
+    assert tokenize["error"] == chat["error"]
+
+
+def test_tools_need_messages(url: str) -> None:
+    for extra in ({"tools": [WEATHER]}, {"chat_template_kwargs": {}}):
+        status, resp = _post(url, "/tokenize", {"model": MODEL, "prompt": "hi", **extra})
+        assert status == 400
+        assert "tools and chat_template_kwargs go with messages" in resp["error"]["message"]
