@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json as _json
 import warnings
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,6 +35,8 @@ MAX_CHOICE_CHARS = 1024
 # Nesting of a JSON schema's own JSON. The grammar library refuses more than 128 levels and
 # crashes the process on some thousands; no real schema comes near this.
 MAX_SCHEMA_DEPTH = 64
+# Structures (and triggers) of one structural tag: one a tool, as OpenAI's cap on tools.
+MAX_STRUCTURES = 128
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -58,6 +60,84 @@ def json_depth(value: Any, limit: int) -> int:
         elif isinstance(v, list):
             stack.extend((x, depth + 1) for x in v)
     return deepest
+
+
+def check_schema(schema: dict[str, Any], what: str) -> None:
+    """ValueError for a JSON schema beyond the bounds every constraint's schema has."""
+    if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    if len(_json.dumps(schema)) > MAX_STRUCTURED_SPEC_CHARS:
+        raise ValueError(f"{what} is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+
+
+def check_tag_shape(data: Any) -> None:
+    """ValueError for a structural tag in xgrammar's newer shape, which nests its formats under
+    "format": said as such rather than as an unknown field."""
+    if isinstance(data, dict) and "format" in data:
+        raise ValueError(
+            'the "format" shape of structural tags is not supported: give "structures" '
+            '(each with "begin", "schema", "end") and "triggers"'
+        )
+
+
+TagText = Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]
+
+
+class TagStructure(BaseModel):
+    """One structure of a structural tag: the text from `begin` to `end` holds JSON that follows
+    `schema`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    begin: TagText
+    # `schema` would shadow BaseModel.schema(); the JSON field is still "schema".
+    tag_schema: dict[str, Any] | None = Field(
+        default=None,
+        alias="schema",
+        description="a JSON schema of what comes between begin and end; default any JSON object",
+    )
+    end: str = Field(max_length=MAX_CHOICE_CHARS, description="may be empty")
+
+
+class StructuralTag(BaseModel):
+    """vLLM's structural tag: free text, except that once the output holds one of `triggers`, it
+    goes on as one of the structures whose `begin` starts with that trigger, to its `end`. How
+    agent frameworks hold tool calls such as `<function=f>{...}</function>` to their schemas
+    while the rest stays free."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["structural_tag"] = "structural_tag"
+    structures: list[TagStructure] = Field(min_length=1, max_length=MAX_STRUCTURES)
+    triggers: list[TagText] = Field(min_length=1, max_length=MAX_STRUCTURES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_shape_only(cls, data: Any) -> Any:
+        check_tag_shape(data)
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> StructuralTag:
+        for i, structure in enumerate(self.structures):
+            if self.trigger_of(structure) is None:
+                raise ValueError(
+                    f"structures[{i}].begin {structure.begin!r} starts with none of the "
+                    f"triggers {self.triggers}: each begin must start with a trigger"
+                )
+            if structure.tag_schema is not None:
+                check_schema(structure.tag_schema, f"structures[{i}].schema")
+        if len(self.model_dump_json()) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(
+                f"structural_tag is longer than {MAX_STRUCTURED_SPEC_CHARS} characters"
+            )
+        return self
+
+    def trigger_of(self, structure: TagStructure) -> str | None:
+        """The trigger that opens a structure: the shortest its begin starts with, since the
+        output holds that one first."""
+        starts = [t for t in self.triggers if structure.begin.startswith(t)]
+        return min(starts, key=len) if starts else None
 
 
 # vLLM's field name `json` shadows BaseModel's deprecated json() method, on purpose: the field
@@ -88,6 +168,9 @@ class StructuredOutputsParams(BaseModel):
         description="a context-free grammar: Lark syntax, or GBNF (a `root ::=` rule)",
     )
     json_object: bool | None = Field(default=None, description="true: any JSON object")
+    structural_tag: StructuralTag | None = Field(
+        default=None, description="free text with triggered structures (an object or its JSON text)"
+    )
     disable_any_whitespace: bool = Field(
         default=False, description="JSON without whitespace between tokens"
     )
@@ -116,23 +199,33 @@ class StructuredOutputsParams(BaseModel):
                 raise ValueError("json must be a JSON schema object")
         return v
 
+    @field_validator("structural_tag", mode="before")
+    @classmethod
+    def _structural_tag_text(cls, v: object) -> object:
+        # vLLM takes it as JSON text (its request field is a string); an object is as good.
+        if isinstance(v, str):
+            try:
+                v = _json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"structural_tag is not valid JSON: {e}") from None
+            if not isinstance(v, dict):
+                raise ValueError("structural_tag must be a JSON object")
+        return v
+
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredOutputsParams:
         set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
         if self.json_object:
             set_.append("json_object")
+        if self.structural_tag is not None:
+            set_.append("structural_tag")
         if len(set_) != 1:
             raise ValueError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar, "
-                f"json_object; got {', '.join(set_) if set_ else 'none'}"
+                f"json_object, structural_tag; got {', '.join(set_) if set_ else 'none'}"
             )
         if self.json is not None:
-            if json_depth(self.json, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-                raise ValueError(f"json schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-            if len(_json.dumps(self.json)) > MAX_STRUCTURED_SPEC_CHARS:
-                raise ValueError(
-                    f"json schema is longer than {MAX_STRUCTURED_SPEC_CHARS} characters"
-                )
+            check_schema(self.json, "json schema")
         if self.disable_any_whitespace and self.whitespace_pattern is not None:
             raise ValueError("disable_any_whitespace and whitespace_pattern exclude each other")
         return self

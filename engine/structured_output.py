@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.request import InvalidRequestError, Request
-from kvfleet.engine.sampling_params import StructuredOutputsParams
+from kvfleet.engine.sampling_params import StructuredOutputsParams, TagStructure
 from kvfleet.kernels import reference
 from kvfleet.kernels.availability import triton_available
 
@@ -99,9 +99,67 @@ def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     }
 
 
-def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
+def _special_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the special token spelled `text`, if the tokenizer has one."""
+    if tokenizer is None or not text:
+        return None
+    ids = tokenizer.tokenize_str(text)
+    return ids[0] if len(ids) == 1 and tokenizer.is_special_token(ids[0]) else None
+
+
+def _lark_literal(tokenizer: Any, text: str) -> str:
+    """Lark for literal text; a special token of the model is that token, which the model emits
+    as one id, never as the text that spells it."""
+    special = _special_token(tokenizer, text)
+    return json.dumps(text) if special is None else f"<[{special}]>"
+
+
+def structure_schema(params: StructuredOutputsParams, structure: TagStructure) -> dict[str, Any]:
+    """A structural tag's structure's schema as compiled: any JSON object when it gives none,
+    under the request's JSON options (whitespace, closed objects) unless the schema's own
+    x-guidance sets them."""
+    schema = structure.tag_schema if structure.tag_schema is not None else {"type": "object"}
+    if params.disable_additional_properties:
+        schema = _close_objects(schema)
+    own = schema.get("x-guidance", {})
+    options = _json_options(params)
+    return {**schema, "x-guidance": {**options, **own} if isinstance(own, dict) else own}
+
+
+def _structural_tag_lark(params: StructuredOutputsParams, tokenizer: Any) -> str:
+    """The Lark grammar of a structural tag: free text in which each text trigger is a lazy
+    lexeme (it matches where the text first holds it, so the text cannot hold it and go on
+    freely) and each special-token trigger that token, followed by one of the structures it
+    opens: the rest of its begin, its JSON, its end; then free text again. Structures that
+    share a trigger share its lexeme and the model picks among them after it. (llguidance's
+    StructTag makes a lexeme per structure and takes any <...> trigger for a special token,
+    which SmolLM2's <tool_call>, say, is not: a grammar that does not compile.)"""
+    tag = params.structural_tag
+    assert tag is not None
+    bodies: dict[str, list[str]] = {}
+    for structure in tag.structures:
+        trigger = tag.trigger_of(structure)
+        assert trigger is not None  # StructuralTag checks that every begin has one
+        parts = [_lark_literal(tokenizer, structure.begin[len(trigger) :])]
+        parts.append(f"%json {json.dumps(structure_schema(params, structure))}")
+        parts.append(_lark_literal(tokenizer, structure.end))
+        bodies.setdefault(trigger, []).append(" ".join(p for p in parts if p != '""'))
+    names = [f"tag_{i}" for i in range(len(bodies))]
+    lines = ["%llguidance {}", f"start: ({' | '.join(names)})* TEXT", r"TEXT: /(.|\n)*/"]
+    for name, (trigger, alternatives) in zip(names, bodies.items(), strict=True):
+        opened = " | ".join(alternatives)
+        if _special_token(tokenizer, trigger) is not None:
+            lines.append(f"{name}: TEXT {_lark_literal(tokenizer, trigger)} ({opened})")
+        else:
+            lines.append(f"{name}_trigger[lazy]: TEXT {json.dumps(trigger)}")
+            lines.append(f"{name}: {name}_trigger ({opened})")
+    return "\n".join(lines)
+
+
+def grammar_spec(params: StructuredOutputsParams, tokenizer: Any = None) -> tuple[str, str]:
     """(kind, llguidance grammar) for a constraint; GrammarError for one refused before
-    compiling."""
+    compiling. `tokenizer` (an llguidance one) tells which structural-tag triggers are special
+    tokens; without it every trigger is text."""
     if params.json is not None:
         schema = params.json
         if params.disable_additional_properties:
@@ -118,6 +176,10 @@ def grammar_spec(params: StructuredOutputsParams) -> tuple[str, str]:
     if params.choice is not None:
         alternatives = "|".join(f"({_regex_literal(c)})" for c in params.choice)
         return "choice", llguidance.LLMatcher.grammar_from_regex(alternatives)
+    if params.structural_tag is not None:
+        return "structural_tag", llguidance.LLMatcher.grammar_from_lark(
+            _structural_tag_lark(params, tokenizer)
+        )
     assert params.grammar is not None  # StructuredOutputsParams holds exactly one constraint
     try:
         lark = llguidance.gbnf_to_lark.any_to_lark(params.grammar)
@@ -207,7 +269,9 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
                 return hit
         try:
-            kind, spec = grammar_spec(params)
+            kind, spec = grammar_spec(params, self.tokenizer)
+            if params.structural_tag is not None:
+                self._check_structures(params)
         except GrammarError:
             raise
         except ValueError as e:  # llguidance's own check of what it is handed
@@ -229,6 +293,35 @@ class StructuredOutputs:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _check_structures(self, params: StructuredOutputsParams) -> None:
+        """Each distinct schema of a structural tag compiled alone, so that a bad one is an
+        error that names its structure, and one that no JSON satisfies is refused: the tag's
+        grammar would compile (its free text allows output), but the structure, once
+        triggered, could never end."""
+        tag = params.structural_tag
+        assert tag is not None
+        seen: set[str] = set()
+        for i, structure in enumerate(tag.structures):
+            schema = structure_schema(params, structure)
+            key = json.dumps(schema, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            where = f"structures[{i}].schema"
+            try:
+                spec = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            except ValueError as e:
+                raise GrammarError(f"{where}: {e}", "structured_outputs") from None
+            matcher = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
+            if matcher.is_error():
+                raise GrammarError(
+                    f"{where}: {_explain('json', matcher.get_error())}", "structured_outputs"
+                )
+            if not self._can_start(matcher):
+                raise GrammarError(
+                    f"{where}: the JSON schema allows no output at all", "structured_outputs"
+                )
 
     def _can_start(self, matcher: Any) -> bool:
         """Whether some output satisfies the grammar: a first token other than EOS is allowed,
@@ -313,6 +406,7 @@ _KIND_NAMES = {
     "regex": "regex",
     "choice": "choice",
     "grammar": "grammar",
+    "structural_tag": "structural tag",
 }
 
 
@@ -324,7 +418,7 @@ def _explain(kind: str, error: str) -> str:
         return f"invalid JSON schema: {first}"
     if kind == "grammar":
         return f"invalid grammar: {first}"
-    return f"invalid {kind}: {first}"
+    return f"invalid {_KIND_NAMES[kind]}: {first}"
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

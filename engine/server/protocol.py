@@ -24,7 +24,15 @@ from pydantic import (
     model_validator,
 )
 
-from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.sampling_params import (
+    MAX_STRUCTURES,
+    SamplingParams,
+    StructuralTag,
+    StructuredOutputsParams,
+    TagStructure,
+    TagText,
+    check_tag_shape,
+)
 from kvfleet.protocol.chat_template import ChatMessage
 
 
@@ -75,17 +83,42 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tag (type "structural_tag"): free text whose triggered parts follow
+    # their structures' schemas.
+    structures: list[TagStructure] | None = Field(
+        default=None, min_length=1, max_length=MAX_STRUCTURES
+    )
+    triggers: list[TagText] | None = Field(default=None, min_length=1, max_length=MAX_STRUCTURES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tag_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") == "structural_tag":
+            check_tag_shape(data)
+        return data
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError('json_schema is required with type "json_schema", and only then')
+        tag_fields = self.structures is not None or self.triggers is not None
+        if self.type == "structural_tag":
+            if self.structures is None or self.triggers is None:
+                raise ValueError('type "structural_tag" needs structures and triggers')
+            # Each begin's trigger and the schemas' bounds, reported under response_format.
+            self.structural_tag()
+        elif tag_fields:
+            raise ValueError('structures and triggers are only allowed with type "structural_tag"')
         if self.json_schema is not None and self.json_schema.json_schema is not None:
             # The schema's own bounds (depth, size), reported under response_format.
             StructuredOutputsParams(json=self.json_schema.json_schema)
         return self
+
+    def structural_tag(self) -> StructuralTag:
+        assert self.structures is not None and self.triggers is not None
+        return StructuralTag(structures=self.structures, triggers=self.triggers)
 
 
 # vLLM's pre-2025 request extras for constraints: it removed them, so refused with the new name.
@@ -125,7 +158,7 @@ class _SamplingRequest(_Strict):
     # OpenAI's shape: token id (as a JSON object key, so a string) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's extension: a regex, choice, grammar or JSON constraint on the output.
+    # vLLM's extension: a regex, choice, grammar, JSON or structural-tag constraint on the output.
     structured_outputs: StructuredOutputsParams | None = None
 
     @model_validator(mode="before")
@@ -175,6 +208,8 @@ class _SamplingRequest(_Strict):
         rf = self.response_format
         if rf is None or rf.type == "text":
             return None
+        if rf.type == "structural_tag":
+            return StructuredOutputsParams(structural_tag=rf.structural_tag())
         if rf.json_schema is not None and rf.json_schema.json_schema is not None:
             return StructuredOutputsParams(json=rf.json_schema.json_schema)
         return StructuredOutputsParams(json_object=True)
