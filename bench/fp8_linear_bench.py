@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import triton
 from latency import copy_bandwidth
 
 from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
@@ -25,8 +26,16 @@ from kvfleet.kernels import fp8_quant
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BATCHES = (1, 8, 16, 32, 64, 256, 2048)
 L2_BYTES = 50 << 20
-# small_batch_linear's tiles: (block_n, block_k, num_warps, num_stages).
-TILES = list(itertools.product((16, 32), (256, 512, 1024), (4, 8), (3, 5)))
+# small_batch_linear's tiles by mode: (block_n, block_k, num_warps, num_stages).
+_DOT_TILES = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+MODES = {
+    fp8_quant.DOT_FP8: _DOT_TILES,
+    fp8_quant.DOT_FP16: _DOT_TILES,
+    fp8_quant.FMA: list(itertools.product((8, 16, 32), (128, 256, 512), (4,), (2, 3))),
+}
+MODE_NAMES = {fp8_quant.DOT_FP8: "dot-fp8", fp8_quant.DOT_FP16: "dot-fp16", fp8_quant.FMA: "fma"}
+# CUDA-core tiles beyond this many products (rows x block_n x block_k) spill registers.
+FMA_MAX_PRODUCTS = 16384
 
 
 def graph_time(fn: Callable[[], object], replays: int = 48) -> float:
@@ -99,24 +108,32 @@ def row(m: int, k: int, w_bf16: torch.Tensor, w_fp8: torch.Tensor, w_scale: torc
 def tiles(
     m: int, k: int, n: int, w_fp8: torch.Tensor, w_scale: torch.Tensor, bandwidth: float
 ) -> str:
-    """small_batch_linear's default tile and its best in TILES, against the weight-read floor
-    (the fp8 weight's bytes at the copy bandwidth, bytes a second)."""
+    """small_batch_linear's best tile in each mode, against the weight-read floor (the fp8
+    weight's bytes at the copy bandwidth, bytes a second). A tile that does not fit on the GPU
+    (shared memory, registers) is skipped."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     fp8s = copies(w_fp8, w_scale)
-    times = {
-        tile: graph_time(
-            lambda t=tile: fp8_quant.small_batch_linear(x, *next(fp8s), None, None, *t)
-        )
-        for tile in TILES
-    }
-    default = graph_time(lambda: fp8_quant.small_batch_linear(x, *next(fp8s), None, None))
-    best = min(times, key=times.__getitem__)
     floor = n * k / bandwidth * 1e6
-    return (
-        f"{m:5d} floor {floor:6.1f} us; default {default:6.1f} us ({floor / default:4.0%}); "
-        f"best {times[best]:6.1f} us ({floor / times[best]:4.0%}) at (block_n, block_k, warps, "
-        f"stages) = {best}"
-    )
+    found = []
+    for mode, grid in MODES.items():
+        times = {}
+        for tile in grid:
+            if mode == fp8_quant.FMA and m * tile[0] * tile[1] > FMA_MAX_PRODUCTS:
+                continue
+            try:
+                times[tile] = graph_time(
+                    lambda t=tile, mode=mode: fp8_quant.small_batch_linear(
+                        x, *next(fp8s), None, None, mode, *t
+                    )
+                )
+            except triton.runtime.errors.OutOfResources:
+                continue
+        if times:
+            best = min(times, key=times.__getitem__)
+            found.append(
+                f"{MODE_NAMES[mode]} {times[best]:6.1f} us ({floor / times[best]:4.0%}) {best}"
+            )
+    return f"{m:3d} floor {floor:6.1f} us; " + "; ".join(found)
 
 
 def main() -> int:
@@ -137,7 +154,7 @@ def main() -> int:
             sys.stdout.write(f"{name:8s} {row(m, k, w_bf16, *weights[name])}\n")
     sys.stdout.write("small_batch_linear tiles:\n")
     for name, (k, n) in SHAPES.items():
-        for m in (1, 8, fp8_quant.SMALL_BATCH_TOKENS):
+        for m in (1, 4, fp8_quant.SMALL_BATCH_TOKENS):
             sys.stdout.write(f"{name:8s} {tiles(m, k, n, *weights[name], bandwidth)}\n")
     return 0
 

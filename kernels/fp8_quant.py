@@ -105,7 +105,7 @@ def scale_rows_cols(
 @triton.jit
 def _small_batch_linear_kernel(
     x_ptr, w_ptr, w_scale_ptr, static_ptr, bias_ptr, out_ptr, m, n, k, stride_x, stride_o,
-    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr,
+    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Every program quantizes the whole (tiny) batch itself: re-reading M x K activations from L2
@@ -134,12 +134,15 @@ def _small_batch_linear_kernel(
         q = tl.minimum(tl.maximum(v.to(tl.float32) / scale[:, None], -FP8_MAX), FP8_MAX)
         q = q.to(w_ptr.dtype.element_ty)
         w = tl.load(w_rows + cols[None, :], mask=out_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP8_DOT:
+        # Every e4m3 value is exact in fp16 and fp32, and every product of two exact in fp32:
+        # the three modes sum the same products, in different orders.
+        if MODE == 0:  # fp8 tensor cores
             acc = tl.dot(q, tl.trans(w), acc)
-        else:
-            # Every e4m3 value is exact in fp16 and every product of two exact in fp32: the same
-            # sums, for the interpreter, which has no fp8 arithmetic.
+        elif MODE == 1:  # fp16 tensor cores (the interpreter has no fp8 arithmetic)
             acc = tl.dot(q.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        else:  # CUDA cores: one to a few rows, where a tensor-core tile would be mostly padding
+            prod = q.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, 2)
     y = acc * scale[:, None] * tl.load(w_scale_ptr + outs, mask=out_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
@@ -149,6 +152,9 @@ def _small_batch_linear_kernel(
 
 # The most tokens small_batch_linear takes: one tensor-core tile of rows.
 SMALL_BATCH_TOKENS = 16
+# small_batch_linear's arithmetic: tl.dot on fp8 or fp16 tensor cores (16 rows a tile, padded),
+# or multiply-adds on CUDA cores over the next power of two of the batch.
+DOT_FP8, DOT_FP16, FMA = 0, 1, 2
 
 
 def small_batch_linear(
@@ -157,10 +163,11 @@ def small_batch_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
+    mode: int = FMA,
     block_n: int = 16,
-    block_k: int = 512,
+    block_k: int = 256,
     num_warps: int = 4,
-    num_stages: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """The whole W8A8 linear for up to SMALL_BATCH_TOKENS tokens in one kernel: x [M, K]
     (unit column stride) quantized per token (or by the static input_scale) as
@@ -171,14 +178,16 @@ def small_batch_linear(
     n = weight.shape[0]
     if m > SMALL_BATCH_TOKENS:
         raise ValueError(f"small_batch_linear takes up to {SMALL_BATCH_TOKENS} tokens, not {m}")
+    if mode == DOT_FP8 and not x.is_cuda:
+        mode = DOT_FP16
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
+        block_m = triton.next_power_of_2(m) if mode == FMA else SMALL_BATCH_TOKENS
         _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
             x, weight, weight_scale, x if input_scale is None else input_scale,
             x if bias is None else bias, out, m, n, k, x.stride(0), out.stride(0),
-            STATIC=input_scale is not None, HAS_BIAS=bias is not None,
-            FP8_DOT=x.is_cuda, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            BLOCK_M=SMALL_BATCH_TOKENS, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps, num_stages=num_stages,
+            STATIC=input_scale is not None, HAS_BIAS=bias is not None, MODE=mode,
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out

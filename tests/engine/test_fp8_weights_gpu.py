@@ -42,10 +42,12 @@ def test_fp8_gemm_equals_the_dequantized_reference(m, k, n):
     assert ((y - exact).norm() / exact.norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("m", [1, 16])
-def test_small_batch_linear_with_static_scale_and_bias(m):
-    """The one-kernel path's static input scale and bias, against PyTorch's quantization and
-    cuBLASLt's row-wise-scaled GEMM (the path of larger batches) on the same operands."""
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("mode", ["DOT_FP8", "DOT_FP16", "FMA"])
+def test_small_batch_linear_with_static_scale_and_bias(m, mode):
+    """The one-kernel path in each mode, with a static input scale and bias, against PyTorch's
+    quantization and cuBLASLt's row-wise-scaled GEMM (the path of larger batches) on the same
+    operands."""
     from kvfleet.kernels import fp8_quant
 
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -53,7 +55,9 @@ def test_small_batch_linear_with_static_scale_and_bias(m):
     w_fp8, w_scale = quantize_rows(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02)
     bias = torch.randn(6144, device="cuda", generator=gen).to(torch.bfloat16)
     scale = torch.tensor(2.0 / 448, device="cuda")  # clamps the largest activations
-    y = fp8_quant.small_batch_linear(x, w_fp8, w_scale, scale, bias).float()
+    y = fp8_quant.small_batch_linear(
+        x, w_fp8, w_scale, scale, bias, getattr(fp8_quant, mode)
+    ).float()
     x_fp8, x_scale = quantize_tokens(x, scale)
     ref = (
         torch._scaled_mm(

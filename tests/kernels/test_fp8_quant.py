@@ -46,10 +46,11 @@ def test_scale_rows_cols_is_the_row_wise_epilogue(bias):
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", [fp8_quant.DOT_FP16, fp8_quant.FMA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 96, 48), (5, 600, 40), (16, 1040, 64)])
 @pytest.mark.parametrize(("static", "bias"), [(False, False), (True, True)])
-def test_small_batch_linear_is_the_w8a8_product(dtype, m, k, n, static, bias):
+def test_small_batch_linear_is_the_w8a8_product(mode, dtype, m, k, n, static, bias):
     """The one-kernel linear against quantize-then-_scaled_mm, the path of larger batches. The
     reference quantizes with the interpreter's kernel too, whose fp8 cast rounds as the
     interpreter does (the GPU test compares against the PyTorch quantization)."""
@@ -59,7 +60,7 @@ def test_small_batch_linear_is_the_w8a8_product(dtype, m, k, n, static, bias):
     w_fp8, w_scale = quantize_rows(torch.randn(n, k, generator=gen) * 0.02)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     scale = torch.tensor(2.0 / 448) if static else None  # clamps the largest activations
-    y = fp8_quant.small_batch_linear(x, w_fp8, w_scale, scale, b, block_k=256)
+    y = fp8_quant.small_batch_linear(x, w_fp8, w_scale, scale, b, mode, block_k=256)
     x_fp8, x_scale = fp8_quant.quantize_tokens(x.contiguous(), scale)
     ref = torch._scaled_mm(
         x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.float32
