@@ -331,6 +331,8 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--quantization", e.quantization]
     if e.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if e.tool_call_parser is not None:
+        args += ["--tool-call-parser", e.tool_call_parser]
     return args + list(e.extra_args)
 
 

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvfleet.operator.engine_flags import ExtraArgsError, given_flags
+from kvfleet.operator.engine_flags import TOOL_CALL_PARSERS, ExtraArgsError, given_flags
 from kvfleet.operator.scaling_policy import bound_replicas
 
 # Served name of the engine's built-in demo model (kvfleet.engine.default_model.DEFAULT_MODEL_NAME;
@@ -88,6 +88,7 @@ MANAGED_FLAGS = (
     "--tensor-parallel-size",
     "--quantization",
     "--kv-cache-dtype",
+    "--tool-call-parser",
     "-h",
     "--help",
 )
@@ -239,6 +240,8 @@ class EngineSpec(_Model):
     # None: as the checkpoint is (an fp8 checkpoint's quantization_config is read).
     quantization: Literal["fp8"] | None = None
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
+    # None: the engine picks the family from the chat template.
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # type: ignore[valid-type]
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     max_waiting_requests: Annotated[int, Field(ge=1)] | None = None
     shutdown_timeout_seconds: int = Field(default=30, ge=0, le=3600)
