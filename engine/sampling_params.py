@@ -87,7 +87,7 @@ class TagStructure(BaseModel):
     """One structure of a structural tag: the text from `begin` to `end` holds JSON that follows
     `schema`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     begin: TagText
     # `schema` would shadow BaseModel.schema(); the JSON field is still "schema".

@@ -194,6 +194,10 @@ def _deep(levels: int) -> dict:
         ({"structures": [{"begin": "<f>", "end": ""}], "triggers": []}, "at least 1 item"),
         ({"structures": [{"begin": "<f>", "end": ""}], "triggers": [""]}, "at least 1 character"),
         ({"structures": [{"begin": "<f>"}], "triggers": ["<f"]}, "end\n  Field required"),
+        (
+            {"structures": [{"begin": "<f>", "tag_schema": {}, "end": ""}], "triggers": ["<f"]},
+            "tag_schema\n  Extra inputs",
+        ),
         ({"type": "structural_tag", "format": {"type": "any_text"}}, '"format" shape'),
         ("{not json", "structural_tag is not valid JSON"),
         ("[]", "must be a JSON object"),
