@@ -114,7 +114,7 @@ def _lark_literal(tokenizer: Any, text: str) -> str:
     return json.dumps(text) if special is None else f"<[{special}]>"
 
 
-def structure_schema(params: StructuredOutputsParams, structure: TagStructure) -> dict[str, Any]:
+def _structure_schema(params: StructuredOutputsParams, structure: TagStructure) -> dict[str, Any]:
     """A structural tag's structure's schema as compiled: any JSON object when it gives none,
     under the request's JSON options (whitespace, closed objects) unless the schema's own
     x-guidance sets them."""
@@ -141,7 +141,7 @@ def _structural_tag_lark(params: StructuredOutputsParams, tokenizer: Any) -> str
         trigger = tag.trigger_of(structure)
         assert trigger is not None  # StructuralTag checks that every begin has one
         parts = [_lark_literal(tokenizer, structure.begin[len(trigger) :])]
-        parts.append(f"%json {json.dumps(structure_schema(params, structure))}")
+        parts.append(f"%json {json.dumps(_structure_schema(params, structure))}")
         parts.append(_lark_literal(tokenizer, structure.end))
         bodies.setdefault(trigger, []).append(" ".join(p for p in parts if p != '""'))
     names = [f"tag_{i}" for i in range(len(bodies))]
@@ -303,7 +303,7 @@ class StructuredOutputs:
         assert tag is not None
         seen: set[str] = set()
         for i, structure in enumerate(tag.structures):
-            schema = structure_schema(params, structure)
+            schema = _structure_schema(params, structure)
             key = json.dumps(schema, sort_keys=True)
             if key in seen:
                 continue
