@@ -1,11 +1,10 @@
 """Where an fp8 (W8A8) linear layer's time goes on the GPU, next to bf16: per-token activation
 quantization, the cuBLASLt FP8 GEMM (row-wise scales; per-tensor scales for comparison), the
 small-batch path (unscaled GEMM + Triton epilogue) and bf16 `F.linear`, at Llama-3-8B's shapes and
-batch sizes from decode to prefill; then, for decode-sized batches, the one-kernel
-`small_batch_linear` over a grid of tile configurations against the weight-read floor. Each op is
-captured in a CUDA graph and replayed, so the times are GPU time, not launch cost; the replays
-cycle through copies of the weight that together overflow the L2 cache (50 MB on an H100), as a
-decode step's distinct layers do, so a weight is read from memory each time.
+batch sizes from decode to prefill. Each op is captured in a CUDA graph and replayed, so the
+times are GPU time, not launch cost; the replays cycle through copies of the weight that together
+overflow the L2 cache (50 MB on an H100), as a decode step's distinct layers do, so a weight is
+read from memory each time.
 
     python bench/fp8_linear_bench.py
 """
@@ -17,7 +16,6 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
-import triton
 from latency import copy_bandwidth
 
 from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
@@ -26,16 +24,6 @@ from kvfleet.kernels import fp8_quant
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BATCHES = (1, 8, 16, 32, 64, 256, 2048)
 L2_BYTES = 50 << 20
-# small_batch_linear's tiles by mode: (block_n, block_k, num_warps, num_stages).
-_DOT_TILES = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
-MODES = {
-    fp8_quant.DOT_FP8: _DOT_TILES,
-    fp8_quant.DOT_FP16: _DOT_TILES,
-    fp8_quant.FMA: list(itertools.product((8, 16, 32), (128, 256, 512), (4,), (2, 3))),
-}
-MODE_NAMES = {fp8_quant.DOT_FP8: "dot-fp8", fp8_quant.DOT_FP16: "dot-fp16", fp8_quant.FMA: "fma"}
-# CUDA-core tiles beyond this many products (rows x block_n x block_k) spill registers.
-FMA_MAX_PRODUCTS = 16384
 
 
 def graph_time(fn: Callable[[], object], replays: int = 48) -> float:
@@ -105,37 +93,6 @@ def row(m: int, k: int, w_bf16: torch.Tensor, w_fp8: torch.Tensor, w_scale: torc
     return f"{m:5d} {t[0]:9.1f} {t[1]:7.1f}  ({t[2]:7.1f} {t[3]:13.1f} {t[4]:16.1f} {t[5]:13.1f})"
 
 
-def tiles(
-    m: int, k: int, n: int, w_fp8: torch.Tensor, w_scale: torch.Tensor, bandwidth: float
-) -> str:
-    """small_batch_linear's best tile in each mode, against the weight-read floor (the fp8
-    weight's bytes at the copy bandwidth, bytes a second). A tile that does not fit on the GPU
-    (shared memory, registers) is skipped."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    fp8s = copies(w_fp8, w_scale)
-    floor = n * k / bandwidth * 1e6
-    found = []
-    for mode, grid in MODES.items():
-        times = {}
-        for tile in grid:
-            if mode == fp8_quant.FMA and m * tile[0] * tile[1] > FMA_MAX_PRODUCTS:
-                continue
-            try:
-                times[tile] = graph_time(
-                    lambda t=tile, mode=mode: fp8_quant.small_batch_linear(
-                        x, *next(fp8s), None, None, mode, *t
-                    )
-                )
-            except triton.runtime.errors.OutOfResources:
-                continue
-        if times:
-            best = min(times, key=times.__getitem__)
-            found.append(
-                f"{MODE_NAMES[mode]} {times[best]:6.1f} us ({floor / times[best]:4.0%}) {best}"
-            )
-    return f"{m:3d} floor {floor:6.1f} us; " + "; ".join(found)
-
-
 def main() -> int:
     sys.stdout.write(f"{torch.cuda.get_device_name()}  torch {torch.__version__}\n")
     bandwidth = copy_bandwidth()
@@ -144,18 +101,12 @@ def main() -> int:
         "shape        M   bf16 us  fp8 us  (quant us  rowwise-mm us  tensorwise-mm us"
         "  epilogue-path us)\n"
     )
-    weights = {}
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device="cuda") * 0.02
-        w_bf16 = w.to(torch.bfloat16)
-        weights[name] = quantize_rows(w)
+        w_bf16, (w_fp8, w_scale) = w.to(torch.bfloat16), quantize_rows(w)
         del w
         for m in BATCHES:
-            sys.stdout.write(f"{name:8s} {row(m, k, w_bf16, *weights[name])}\n")
-    sys.stdout.write("small_batch_linear tiles:\n")
-    for name, (k, n) in SHAPES.items():
-        for m in (1, 4, fp8_quant.SMALL_BATCH_TOKENS):
-            sys.stdout.write(f"{name:8s} {tiles(m, k, n, *weights[name], bandwidth)}\n")
+            sys.stdout.write(f"{name:8s} {row(m, k, w_bf16, w_fp8, w_scale)}\n")
     return 0
 
 

@@ -179,18 +179,13 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
     row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. On
-    CUDA a decode-sized batch is one Triton kernel and a larger one's elementwise work runs in
-    Triton kernels (kernels.fp8_quant); on the CPU their PyTorch twins run."""
+    CUDA the elementwise work runs in Triton kernels (kernels.fp8_quant), on the CPU in their
+    PyTorch twins."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
         from kvfleet.kernels import fp8_quant
 
-        if x2.shape[0] <= fp8_quant.SMALL_BATCH_TOKENS:
-            y = fp8_quant.small_batch_linear(
-                x2.contiguous(), weight, weight_scale, input_scale, bias
-            )
-            return y.view(*lead, y.shape[-1])
         x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
         if x2.shape[0] <= _SMALL_BATCH:
             one = _unit_scale(x.device)

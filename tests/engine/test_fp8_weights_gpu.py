@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 BENCH_MODELS = Path(__file__).resolve().parents[2] / "bench" / "models"
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 64, 4096])  # 16 | 17: the one-kernel path's edge
+@pytest.mark.parametrize("m", [1, 7, 64, 4096])
 @pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 28672), (14336, 4096)])
 def test_fp8_gemm_equals_the_dequantized_reference(m, k, n):
     """Llama-3-8B's qkv, gate_up and down shapes. Against the same fp8 operands dequantized and
@@ -40,32 +40,6 @@ def test_fp8_gemm_equals_the_dequantized_reference(m, k, n):
     assert ((y - ref).norm() / ref.norm()).item() < 1e-2
     exact = x.float() @ w.T
     assert ((y - exact).norm() / exact.norm()).item() < 0.05
-
-
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("mode", ["DOT_FP8", "DOT_FP16", "FMA"])
-def test_small_batch_linear_with_static_scale_and_bias(m, mode):
-    """The one-kernel path in each mode, with a static input scale and bias, against PyTorch's
-    quantization and cuBLASLt's row-wise-scaled GEMM (the path of larger batches) on the same
-    operands."""
-    from kvfleet.kernels import fp8_quant
-
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-    w_fp8, w_scale = quantize_rows(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02)
-    bias = torch.randn(6144, device="cuda", generator=gen).to(torch.bfloat16)
-    scale = torch.tensor(2.0 / 448, device="cuda")  # clamps the largest activations
-    y = fp8_quant.small_batch_linear(
-        x, w_fp8, w_scale, scale, bias, getattr(fp8_quant, mode)
-    ).float()
-    x_fp8, x_scale = quantize_tokens(x, scale)
-    ref = (
-        torch._scaled_mm(
-            x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.float32
-        )
-        + bias.float()
-    )
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("static", [False, True])
