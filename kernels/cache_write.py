@@ -24,7 +24,9 @@ def _quantize_e4m3(x, scale):
     arithmetic, so the cast to fp8 that follows is exact. A GPU's own cast rounds the same way,
     but Triton's CPU interpreter does not (it rounds ties up and drops a carry into the exponent:
     126.4 becomes 64), and the kernels are tested there."""
-    x = tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX)
+    # div_rn: Triton's `/` on fp32 is the approximate division, whose quotient, a unit off in
+    # the last place now and then, rounded to a neighbouring e4m3 value (fp32 K/V on an H100).
+    x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
     bits = x.to(tl.int32, bitcast=True)
     # e4m3's spacing is 2**(E - 3) for |x| in [2**E, 2**(E + 1)), E >= -6, and 2**-9 below
     # (subnormals). Adding 2**23 times that spacing to |x| makes fp32 round |x| to a multiple

@@ -44,7 +44,7 @@ def _quantize_rows_kernel(
     for start in range(0, k, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=cols < k)
 
 
