@@ -293,12 +293,12 @@ def conversation_with_tools(
         if native:
             if calls:
                 entry["tool_calls"] = [
-                    {"id": c["id"], "type": "function",
+                    {"id": _template_id(c["id"], family), "type": "function",
                      "function": {"name": c["name"], "arguments": c["arguments"]}}
                     for c in calls
                 ]  # fmt: skip
             if m.role == "tool":
-                entry["tool_call_id"] = extra["tool_call_id"]
+                entry["tool_call_id"] = _template_id(extra["tool_call_id"], family)
             continue
         if calls:
             text = render_calls(family, calls)
@@ -318,6 +318,13 @@ def conversation_with_tools(
         else:
             conversation.insert(0, {"role": "system", "content": instructions})
     return conversation
+
+
+def _template_id(call_id: str, family: str) -> str:
+    """A call's id as the family's template takes it. Mistral's templates take exactly 9
+    letters and digits, and clients send back ids made elsewhere (OpenAI's `call_` + 24): their
+    last 9 characters, as vLLM shortens them, keep each call paired with its result."""
+    return call_id[-9:] if family == MISTRAL else call_id
 
 
 def render_calls(family: str, calls: list[dict[str, Any]]) -> str:

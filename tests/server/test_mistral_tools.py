@@ -127,10 +127,21 @@ def test_the_round_trip_through_a_mistral_template(client: OpenAI, stream, tool_
     assert answer.choices[0].message.content
 
 
-def test_the_template_refuses_openai_ids(client: OpenAI) -> None:
-    """What the round trip guards against: an id of OpenAI's form is a 400 quoting the
-    template."""
+def test_ids_made_elsewhere_reach_the_template_as_their_last_nine_characters(
+    client: OpenAI,
+) -> None:
+    """An OpenAI-style id (a client that called another provider first) is shortened for the
+    Mistral template, in the call and in its result alike, so the conversation goes on."""
     calls = [{"id": "call_0123456789abcdef", "name": "get_time", "arguments": '{"zone": "JST"}'}]
+    answer = _chat(client, messages=_history(calls), tools=[TIME], tool_choice="none",
+                   max_tokens=8)  # fmt: skip
+    assert answer.choices[0].message.content
+
+
+def test_the_template_refuses_an_id_still_not_nine_letters_and_digits(client: OpenAI) -> None:
+    """What the round trip guards against: an id the template cannot take, even shortened, is a
+    400 quoting the template."""
+    calls = [{"id": "call_0123-4567-89ab", "name": "get_time", "arguments": '{"zone": "JST"}'}]
     with pytest.raises(BadRequestError, match="9 letters and digits"):
         _chat(client, messages=_history(calls), tools=[TIME], max_tokens=4)
 
