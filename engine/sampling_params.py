@@ -11,7 +11,14 @@ import json as _json
 import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # Below this temperature sampling is treated as greedy: dividing by it would overflow.
 _GREEDY_EPS = 1e-5
@@ -186,30 +193,19 @@ class StructuredOutputsParams(BaseModel):
         "most 32 spaces, tabs or newlines",
     )
 
-    @field_validator("json", mode="before")
+    @field_validator("json", "structural_tag", mode="before")
     @classmethod
-    def _json_text(cls, v: object) -> object:
-        # vLLM takes the schema as an object or as its JSON text.
+    def _object_or_its_text(cls, v: object, info: ValidationInfo) -> object:
+        # vLLM takes a schema as an object or as its JSON text, and a structural tag as JSON
+        # text (its request field is a string); an object is as good.
         if isinstance(v, str):
             try:
                 v = _json.loads(v)
             except ValueError as e:
-                raise ValueError(f"json is not valid JSON: {e}") from None
+                raise ValueError(f"{info.field_name} is not valid JSON: {e}") from None
             if not isinstance(v, dict):
-                raise ValueError("json must be a JSON schema object")
-        return v
-
-    @field_validator("structural_tag", mode="before")
-    @classmethod
-    def _structural_tag_text(cls, v: object) -> object:
-        # vLLM takes it as JSON text (its request field is a string); an object is as good.
-        if isinstance(v, str):
-            try:
-                v = _json.loads(v)
-            except ValueError as e:
-                raise ValueError(f"structural_tag is not valid JSON: {e}") from None
-            if not isinstance(v, dict):
-                raise ValueError("structural_tag must be a JSON object")
+                what = "a JSON schema object" if info.field_name == "json" else "a JSON object"
+                raise ValueError(f"{info.field_name} must be {what}")
         return v
 
     @model_validator(mode="after")
