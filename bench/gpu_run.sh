@@ -6,7 +6,7 @@
 #   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
-#   bash bench/gpu_run.sh OUTDIR structured       # structured outputs' TPOT/TTFT cost (issue 22)
+#   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
@@ -216,6 +216,13 @@ for step in "$@"; do
             --result-json "$out/structured.json" 2>&1 | tee "$out/structured.txt"
         kill $server
         wait $server
+        ;;
+    structured-profile)
+        # Issue 22's TPOT gap: one decode step of 32 Llama-3.1-8B rows (128k vocabulary), free
+        # then every row under the bench's JSON schema, on one engine: wall, runner, bitmask.
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        timeout 300 $py bench/profile_step.py --model /tmp/llama8b --batch 32 --context 512 \
+            --modes free,json 2>&1 | tee "$out/structured_profile.txt"
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.

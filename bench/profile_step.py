@@ -1,8 +1,13 @@
 """Where one engine step's time goes: wall time per decode step at a fixed batch, split into the
-host's share (scheduling, input preparation, output processing) and the GPU's, plus the top CUDA
-kernels from torch.profiler.
+host's share (scheduling, input preparation, output processing) and ModelRunner.execute's, plus
+the top CUDA kernels from torch.profiler. With `--modes free,json` the same batch runs again with
+every request under a JSON schema (the structured-output bench's), so a constrained step's extra
+cost shows where it lands: the grammar bitmask's host time, the sampler, or outside the runner.
 
     python bench/profile_step.py --model bench/models/Qwen3-0.6B --batch 128 --context 1024
+    python bench/profile_step.py --model /tmp/llama8b --batch 32 --modes free,json
+
+A JSON mode needs a tokenizer in the model folder (bench/dummy_tokenizer.py writes one).
 """
 
 from __future__ import annotations
@@ -11,15 +16,102 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_name, random_workload
+from structured import records_schema
 
 from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.sampling_params import StructuredOutputsParams
+
+MODES = ("free", "json")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    """fn, adding each call's seconds to spent (on the GPU, events around it: the call's host
+    work plus the device work it waits for)."""
+
+    def call(*args: Any) -> Any:
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            result = fn(*args)
+            spent.append(time.perf_counter() - start)
+            return result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(*args)
+        end.record()
+        end.synchronize()
+        spent.append(start.elapsed_time(end) / 1e3)
+        return result
+
+    return call
+
+
+def profile_mode(core: EngineCore, mode: str, args: argparse.Namespace) -> tuple[float, str]:
+    """One mode's wall seconds per decode step and its report: the batch admitted and
+    prefilled, then timed decode steps."""
+    structured = None
+    if mode == "json":
+        schema = records_schema("profile", 64)  # never complete within the steps run
+        structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    sp = SamplingParams(
+        temperature=0, max_tokens=args.steps * 4, ignore_eos=True, structured_outputs=structured
+    )
+    work = random_workload(args.batch, (args.context,) * 2, (1, 1), core.vocab_size, 0)
+    ids = [f"{mode}-{i}" for i in range(args.batch)]
+    for rid, prompt in zip(ids, work.prompts, strict=True):
+        core.add_request(rid, core.admit(prompt, sp))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+        core.step()  # prefill everything first: what follows are pure decode steps
+
+    def steps(n: int) -> float:
+        _sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            core.step()
+        _sync()
+        return (time.perf_counter() - start) / n
+
+    steps(5)
+    wall = steps(args.steps)
+    runner, execute_s, masks_s = core.runner, [], []
+    runner.execute = _timed(runner.execute, execute_s)
+    if core.structured is not None:
+        core.structured.masks = _timed(core.structured.masks, masks_s)
+    try:
+        steps(args.steps)
+    finally:
+        del runner.execute  # the instance attributes go; the methods show through again
+        if core.structured is not None:
+            del core.structured.masks
+    execute = sum(execute_s) / len(execute_s)
+    masks = sum(masks_s) / args.steps  # called every step (a free batch returns at once)
+    table = ""
+    if torch.cuda.is_available():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            steps(10)
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12) + "\n"
+    for rid in ids:
+        core.abort_request(rid)
+    return wall, (
+        f"[{mode}] wall per decode step: {wall * 1e3:.2f} ms; inside ModelRunner.execute "
+        f"(incl. its host prep, the grammar bitmask and the sampler sync): {execute * 1e3:.2f} ms; "
+        f"outside it (scheduler, outputs): {(wall - execute) * 1e3:.2f} ms; grammar bitmask "
+        f"(host): {masks * 1e3:.3f} ms; tokens/s at this batch: {args.batch / wall:,.0f}\n{table}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,65 +121,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--modes",
+        default="free",
+        help="comma-separated, run in turn on the same engine: free (unconstrained), json "
+        "(every request under a JSON schema; needs a tokenizer)",
+    )
     args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        p.error(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
     logging.basicConfig(level=logging.WARNING)
 
     llm = LLM(
         model=args.model,
         load_format="dummy",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        skip_tokenizer_init="json" not in modes,
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batch, 8),
     )
-    core = llm.engine
-    work = random_workload(args.batch, (args.context,) * 2, (1, 1), core.vocab_size, 0)
-    sp = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
-    for i, prompt in enumerate(work.prompts):
-        core.add_request(str(i), core.admit(prompt, sp))
-    while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
-        core.step()  # prefill everything first: what follows are pure decode steps
-
-    def timed_steps(n: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            core.step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / n
-
-    timed_steps(5)
-    wall = timed_steps(args.steps)
-    runner = core.runner
-    original = runner.execute
-    gpu_ms: list[float] = []
-
-    def execute_timed(out):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = original(out)
-        end.record()
-        end.synchronize()
-        gpu_ms.append(start.elapsed_time(end))
-        return result
-
-    runner.execute = execute_timed
-    timed_steps(args.steps)
-    runner.execute = original
-    execute = sum(gpu_ms) / len(gpu_ms) / 1e3
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        timed_steps(10)
-    sys.stdout.write(
-        f"{device_name()}: batch {args.batch}, context ~{args.context}\n"
-        f"wall per decode step: {wall * 1e3:.2f} ms; inside ModelRunner.execute (events, incl. "
-        f"its host prep and the sampler sync): {execute * 1e3:.2f} ms; outside it (scheduler, "
-        f"outputs): {(wall - execute) * 1e3:.2f} ms\n"
-        f"tokens/s at this batch: {args.batch / wall:,.0f}\n"
-    )
-    sys.stdout.write(
-        prof.key_averages().table(sort_by="self_device_time_total", row_limit=15) + "\n"
-    )
+    try:
+        sys.stdout.write(f"{device_name()}: batch {args.batch}, context ~{args.context}\n")
+        walls = {}
+        for mode in modes:
+            walls[mode], report = profile_mode(llm.engine, mode, args)
+            sys.stdout.write(report)
+        if len(walls) > 1:
+            sys.stdout.write(f"json / free wall per step: {walls['json'] / walls['free']:.3f}\n")
+    finally:
+        llm.shutdown()
     return 0
 
 

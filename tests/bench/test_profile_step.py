@@ -1,0 +1,39 @@
+"""bench/profile_step.py on a tiny Llama on the CPU: the free and JSON-constrained modes on one
+engine, the grammar's host time reported for the constrained steps only."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.scripts import load_bench_script
+
+profile_step = load_bench_script("profile_step")
+
+
+def test_free_and_json_modes_on_one_engine(
+    model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = profile_step.main(
+        [
+            *("--model", str(model_dirs["llama"]), "--dtype", "float32", "--batch", "4"),
+            *("--context", "8", "--steps", "3", "--max-model-len", "256", "--modes", "free,json"),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    line = r"\[(\w+)\] wall per decode step: .*grammar bitmask \(host\): ([\d.]+)"
+    bitmask = dict(re.findall(line, out))
+    assert set(bitmask) == {"free", "json"}, out
+    # A free batch only checks that no row has a grammar; a constrained one computes masks.
+    assert float(bitmask["json"]) > float(bitmask["free"]), out
+    assert re.search(r"json / free wall per step: \d+\.\d{3}", out), out
+
+
+def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        profile_step.main(["--model", "unused", "--modes", "free,xml"])
+    assert exc.value.code == 2
+    assert "--modes: xml; choose from free, json" in capsys.readouterr().err
