@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import socket
 import subprocess
@@ -64,11 +65,22 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
+    """The commit of the code that runs: KVFLEET_COMMIT when set (a copy made with `git
+    archive` has no history), else the checkout's HEAD, and "unknown" when the benchmarks do not
+    sit at the top of a checkout (a copy unpacked inside another repository would otherwise
+    report that repository's HEAD)."""
+    if os.environ.get("KVFLEET_COMMIT"):
+        return os.environ["KVFLEET_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=root)
         return out.stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            return "unknown"
+        return git("rev-parse", "--short", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -36,7 +36,13 @@ export PYTHONPATH=/tmp/site:/tmp/kv PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=fa
 # GPUs out of service); set here too in case the machine's environment is not inherited.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+# The commit that runs: a snapshot made with `git archive` passes KVFLEET_COMMIT (the scripts
+# read it too); a checkout's HEAD counts only at its top, not a parent repository's.
+if [ -z "${KVFLEET_COMMIT:-}" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ]; then
+    KVFLEET_COMMIT=$(git rev-parse --short HEAD)
+fi
+export KVFLEET_COMMIT=${KVFLEET_COMMIT:-unknown}
+echo "commit $KVFLEET_COMMIT" | tee -a "$out/gpu.txt"
 py="python3"
 # The fleet steps run one engine per visible GPU.
 ngpus=$(nvidia-smi -L | wc -l)
