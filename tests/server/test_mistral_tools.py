@@ -14,14 +14,12 @@ from typing import Any
 import pytest
 from openai import BadRequestError, OpenAI
 
-from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.outputs import CompletionOutput
-from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.protocol import ChatCompletionRequest
 from kvfleet.engine.server.tool_parsers import HERMES, MISTRAL
 from kvfleet.engine.server.tools import StreamedChoices, ToolSettings, choice_message, plan_tools
 from tests.support.net import http_call
-from tests.support.servers import engine_server
+from tests.support.servers import default_model_server, openai_client
 
 MODEL = "smollm2"
 MISTRAL_ID = re.compile(r"^[A-Za-z0-9]{9}$")
@@ -63,15 +61,9 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def client(smollm2_gguf):
-    settings = ServerSettings(
-        host="127.0.0.1",
-        port=0,
-        served_model_name=[MODEL],
-        chat_template=TEMPLATE,
-        tool_call_parser=MISTRAL,
-    )
-    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
-        yield OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    settings = {"chat_template": TEMPLATE, "tool_call_parser": MISTRAL}
+    with default_model_server(smollm2_gguf, MODEL, **settings) as s:
+        yield openai_client(s.url, timeout=300)
 
 
 def _chat(client: OpenAI, **kwargs: Any) -> Any:

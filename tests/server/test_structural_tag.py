@@ -14,9 +14,7 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.server.app import ServerSettings
-from tests.support.servers import engine_server
+from tests.support.servers import default_model_server, openai_client
 
 MODEL = "smollm2"
 WEATHER = {
@@ -45,14 +43,13 @@ CALL = re.compile(r"<function=(get_weather|get_time)>(.*?)</function>", re.S)
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
-    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+    with default_model_server(smollm2_gguf, MODEL) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def _calls(text: str) -> list[dict[str, Any]]:

@@ -21,8 +21,6 @@ from jsonschema import Draft202012Validator, FormatChecker
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.server.app import ServerSettings
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.json_schemas import (
     CASES,
@@ -34,7 +32,7 @@ from tests.support.json_schemas import (
     wide_schema,
 )
 from tests.support.net import http_call
-from tests.support.servers import engine_server, runner_in_thread
+from tests.support.servers import default_model_server, openai_client, runner_in_thread
 
 MODEL = "smollm2"
 SYSTEM = "You are a helpful assistant. Answer in JSON."
@@ -42,20 +40,14 @@ SYSTEM = "You are a helpful assistant. Answer in JSON."
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    settings = ServerSettings(
-        host="127.0.0.1",
-        port=0,
-        served_model_name=[MODEL],
-        # A megabyte schema must reach schema validation, not the body limit.
-        max_request_body_bytes=8 << 20,
-    )
-    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+    # A megabyte schema must reach schema validation, not the body limit.
+    with default_model_server(smollm2_gguf, MODEL, max_request_body_bytes=8 << 20) as s:
         yield s
 
 
 @pytest.fixture
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server.url, timeout=300)
 
 
 def chat_body(prompt: str, **extra: Any) -> dict[str, Any]:

@@ -14,10 +14,8 @@ import pytest
 from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
-from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.server.app import ServerSettings
 from tests.support.net import http_call
-from tests.support.servers import engine_server
+from tests.support.servers import default_model_server, openai_client
 
 MODEL = "smollm2"
 CHOICES = ["red", "green", "blue"]
@@ -25,14 +23,13 @@ CHOICES = ["red", "green", "blue"]
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
-    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+    with default_model_server(smollm2_gguf, MODEL) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def _user(text: str) -> list[dict[str, str]]:

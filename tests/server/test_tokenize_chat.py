@@ -10,10 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.server.app import ServerSettings
 from tests.support.net import http_call
-from tests.support.servers import engine_server
+from tests.support.servers import default_model_server
 
 MODEL = "smollm2"
 WEATHER = {
@@ -40,8 +38,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def url(smollm2_gguf):
-    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
-    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+    with default_model_server(smollm2_gguf, MODEL) as s:
         yield s.url
 
 

@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.protocol import ChatCompletionRequest
@@ -29,7 +28,7 @@ from kvfleet.engine.server.tools import (
 from kvfleet.protocol.chat_template import render_chat_text
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.net import http_call
-from tests.support.servers import engine_server, runner_in_thread
+from tests.support.servers import default_model_server, openai_client, runner_in_thread
 
 MODEL = "smollm2"
 WEATHER = {
@@ -66,14 +65,13 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
-    with engine_server(EngineArgs(model=str(smollm2_gguf), dtype="float32"), settings) as s:
+    with default_model_server(smollm2_gguf, MODEL) as s:
         yield s
 
 
 @pytest.fixture
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server.url, timeout=300)
 
 
 def _chat(client: OpenAI, **kwargs: Any) -> Any:
@@ -246,13 +244,13 @@ def test_tools_through_the_router(server) -> None:
         "temperature": 0,
         "max_tokens": 16,
     }
-    direct = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    direct = openai_client(server.url, timeout=300)
     with runner_in_thread(build_runner(router)) as front:
         status, _, raw = http_call(front.url + "/v1/chat/completions", body)
         assert status == 200, raw[:500]
         assert json.loads(raw)["choices"][0]["message"]["content"]
         # auto, streamed: the calls SmolLM2 repeats arrive through the router as directly
-        routed = OpenAI(base_url=front.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        routed = openai_client(front.url, timeout=300)
         kwargs = {"messages": _round_trip_messages("call_1"), "tools": TOOLS}
         assert _without_ids(routed, kwargs) == _without_ids(direct, kwargs)
         bad = {**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}

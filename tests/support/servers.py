@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from openai import OpenAI
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import EngineServer, ServerSettings
@@ -41,6 +42,21 @@ def engine_server(
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@contextmanager
+def default_model_server(gguf: Path, name: str, **settings: Any) -> Iterator[SimpleNamespace]:
+    """The real default model (its GGUF file, fp32) served as `name` on a free port, with any
+    other ServerSettings given; as engine_server."""
+    server_settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[name], **settings)
+    with engine_server(EngineArgs(model=str(gguf), dtype="float32"), server_settings) as s:
+        yield s
+
+
+def openai_client(url: str, **kwargs: Any) -> OpenAI:
+    """The official SDK on a server's /v1, without retries (a test sees each answer as it
+    comes); kwargs: the client's other settings (timeout)."""
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, **kwargs)
 
 
 @asynccontextmanager
