@@ -276,16 +276,7 @@ class StructuredOutputs:
             raise
         except ValueError as e:  # llguidance's own check of what it is handed
             raise GrammarError(str(e) or "invalid constraint", "structured_outputs") from None
-        # The constructor validates and builds the lexer, without the GIL.
-        prototype = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
-        if prototype.is_error():
-            raise GrammarError(_explain(kind, prototype.get_error()), "structured_outputs")
-        if not self._can_start(prototype):
-            # A schema that only refers to itself, say: it compiles, but no output satisfies it.
-            raise GrammarError(
-                f"the {_KIND_NAMES[kind]} allows no output at all", "structured_outputs"
-            )
-        compiled = CompiledGrammar(kind, prototype)
+        compiled = CompiledGrammar(kind, self._matcher(kind, spec))
         with self._lock:
             self.compiles += 1
             self._cache[key] = compiled
@@ -308,20 +299,26 @@ class StructuredOutputs:
             if key in seen:
                 continue
             seen.add(key)
-            where = f"structures[{i}].schema"
+            where = f"structures[{i}].schema: "
             try:
                 spec = llguidance.LLMatcher.grammar_from_json_schema(schema)
             except ValueError as e:
-                raise GrammarError(f"{where}: {e}", "structured_outputs") from None
-            matcher = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
-            if matcher.is_error():
-                raise GrammarError(
-                    f"{where}: {_explain('json', matcher.get_error())}", "structured_outputs"
-                )
-            if not self._can_start(matcher):
-                raise GrammarError(
-                    f"{where}: the JSON schema allows no output at all", "structured_outputs"
-                )
+                raise GrammarError(f"{where}{e}", "structured_outputs") from None
+            self._matcher("json", spec, where)
+
+    def _matcher(self, kind: str, spec: str, where: str = "") -> Any:
+        """A matcher at the start of a grammar; GrammarError (its message after `where`) when
+        the grammar is in error or no output satisfies it."""
+        # The constructor validates and builds the lexer, without the GIL.
+        matcher = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise GrammarError(where + _explain(kind, matcher.get_error()), "structured_outputs")
+        if not self._can_start(matcher):
+            # A schema that only refers to itself, say: it compiles, but no output satisfies it.
+            raise GrammarError(
+                f"{where}the {_KIND_NAMES[kind]} allows no output at all", "structured_outputs"
+            )
+        return matcher
 
     def _can_start(self, matcher: Any) -> bool:
         """Whether some output satisfies the grammar: a first token other than EOS is allowed,
