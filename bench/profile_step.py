@@ -13,7 +13,10 @@ A JSON mode needs a tokenizer in the model folder (bench/dummy_tokenizer.py writ
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import logging
+import pstats
 import sys
 import time
 from collections.abc import Callable
@@ -39,12 +42,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], spent: list[float], host: bool = False) -> Callable[..., Any]:
     """fn, adding each call's seconds to spent (on the GPU, events around it: the call's host
-    work plus the device work it waits for)."""
+    work plus the device work it waits for; host: the host's clock only, for work that waits
+    for no device work, which events queued behind a running forward would time as nothing)."""
 
     def call(*args: Any) -> Any:
-        if not torch.cuda.is_available():
+        if host or not torch.cuda.is_available():
             start = time.perf_counter()
             result = fn(*args)
             spent.append(time.perf_counter() - start)
@@ -68,7 +72,10 @@ def profile_mode(core: EngineCore, mode: str, args: argparse.Namespace) -> tuple
         schema = records_schema("profile", 64)  # never complete within the steps run
         structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     sp = SamplingParams(
-        temperature=0, max_tokens=args.steps * 4, ignore_eos=True, structured_outputs=structured
+        temperature=0,
+        max_tokens=args.steps * 4 + 16,
+        ignore_eos=True,
+        structured_outputs=structured,
     )
     work = random_workload(args.batch, (args.context,) * 2, (1, 1), core.vocab_size, 0)
     ids = [f"{mode}-{i}" for i in range(args.batch)]
@@ -90,7 +97,7 @@ def profile_mode(core: EngineCore, mode: str, args: argparse.Namespace) -> tuple
     runner, execute_s, masks_s = core.runner, [], []
     runner.execute = _timed(runner.execute, execute_s)
     if core.structured is not None:
-        core.structured.masks = _timed(core.structured.masks, masks_s)
+        core.structured.masks = _timed(core.structured.masks, masks_s, host=True)
     try:
         steps(args.steps)
     finally:
@@ -100,10 +107,19 @@ def profile_mode(core: EngineCore, mode: str, args: argparse.Namespace) -> tuple
     execute = sum(execute_s) / len(execute_s)
     masks = sum(masks_s) / args.steps  # called every step (a free batch returns at once)
     table = ""
+    if args.host_profile:
+        # Python's profiler slows every call, so its times are only for comparing modes: what
+        # the host does between the sampler's wait for the tokens and the next forward's launch
+        # is exposed, as the GPU idles meanwhile.
+        profiler = cProfile.Profile()
+        profiler.runcall(steps, args.steps)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.host_profile)
+        table += text.getvalue()
     if torch.cuda.is_available():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             steps(10)
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12) + "\n"
+        table += prof.key_averages().table(sort_by="self_device_time_total", row_limit=12) + "\n"
     for rid in ids:
         core.abort_request(rid)
     return wall, (
@@ -127,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         default="free",
         help="comma-separated, run in turn on the same engine: free (unconstrained), json "
         "(every request under a JSON schema; needs a tokenizer)",
+    )
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the decode steps under Python's profiler and print its N costliest "
+        "functions (own time) per mode",
     )
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]

@@ -20,6 +20,7 @@ def test_free_and_json_modes_on_one_engine(
         [
             *("--model", str(model_dirs["llama"]), "--dtype", "float32", "--batch", "4"),
             *("--context", "8", "--steps", "3", "--max-model-len", "256", "--modes", "free,json"),
+            *("--host-profile", "5"),
         ]
     )
     assert rc == 0
@@ -30,6 +31,9 @@ def test_free_and_json_modes_on_one_engine(
     # A free batch only checks that no row has a grammar; a constrained one computes masks.
     assert float(bitmask["json"]) > float(bitmask["free"]), out
     assert re.search(r"json / free wall per step: \d+\.\d{3}", out), out
+    # --host-profile: each mode's steps under Python's profiler, costliest functions first.
+    assert len(re.findall(r"function calls.* in [\d.]+ seconds", out)) == 2, out
+    assert len(re.findall(r"Ordered by: internal time", out)) == 2, out
 
 
 def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
