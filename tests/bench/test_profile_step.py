@@ -20,7 +20,7 @@ def test_free_and_json_modes_on_one_engine(
         [
             *("--model", str(model_dirs["llama"]), "--dtype", "float32", "--batch", "4"),
             *("--context", "8", "--steps", "3", "--max-model-len", "256", "--modes", "free,json"),
-            *("--host-profile", "5"),
+            *("--host-profile", "5", "--grammar-threads", "0,1"),
         ]
     )
     assert rc == 0
@@ -31,9 +31,12 @@ def test_free_and_json_modes_on_one_engine(
     # A free batch only checks that no row has a grammar; a constrained one computes masks.
     assert float(bitmask["json"]) > float(bitmask["free"]), out
     assert re.search(r"json / free wall per step: \d+\.\d{3}", out), out
-    # --host-profile: each mode's steps under Python's profiler, costliest functions first.
-    assert len(re.findall(r"function calls.* in [\d.]+ seconds", out)) == 2, out
-    assert len(re.findall(r"Ordered by: internal time", out)) == 2, out
+    # --grammar-threads: one JSON run per executor size, its mask times' spread reported.
+    assert re.findall(r"max [\d.]+; (\w+) threads\)", out) == ["default", "1"], out
+    assert len(re.findall(r"json / free wall per step", out)) == 2, out
+    # --host-profile: each run's steps under Python's profiler, costliest functions first.
+    assert len(re.findall(r"function calls.* in [\d.]+ seconds", out)) == 3, out
+    assert len(re.findall(r"Ordered by: internal time", out)) == 3, out
 
 
 def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
