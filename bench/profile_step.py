@@ -13,13 +13,15 @@ A JSON mode needs a tokenizer in the model folder (bench/dummy_tokenizer.py writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import io
 import logging
 import pstats
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,26 @@ def _timed(fn: Callable[..., Any], spent: list[float], host: bool = False) -> Ca
     return call
 
 
+@contextlib.contextmanager
+def _gc_pauses() -> Iterator[list[tuple[int, float]]]:
+    """The (generation, seconds) of each garbage collection inside: pauses of the engine's
+    thread, which lengthen a step when they fall between the sampler's wait and the next launch."""
+    pauses: list[tuple[int, float]] = []
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def profile_mode(
     core: EngineCore, mode: str, args: argparse.Namespace, threads: int = 0
 ) -> tuple[float, str]:
@@ -102,7 +124,8 @@ def profile_mode(
         return (time.perf_counter() - start) / n
 
     steps(5)
-    wall = steps(args.steps)
+    with _gc_pauses() as pauses:
+        wall = steps(args.steps)
     runner, execute_s, masks_s = core.runner, [], []
     runner.execute = _timed(runner.execute, execute_s)
     if core.structured is not None:
@@ -116,6 +139,10 @@ def profile_mode(
     execute = sum(execute_s) / len(execute_s)
     masks = sum(masks_s) / args.steps  # called every step (a free batch returns at once)
     spread = ""
+    gc_line = (
+        f"; garbage collection: {len(pauses)} passes ({sum(g == 2 for g, _ in pauses)} full), "
+        f"{sum(t for _, t in pauses) / args.steps * 1e3:.3f} ms a step"
+    )
     if mode == "json":
         q = np.percentile(np.array(masks_s) * 1e3, [50, 90, 100])
         spread = (
@@ -141,7 +168,7 @@ def profile_mode(
         f"[{mode}] wall per decode step: {wall * 1e3:.2f} ms; inside ModelRunner.execute "
         f"(incl. its host prep, the grammar bitmask and the sampler sync): {execute * 1e3:.2f} ms; "
         f"outside it (scheduler, outputs): {(wall - execute) * 1e3:.2f} ms; grammar bitmask "
-        f"(host): {masks * 1e3:.3f} ms{spread}; tokens/s at this batch: "
+        f"(host): {masks * 1e3:.3f} ms{spread}{gc_line}; tokens/s at this batch: "
         f"{args.batch / wall:,.0f}\n{table}"
     )
 

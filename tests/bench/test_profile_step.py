@@ -34,6 +34,10 @@ def test_free_and_json_modes_on_one_engine(
     # --grammar-threads: one JSON run per executor size, its mask times' spread reported.
     assert re.findall(r"max [\d.]+; (\w+) threads\)", out) == ["default", "1"], out
     assert len(re.findall(r"json / free wall per step", out)) == 2, out
+    assert (
+        len(re.findall(r"garbage collection: \d+ passes \(\d+ full\), [\d.]+ ms a step", out)) == 3
+    )
+
     # --host-profile: each run's steps under Python's profiler, costliest functions first.
     assert len(re.findall(r"function calls.* in [\d.]+ seconds", out)) == 3, out
     assert len(re.findall(r"Ordered by: internal time", out)) == 3, out
