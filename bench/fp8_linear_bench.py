@@ -19,7 +19,7 @@ import torch
 from latency import copy_bandwidth
 
 from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
-from kvfleet.kernels import fp8_gemv, fp8_quant
+from kvfleet.kernels import fp8_quant
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BATCHES = (1, 8, 16, 32, 64, 256, 2048)
@@ -93,36 +93,6 @@ def row(m: int, k: int, w_bf16: torch.Tensor, w_fp8: torch.Tensor, w_scale: torc
     return f"{m:5d} {t[0]:9.1f} {t[1]:7.1f}  ({t[2]:7.1f} {t[3]:13.1f} {t[4]:16.1f} {t[5]:13.1f})"
 
 
-def gemv_row(
-    name: str, m: int, k: int, fp8s: Iterator[tuple[torch.Tensor, ...]], floor: float
-) -> str:
-    """A decode-sized batch: the W8A8 path (quantize, unscaled GEMM, epilogue), the fp8 GEMV as
-    autotuned, and each of its tiles, against the weight-read floor (us)."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    one = torch.ones((), device="cuda")
-
-    def w8a8() -> torch.Tensor:
-        w, ws = next(fp8s)
-        xq, xs = fp8_quant.quantize_tokens(x)
-        acc = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return fp8_quant.scale_rows_cols(acc, xs, ws, None, x.dtype)
-
-    def gemv(config: dict[str, int] | None = None) -> Callable[[], torch.Tensor]:
-        return lambda: fp8_gemv.fp8_gemv(x, *next(fp8s), None, config)
-
-    gemv()()  # the autotuner's pick, made outside the graph
-    tiles = {}
-    for c in fp8_gemv._CONFIGS:
-        kw = c.all_kwargs()
-        tiles["{BLOCK_N}x{BLOCK_K}/w{num_warps}s{num_stages}".format(**kw)] = graph_time(gemv(kw))
-    best = min(tiles, key=tiles.__getitem__)
-    t_w8a8, t_tuned = graph_time(w8a8), graph_time(gemv())
-    return (
-        f"{name:8s} {m:2d} {floor:8.1f} {t_w8a8:8.1f} {t_tuned:8.1f} {floor / t_tuned:6.0%}"
-        f"   {best} {tiles[best]:.1f}   " + " ".join(f"{v:.1f}" for v in tiles.values())
-    )
-
-
 def main() -> int:
     sys.stdout.write(f"{torch.cuda.get_device_name()}  torch {torch.__version__}\n")
     bandwidth = copy_bandwidth()
@@ -137,16 +107,6 @@ def main() -> int:
         del w
         for m in BATCHES:
             sys.stdout.write(f"{name:8s} {row(m, k, w_bf16, w_fp8, w_scale)}\n")
-    sys.stdout.write(
-        "\nfp8 GEMV (kernels/fp8_gemv.py), us; tiles in the order of its configs:\n"
-        "shape     M  floor    w8a8     gemv  of-floor   best tile\n"
-    )
-    for name, (k, n) in SHAPES.items():
-        w_fp8, w_scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-        fp8s = copies(w_fp8, w_scale)
-        for m in range(1, fp8_gemv.GEMV_MAX_TOKENS + 1):
-            floor = w_fp8.numel() / bandwidth * 1e6
-            sys.stdout.write(gemv_row(name, m, k, fp8s, floor) + "\n")
     return 0
 
 

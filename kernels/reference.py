@@ -196,14 +196,3 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
     allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
-
-
-def weight_only_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ (weight * weight_scale[:, None]).T + bias in x's dtype, the activations unquantized
-    and every product in fp32: the twin of kernels.fp8_gemv.fp8_gemv."""
-    y = (x.float() @ weight.float().t()) * weight_scale.float()
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)

@@ -180,18 +180,11 @@ def fp8_linear(
     """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
     row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. On
     CUDA the elementwise work runs in Triton kernels (kernels.fp8_quant), on the CPU in their
-    PyTorch twins; a decode step of up to GEMV_MAX_TOKENS tokens runs one Triton GEMV with the
-    activations unquantized (kernels.fp8_gemv: a third of the launches, and closer to bf16)."""
+    PyTorch twins."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
-        from kvfleet.kernels import fp8_gemv, fp8_quant
-
-        if x2.shape[0] <= fp8_gemv.GEMV_MAX_TOKENS:
-            y = fp8_gemv.fp8_gemv(
-                x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale, bias
-            )
-            return y.view(*lead, y.shape[-1])
+        from kvfleet.kernels import fp8_quant
 
         x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
         if x2.shape[0] <= _SMALL_BATCH:
