@@ -8,6 +8,7 @@
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
+#   bash bench/gpu_run.sh OUTDIR fp8-linear          # an fp8 linear's time, part by part
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
@@ -95,6 +96,10 @@ for step in "$@"; do
         # stack's first-token logprobs with --quantization fp8 against bf16.
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
             tee "$out/fp8_weights_tests.txt"
+        ;;
+    fp8-linear)
+        # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.
+        timeout 400 $py bench/fp8_linear_bench.py 2>&1 | tee "$out/fp8_linear.txt"
         ;;
     fp8-llama2-13b)
         # Issue 21's Llama-2-13B goals: the article's workload (256 requests, input and output
