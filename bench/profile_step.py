@@ -35,8 +35,10 @@ from common import device_name, random_workload
 from structured import records_schema
 
 from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine import sampler as sampler_module
 from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.sampling_params import StructuredOutputsParams
+from kvfleet.kernels import reference
 
 MODES = ("free", "json")
 
@@ -92,14 +94,12 @@ def profile_mode(
     core: EngineCore, mode: str, args: argparse.Namespace, threads: int = 0
 ) -> tuple[float, str]:
     """One mode's wall seconds per decode step and its report: the batch admitted and
-    prefilled, then timed decode steps. threads: the grammar executor's (0: llguidance's
-    default, 80% of the cores)."""
+    prefilled, then timed decode steps. threads: the grammar executor's (0: the engine's own)."""
     structured = None
     if mode == "json":
         assert core.structured is not None
-        core.structured.executor = (
-            llguidance.LLExecutor(num_threads=threads) if threads else llguidance.LLExecutor()
-        )
+        if threads:
+            core.structured.executor = llguidance.LLExecutor(num_threads=threads)
         schema = records_schema("profile", 64)  # never complete within the steps run
         structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     sp = SamplingParams(
@@ -145,9 +145,7 @@ def profile_mode(
     )
     if mode == "json":
         q = np.percentile(np.array(masks_s) * 1e3, [50, 90, 100])
-        spread = (
-            f" (p50 {q[0]:.3f}, p90 {q[1]:.3f}, max {q[2]:.3f}; {threads or 'default'} threads)"
-        )
+        spread = f" (p50 {q[0]:.3f}, p90 {q[1]:.3f}, max {q[2]:.3f}; {threads or 'engine'} threads)"
     table = ""
     if args.host_profile:
         # Python's profiler slows every call, so its times are only for comparing modes: what
@@ -196,10 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         "functions (own time) per mode",
     )
     p.add_argument(
+        "--bitmask-op",
+        choices=("engine", "pytorch"),
+        default="engine",
+        help="how the JSON mode bans tokens: the engine's own way (the Triton kernel on a GPU) "
+        "or the PyTorch twin's ops, to tell the kernel's launch from the rest of a step's cost",
+    )
+    p.add_argument(
         "--grammar-threads",
         default="0",
         help="comma-separated thread counts of the grammar executor, one JSON run each "
-        "(0: llguidance's default)",
+        "(0: the engine's own executor)",
     )
     args = p.parse_args(argv)
     threads = [int(t) for t in args.grammar_threads.split(",") if t]
@@ -208,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not modes:
         p.error(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
     logging.basicConfig(level=logging.WARNING)
+    engine_op = sampler_module.apply_bitmask
+    if args.bitmask_op == "pytorch":
+        sampler_module.apply_bitmask = reference.apply_token_bitmask
 
     llm = LLM(
         model=args.model,
@@ -220,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sys.stdout.write(f"{device_name()}: batch {args.batch}, context ~{args.context}\n")
         walls: dict[str, float] = {}
+        own = llm.engine.structured.executor if llm.engine.structured is not None else None
         for mode in modes:
             for n in threads if mode == "json" else [0]:
+                if own is not None:
+                    llm.engine.structured.executor = own
                 walls[mode], report = profile_mode(llm.engine, mode, args, n)
                 sys.stdout.write(report)
                 if mode == "json" and "free" in walls:
@@ -229,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.write(f"json / free wall per step: {ratio:.3f}\n")
     finally:
         llm.shutdown()
+        sampler_module.apply_bitmask = engine_op
     return 0
 
 

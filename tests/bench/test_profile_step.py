@@ -32,7 +32,7 @@ def test_free_and_json_modes_on_one_engine(
     assert float(bitmask["json"]) > float(bitmask["free"]), out
     assert re.search(r"json / free wall per step: \d+\.\d{3}", out), out
     # --grammar-threads: one JSON run per executor size, its mask times' spread reported.
-    assert re.findall(r"max [\d.]+; (\w+) threads\)", out) == ["default", "1"], out
+    assert re.findall(r"max [\d.]+; (\w+) threads\)", out) == ["engine", "1"], out
     assert len(re.findall(r"json / free wall per step", out)) == 2, out
     assert (
         len(re.findall(r"garbage collection: \d+ passes \(\d+ full\), [\d.]+ ms a step", out)) == 3
@@ -41,6 +41,20 @@ def test_free_and_json_modes_on_one_engine(
     # --host-profile: each run's steps under Python's profiler, costliest functions first.
     assert len(re.findall(r"function calls.* in [\d.]+ seconds", out)) == 3, out
     assert len(re.findall(r"Ordered by: internal time", out)) == 3, out
+
+
+def test_the_pytorch_bitmask_op_is_a_choice(
+    model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = profile_step.main(
+        [
+            *("--model", str(model_dirs["llama"]), "--dtype", "float32", "--batch", "2"),
+            *("--context", "8", "--steps", "2", "--max-model-len", "256", "--modes", "json"),
+            *("--bitmask-op", "pytorch"),
+        ]
+    )
+    assert rc == 0
+    assert "[json] wall per decode step" in capsys.readouterr().out
 
 
 def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
