@@ -40,18 +40,27 @@ def _rms_norm_kernel(
     eps,
     scale_ptr,
     static_ptr,
+    row_scale_ptr,
+    col_scale_ptr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTRED: tl.constexpr,
     QUANTIZE: tl.constexpr,  # 0: no, 1: per-row amax, 2: the static scale
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    UNSCALED: tl.constexpr,  # x: an fp8 GEMM's fp32 accumulators, scaled here
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    in_dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNSCALED:
+        # fp8_quant.scale_rows_cols' arithmetic, rounded to the model dtype as it rounds.
+        in_dtype = residual_ptr.dtype.element_ty
+        cs = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        x = (x * (tl.load(row_scale_ptr + row) * cs)).to(in_dtype).to(tl.float32)
+    else:
+        in_dtype = x_ptr.dtype.element_ty
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(in_dtype)
@@ -86,28 +95,35 @@ def rms_norm(
     zero_centred: bool = False,
     quantize: bool = False,
     static_scale: torch.Tensor | None = None,
+    unscaled: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Any:
     """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given. With
     ``quantize``, ``norm(x)`` is ``(fp8 [..., hidden], fp32 scale [rows, 1])``, scaled per row or
-    by ``static_scale``; the weight must be of x's dtype."""
+    by ``static_scale``; the weight must be of x's dtype. With ``unscaled`` (row scales
+    [rows, 1], column scales [hidden]), x is an fp8 GEMM's fp32 accumulators, scaled and rounded
+    to the residual's dtype here as the GEMM's epilogue would (a residual is then needed)."""
     hidden = x.shape[-1]
+    dtype = x.dtype
+    if unscaled is not None:
+        assert residual is not None and x.dtype == torch.float32, (x.dtype, residual)
+        dtype = residual.dtype
     assert weight.shape == (hidden,) and weight.is_contiguous(), (weight.shape, x.shape)
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = dtype if zero_centred else torch.promote_types(weight.dtype, dtype)
     if quantize:
-        assert out_dtype == x.dtype, (weight.dtype, x.dtype)
+        assert out_dtype == dtype, (weight.dtype, dtype)
         out_dtype = FP8
     out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quantize else out
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+        assert residual.shape == x.shape and residual.dtype == dtype, (residual.shape, x.shape)
         r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        new_residual = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+        new_residual = torch.empty((rows, hidden), dtype=dtype, device=x.device)
     else:
         # Never dereferenced: HAS_RESIDUAL=False compiles the residual path out.
         r2 = new_residual = x2
@@ -127,12 +143,14 @@ def rms_norm(
             eps,
             scale,
             scale if static_scale is None else static_scale,
+            *(unscaled or (out, out)),
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             ZERO_CENTRED=zero_centred,
             QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
             FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE,
+            UNSCALED=unscaled is not None,
             num_warps=min(max(block // 256, 1), 16),
         )
     out = out.view(x.shape)

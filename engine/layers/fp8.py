@@ -148,6 +148,20 @@ class Fp8Activations:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class UnscaledFp8Output:
+    """An fp8 linear's output before its scaling epilogue, for a layer that applies it as it
+    loads the values (fp8_quant.scale_rows_cols' arithmetic, bit for bit) instead of a launch of
+    its own: fp32 accumulators [tokens, N], row scales [tokens, 1], column scales [N], the
+    output dtype. Only the small-batch CUDA path makes it, for a layer without bias whose only
+    reader takes it."""
+
+    acc: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+    dtype: torch.dtype
+
+
 class Fp8Input:
     """Set on a layer whose output only an fp8 linear reads, so that it quantizes the output
     itself: the consumer's static input scale, when its checkpoint has one, read at each call
@@ -208,12 +222,14 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-) -> torch.Tensor:
+    defer_scaling: bool = False,
+) -> torch.Tensor | UnscaledFp8Output:
     """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
     row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. x comes
     unquantized, or as Fp8Activations from a kernel that quantized it while producing it. On
     CUDA the elementwise work runs in Triton kernels (kernels.fp8_quant), on the CPU in their
-    PyTorch twins."""
+    PyTorch twins. defer_scaling: a 2-D x's small-batch CUDA product comes back unscaled
+    (UnscaledFp8Output) when there is no bias, for the reader to scale."""
     if isinstance(x, Fp8Activations):
         lead, dtype = x.data.shape[:-1], x.dtype
         x_fp8, x_scale = x.data.reshape(-1, x.data.shape[-1]), x.scale
@@ -231,6 +247,8 @@ def fp8_linear(
 
         one = _unit_scale(x_fp8.device)
         acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        if defer_scaling and bias is None and len(lead) == 1:
+            return UnscaledFp8Output(acc, x_scale, weight_scale, dtype)
         y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, dtype)
         return y.view(*lead, y.shape[-1])
     y = torch._scaled_mm(

@@ -20,6 +20,7 @@ from kvfleet.engine.layers.linear import (
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
 from kvfleet.engine.models.causal_lm import CausalLM
+from kvfleet.kernels.reference import GATED_ACTIVATIONS
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -112,6 +113,12 @@ class LlamaDecoderLayer(nn.Module):
         ):
             if consumer.fp8:
                 producer.fp8_output = Fp8Input(consumer)
+        # o_proj's only reader is the post-attention norm, gate_up's the activation, down's the
+        # next layer's input norm or the model's final norm: each applies the fp8 scaling.
+        if self.mlp.act.hidden_act in GATED_ACTIVATIONS:
+            self.mlp.gate_up_proj.defer_scaling_to_reader()
+        self.self_attn.o_proj.defer_scaling_to_reader()
+        self.mlp.down_proj.defer_scaling_to_reader()
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None

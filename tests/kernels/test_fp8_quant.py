@@ -82,3 +82,43 @@ def test_act_and_mul_quantizes_its_output_as_the_quantize_kernel_would(activatio
     assert q.dtype == reference.FP8 and q.shape == (3, 5000)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.float(), q_ref.float())
+
+
+def _unscaled(rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An fp8 GEMM's fp32 accumulators with their row and column scales."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = torch.randn(rows, n, generator=gen) * 3000
+    return acc, torch.rand(rows, 1, generator=gen) / 100, torch.rand(n, generator=gen) / 100
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_rms_norm_scales_an_fp8_gemms_accumulators_as_the_epilogue_would(quantize):
+    """Reading an fp8 linear's unscaled output, the norm equals the epilogue kernel followed by
+    the norm, bit for bit (and the quantization after it)."""
+    from kvfleet.kernels.rms_norm import rms_norm
+
+    acc, rows, cols = _unscaled(4, 1000, 11)
+    residual = torch.randn(4, 1000).to(torch.bfloat16)
+    w = torch.rand(1000).to(torch.bfloat16)
+    scaled = fp8_quant.scale_rows_cols(acc, rows, cols, None, torch.bfloat16)
+    want, want_residual = rms_norm(scaled, w, 1e-6, residual, False, quantize)
+    got, got_residual = rms_norm(acc, w, 1e-6, residual, False, quantize, None, (rows, cols))
+    assert torch.equal(got_residual, want_residual)
+    if quantize:
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].float(), want[0].float())
+    else:
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_act_and_mul_scales_an_fp8_gemms_accumulators_as_the_epilogue_would(quantize):
+    from kvfleet.kernels.activation import act_and_mul
+
+    acc, rows, cols = _unscaled(3, 2 * 3000, 12)
+    scaled = fp8_quant.scale_rows_cols(acc, rows, cols, None, torch.bfloat16)
+    want = act_and_mul(scaled, "silu", quantize)
+    got = act_and_mul(acc, "silu", quantize, None, (rows, cols, torch.bfloat16))
+    if quantize:
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].float(), want[0].float())
+    else:
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
