@@ -15,6 +15,9 @@ import triton.language as tl
 
 from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
+# The widest row the quantizing kernel keeps in registers (16 warps: 32 fp32 values a thread),
+# Llama-3-8B's 14,336 included; wider rows take two passes.
+_ONE_PASS_WIDTH = 16384
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -68,35 +71,51 @@ def _act_and_mul_quant_kernel(
     x_ptr, out_ptr, scale_ptr, static_ptr, stride_x, stride_o, d, row_scale_ptr, col_scale_ptr,
     ACTIVATION: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr, UNSCALED: tl.constexpr, ROUND_TO: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # One program a row: its amax is needed before any value is written, so the row is
-    # computed twice rather than kept (a 14k-wide row is more than a program's registers).
+    # One program a row: its amax is needed before any value is written. A row that fits one
+    # block (ONE_PASS) is computed once and kept in registers; a wider one is computed twice
+    # rather than kept.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     row_scale = tl.load(row_scale_ptr + row) if UNSCALED else 1.0
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.full([BLOCK], 0.0, tl.float32)
-        for start in range(0, d, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            y = _act_and_mul_row(
-                x_row, cols, cols < d, d, row_scale, col_scale_ptr, ACTIVATION, UNSCALED,
-                ROUND_TO,
-            ).to(ROUND_TO)  # fmt: skip
-            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, d, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
         mask = cols < d
         y = _act_and_mul_row(
             x_row, cols, mask, d, row_scale, col_scale_ptr, ACTIVATION, UNSCALED, ROUND_TO
         )  # fmt: skip
         y = y.to(ROUND_TO).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.full([BLOCK], 0.0, tl.float32)
+            for start in range(0, d, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                y = _act_and_mul_row(
+                    x_row, cols, cols < d, d, row_scale, col_scale_ptr, ACTIVATION, UNSCALED,
+                    ROUND_TO,
+                ).to(ROUND_TO)  # fmt: skip
+                amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+            scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, d, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < d
+            y = _act_and_mul_row(
+                x_row, cols, mask, d, row_scale, col_scale_ptr, ACTIVATION, UNSCALED, ROUND_TO
+            )  # fmt: skip
+            y = y.to(ROUND_TO).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+            tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_and_mul(
@@ -121,13 +140,15 @@ def act_and_mul(
     out = torch.empty((x2.shape[0], d), dtype=FP8 if quantize else dtype, device=x.device)
     if quantize:
         scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+        one_pass = d <= _ONE_PASS_WIDTH
         if x2.shape[0]:
             _act_and_mul_quant_kernel[(x2.shape[0],)](
                 x2, out, scale, scale if static_scale is None else static_scale, x2.stride(0),
                 out.stride(0), d, *scales, ACTIVATION=activation,
                 STATIC=static_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
                 UNSCALED=unscaled is not None, ROUND_TO=_TRITON_DTYPES[dtype],
-                BLOCK=min(triton.next_power_of_2(d), 2048), num_warps=8,
+                ONE_PASS=one_pass, BLOCK=triton.next_power_of_2(d) if one_pass else 2048,
+                num_warps=16 if one_pass else 8,
             )  # fmt: skip
         return out.view(*x.shape[:-1], d), scale
     if x2.shape[0]:
