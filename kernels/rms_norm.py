@@ -7,22 +7,13 @@ residual). Llama style: the normalised row is rounded to the input dtype before 
 multiply and the output dtype is ``promote_types(weight.dtype, x.dtype)``. Gemma style
 (``zero_centred``): the row is scaled by ``1 + weight`` in fp32 and rounded once, to the input
 dtype. Inputs are never written; outputs are new tensors.
-
-With ``quantize``, the kernel also quantizes the normalised row for an fp8 linear layer, as
-``reference.quantize_tokens`` would quantize the output above (per-row amax, or a static
-scale): one launch less per layer input on the fp8 path, whose decode step is made of such small
-launches.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
-
-from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -38,29 +29,15 @@ def _rms_norm_kernel(
     stride_nr,
     n_cols,
     eps,
-    scale_ptr,
-    static_ptr,
-    row_scale_ptr,
-    col_scale_ptr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTRED: tl.constexpr,
-    QUANTIZE: tl.constexpr,  # 0: no, 1: per-row amax, 2: the static scale
-    FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
-    UNSCALED: tl.constexpr,  # x: an fp8 GEMM's fp32 accumulators, scaled here
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    in_dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if UNSCALED:
-        # fp8_quant.scale_rows_cols' arithmetic, rounded to the model dtype as it rounds.
-        in_dtype = residual_ptr.dtype.element_ty
-        cs = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-        x = (x * (tl.load(row_scale_ptr + row) * cs)).to(in_dtype).to(tl.float32)
-    else:
-        in_dtype = x_ptr.dtype.element_ty
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(in_dtype)
@@ -73,18 +50,7 @@ def _rms_norm_kernel(
         w = w + 1.0
     else:
         x = x.to(in_dtype).to(tl.float32)
-    if QUANTIZE:
-        # Rounded to the input dtype first: the row the unfused path would quantize.
-        y = (w * x).to(in_dtype).to(tl.float32)
-        if QUANTIZE == 2:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
-        tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + row * stride_o + cols, (w * x).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, (w * x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -93,37 +59,22 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # like x
     zero_centred: bool = False,
-    quantize: bool = False,
-    static_scale: torch.Tensor | None = None,
-    unscaled: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> Any:
-    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given. With
-    ``quantize``, ``norm(x)`` is ``(fp8 [..., hidden], fp32 scale [rows, 1])``, scaled per row or
-    by ``static_scale``; the weight must be of x's dtype. With ``unscaled`` (row scales
-    [rows, 1], column scales [hidden]), x is an fp8 GEMM's fp32 accumulators, scaled and rounded
-    to the residual's dtype here as the GEMM's epilogue would (a residual is then needed)."""
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given."""
     hidden = x.shape[-1]
-    dtype = x.dtype
-    if unscaled is not None:
-        assert residual is not None and x.dtype == torch.float32, (x.dtype, residual)
-        dtype = residual.dtype
     assert weight.shape == (hidden,) and weight.is_contiguous(), (weight.shape, x.shape)
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    out_dtype = dtype if zero_centred else torch.promote_types(weight.dtype, dtype)
-    if quantize:
-        assert out_dtype == dtype, (weight.dtype, dtype)
-        out_dtype = FP8
+    out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quantize else out
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == dtype, (residual.shape, x.shape)
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
         r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        new_residual = torch.empty((rows, hidden), dtype=dtype, device=x.device)
+        new_residual = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     else:
         # Never dereferenced: HAS_RESIDUAL=False compiles the residual path out.
         r2 = new_residual = x2
@@ -141,21 +92,12 @@ def rms_norm(
             new_residual.stride(0),
             hidden,
             eps,
-            scale,
-            scale if static_scale is None else static_scale,
-            *(unscaled or (out, out)),
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             ZERO_CENTRED=zero_centred,
-            QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
-            FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE,
-            UNSCALED=unscaled is not None,
             num_warps=min(max(block // 256, 1), 16),
         )
     out = out.view(x.shape)
-    if quantize:
-        out = (out, scale)
     if residual is None:
         return out
     return out, new_residual.view(x.shape)

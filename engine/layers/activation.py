@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.fp8 import (
-    Fp8Activations,
-    Fp8Input,
-    UnscaledFp8Output,
-    quantize_input,
-)
 from kvfleet.kernels import reference
 from kvfleet.kernels.availability import triton_available
 
@@ -45,26 +38,13 @@ class GatedActivation(nn.Module):
         super().__init__()
         self.hidden_act = hidden_act
         self.act = get_activation(hidden_act)
-        # Set when only an fp8 linear reads the output: quantized here (Fp8Activations).
-        self.fp8_output: Fp8Input | None = None
 
-    def forward(self, x: Any) -> Any:
-        """x: a tensor, or an fp8 linear's UnscaledFp8Output (scaled here, on CUDA)."""
-        fp8 = self.fp8_output
-        unscaled = None
-        if isinstance(x, UnscaledFp8Output):
-            unscaled, x = (x.row_scale, x.col_scale, x.dtype), x.acc
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hidden_act in reference.GATED_ACTIVATIONS:
             if x.is_cuda and triton_available():
                 from kvfleet.kernels.activation import act_and_mul
 
-                if fp8 is None:
-                    return act_and_mul(x, self.hidden_act, unscaled=unscaled)
-                data, scale = act_and_mul(x, self.hidden_act, True, fp8.static_scale, unscaled)
-                return Fp8Activations(data, scale, x.dtype if unscaled is None else unscaled[2])
-            assert unscaled is None, "unscaled fp8 outputs are made on CUDA only"
-            out = reference.act_and_mul(x, self.hidden_act)
-        else:
-            gate, up = x.chunk(2, dim=-1)
-            out = self.act(gate) * up
-        return out if fp8 is None else quantize_input(out, fp8.static_scale)
+                return act_and_mul(x, self.hidden_act)
+            return reference.act_and_mul(x, self.hidden_act)
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up

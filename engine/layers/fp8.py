@@ -137,52 +137,6 @@ def check_fp8_shape(out_features: int, in_features: int, what: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Fp8Activations:
-    """A linear layer's input, quantized per token by the kernel that produced it (an RMSNorm or
-    a gated activation feeding an fp8 layer): fp8 values [..., K], fp32 scales [tokens, 1], and
-    the dtype the values had, which the layer's output takes."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class UnscaledFp8Output:
-    """An fp8 linear's output before its scaling epilogue, for a layer that applies it as it
-    loads the values (fp8_quant.scale_rows_cols' arithmetic, bit for bit) instead of a launch of
-    its own: fp32 accumulators [tokens, N], row scales [tokens, 1], column scales [N], the
-    output dtype. Only the small-batch CUDA path makes it, for a layer without bias whose only
-    reader takes it."""
-
-    acc: torch.Tensor
-    row_scale: torch.Tensor
-    col_scale: torch.Tensor
-    dtype: torch.dtype
-
-
-class Fp8Input:
-    """Set on a layer whose output only an fp8 linear reads, so that it quantizes the output
-    itself: the consumer's static input scale, when its checkpoint has one, read at each call
-    since it loads after the model is built. A plain object: not a submodule or parameter of
-    the producing layer."""
-
-    def __init__(self, consumer: Any) -> None:
-        self._consumer = consumer
-
-    @property
-    def static_scale(self) -> torch.Tensor | None:
-        return self._consumer.input_scale
-
-
-def quantize_input(x: torch.Tensor, static_scale: torch.Tensor | None) -> Fp8Activations:
-    """The PyTorch twin of the producing kernels' quantization (the CPU path)."""
-    lead = x.shape[:-1]
-    data, scale = quantize_tokens(x.reshape(-1, x.shape[-1]), static_scale)
-    return Fp8Activations(data.view(*lead, x.shape[-1]), scale, x.dtype)
-
-
 _current: Fp8Config | None = None
 
 
@@ -217,46 +171,37 @@ def quantize_rows(
 
 
 def fp8_linear(
-    x: torch.Tensor | Fp8Activations,
+    x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
-    defer_scaling: bool = False,
-) -> torch.Tensor | UnscaledFp8Output:
+) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
-    row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. x comes
-    unquantized, or as Fp8Activations from a kernel that quantized it while producing it. On
+    row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. On
     CUDA the elementwise work runs in Triton kernels (kernels.fp8_quant), on the CPU in their
-    PyTorch twins. defer_scaling: a 2-D x's small-batch CUDA product comes back unscaled
-    (UnscaledFp8Output) when there is no bias, for the reader to scale."""
-    if isinstance(x, Fp8Activations):
-        lead, dtype = x.data.shape[:-1], x.dtype
-        x_fp8, x_scale = x.data.reshape(-1, x.data.shape[-1]), x.scale
-    else:
-        lead, dtype = x.shape[:-1], x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
-        if x.is_cuda:
-            from kvfleet.kernels import fp8_quant
-
-            x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
-        else:
-            x_fp8, x_scale = quantize_tokens(x2, input_scale)
-    if x_fp8.is_cuda and x_fp8.shape[0] <= _SMALL_BATCH:
+    PyTorch twins."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
         from kvfleet.kernels import fp8_quant
 
-        one = _unit_scale(x_fp8.device)
-        acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        if defer_scaling and bias is None and len(lead) == 1:
-            return UnscaledFp8Output(acc, x_scale, weight_scale, dtype)
-        y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, dtype)
-        return y.view(*lead, y.shape[-1])
+        x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
+        if x2.shape[0] <= _SMALL_BATCH:
+            one = _unit_scale(x.device)
+            acc = torch._scaled_mm(
+                x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+            )
+            y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, x.dtype)
+            return y.view(*lead, y.shape[-1])
+    else:
+        x_fp8, x_scale = quantize_tokens(x2, input_scale)
     y = torch._scaled_mm(
         x_fp8,
         weight.t(),
         scale_a=x_scale,
         scale_b=weight_scale.view(1, -1),
-        out_dtype=dtype,
+        out_dtype=x.dtype,
         bias=bias,
     )
     return y.view(*lead, y.shape[-1])

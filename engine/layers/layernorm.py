@@ -3,17 +3,9 @@ on): RMSNorm (Llama family), GemmaRMSNorm (scale by 1 + weight) and LayerNorm (G
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.fp8 import (
-    Fp8Activations,
-    Fp8Input,
-    UnscaledFp8Output,
-    quantize_input,
-)
 from kvfleet.kernels import reference
 from kvfleet.kernels.availability import triton_available
 
@@ -27,37 +19,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         init = torch.zeros if self.zero_centred else torch.ones
         self.weight = nn.Parameter(init(hidden_size), requires_grad=False)
-        # Set when only an fp8 linear reads the output: the norm quantizes it (Fp8Activations).
-        self.fp8_output: Fp8Input | None = None
 
-    def forward(self, x: Any, residual: torch.Tensor | None = None) -> Any:
-        """x: a tensor, or an fp8 linear's UnscaledFp8Output (scaled here, on CUDA)."""
-        fp8 = self.fp8_output
-        unscaled = None
-        if isinstance(x, UnscaledFp8Output):
-            unscaled, x = (x.row_scale, x.col_scale), x.acc
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda and triton_available():
             from kvfleet.kernels.rms_norm import rms_norm
 
-            if fp8 is None:
-                return rms_norm(
-                    x, self.weight, self.eps, residual, self.zero_centred, unscaled=unscaled
-                )
-            out = rms_norm(
-                x, self.weight, self.eps, residual, self.zero_centred, True, fp8.static_scale,
-                unscaled,
-            )  # fmt: skip
-            (data, scale), new_residual = out if residual is not None else (out, None)
-            dtype = x.dtype if residual is None else residual.dtype
-            quantized = Fp8Activations(data, scale, dtype)
-            return quantized if residual is None else (quantized, new_residual)
-        assert unscaled is None, "unscaled fp8 outputs are made on CUDA only"
-        out = reference.rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
-        if fp8 is None:
-            return out
-        if residual is None:
-            return quantize_input(out, fp8.static_scale)
-        return quantize_input(out[0], fp8.static_scale), out[1]
+            return rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
+        return reference.rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -6,8 +6,6 @@ tensors that it quantizes, shard by shard, as they arrive."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -60,7 +58,6 @@ class _Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.input_scale: nn.Parameter | None = None
-        self.defer_scaling = False
         if fp8 is None:
             return
         check_fp8_shape(out_features, in_features, type(self).__name__)
@@ -89,20 +86,12 @@ class _Linear(nn.Module):
         param.data.copy_(torch.maximum(param.data, loaded.reshape(()).to(param.device)))
         return True
 
-    def _matmul(self, x: Any, bias: torch.Tensor | None) -> Any:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8:
-            return fp8_linear(
-                x, self.weight, self.weight_scale, self.input_scale, bias, self.defer_scaling
-            )
+            return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         return nn.functional.linear(x, self.weight, bias)
 
-    def defer_scaling_to_reader(self) -> None:
-        """The only reader of this layer's output applies the fp8 scaling itself (the RMSNorm
-        or gated activation that follows): small fp8 batches hand it UnscaledFp8Output, saving
-        a launch. Not across ranks (the all-reduce sums scaled outputs) or with a bias."""
-        self.defer_scaling = self.fp8 and self.bias is None and tp_size() == 1
-
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
 
@@ -223,7 +212,7 @@ class RowParallelLinear(_Linear):
         _check_shape(param, loaded, type(self).__name__)
         param.data.copy_(loaded)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the sum, not once per rank.
         y = all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias

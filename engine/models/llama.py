@@ -11,7 +11,6 @@ from torch import nn
 from kvfleet.engine.layers.activation import GatedActivation
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.embedding import VocabParallelEmbedding
-from kvfleet.engine.layers.fp8 import Fp8Input
 from kvfleet.engine.layers.layernorm import RMSNorm
 from kvfleet.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -20,7 +19,6 @@ from kvfleet.engine.layers.linear import (
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
 from kvfleet.engine.models.causal_lm import CausalLM
-from kvfleet.kernels.reference import GATED_ACTIVATIONS
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -105,20 +103,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # With fp8 linears, the layers that feed them quantize their own outputs.
-        for producer, consumer in (
-            (self.input_layernorm, self.self_attn.qkv_proj),
-            (self.post_attention_layernorm, self.mlp.gate_up_proj),
-            (self.mlp.act, self.mlp.down_proj),
-        ):
-            if consumer.fp8:
-                producer.fp8_output = Fp8Input(consumer)
-        # o_proj's only reader is the post-attention norm, gate_up's the activation, down's the
-        # next layer's input norm or the model's final norm: each applies the fp8 scaling.
-        if self.mlp.act.hidden_act in GATED_ACTIVATIONS:
-            self.mlp.gate_up_proj.defer_scaling_to_reader()
-        self.self_attn.o_proj.defer_scaling_to_reader()
-        self.mlp.down_proj.defer_scaling_to_reader()
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
