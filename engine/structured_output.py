@@ -60,11 +60,11 @@ _ALL_ALLOWED = -1  # an int32 bitmask word with every bit set
 
 
 def mask_threads(cpus: int) -> int:
-    """Threads that compute a step's bitmasks. llguidance's default, 80% of the cores, was
-    slower on an H100 host of 16 cores (32 rows under a JSON schema, 128k vocabulary: 0.83 ms
-    a step at p50 with 12 threads, 0.62 with 4, 0.85 with 1; bench/profile_step.py), and its
-    idle threads slowed the engine's own host work; one thread in four of the usable CPUs keeps
-    large constrained batches' masks inside a decode step."""
+    """Threads that compute a step's bitmasks: a quarter of the usable CPUs, 1 to 8.
+    llguidance's default, 80% of the cores, was no faster on an H100 host of 16 (32 rows under
+    a JSON schema, 128k vocabulary, bench/profile_step.py: a step's masks took 0.78-1.02 ms at
+    p50 with its 12 threads, 0.57-0.77 ms with 4, 0.85 ms with 1), and in a pod with a CPU
+    limit it would size itself by cores the quota does not let it use."""
     return max(1, min(8, cpus // 4))
 
 
