@@ -2,7 +2,8 @@
 through the engine's prompt logprobs, and greedy agreement over chat prompts, for the baseline
 (the model dtype: --dtype, auto = fp32 on the CPU, bf16 on a GPU) and each FP8 variant:
 --kv-cache-dtype fp8 (k/v scales 1.0, or calibrated: --calculate-kv-scales), --quantization fp8
-(W8A8), and both.
+(W8A8), and both; and fp8-weights-only, a diagnostic: W8A8's fp8 weights with the activations
+left unquantized, which tells the weights' share of its error from the activations'.
 
 Perplexity as HF's guide computes it for fixed-length models: windows of --window tokens every
 --stride tokens, each window scoring only the tokens no earlier window scored (the rest are its
@@ -18,23 +19,26 @@ Goal (issue 21): fp8 KV within 1% of the baseline's perplexity, W8A8 within 3%."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch
 from common import device_name, git_commit
 
 from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import load_tokenizer
+from kvfleet.engine.layers import linear
 
 logger = logging.getLogger("bench.perplexity")
 
@@ -48,6 +52,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8-kv-scaled": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
     "fp8-w8a8": {"quantization": "fp8"},
     "fp8-both": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
+    # A diagnostic, not a served path: the fp8 weights with the activations left unquantized,
+    # the weights' share of W8A8's error.
+    "fp8-weights-only": {"quantization": "fp8"},
 }
 # Perplexity goals relative to the baseline: the issue's bounds (both paths: the looser one).
 GOALS = {"fp8-kv": 0.01, "fp8-kv-scaled": 0.01, "fp8-w8a8": 0.03, "fp8-both": 0.03}
@@ -144,6 +151,32 @@ class VariantResult:
     within_goal: bool | None = None
 
 
+def _weight_only_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    y = x.float() @ (weight.float() * weight_scale[:, None]).T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+@contextlib.contextmanager
+def _variant_arithmetic(name: str) -> Iterator[None]:
+    """fp8-weights-only: the engine's fp8 linear layers multiply by their dequantized fp8
+    weights without quantizing their inputs, in this process, while the variant runs."""
+    if name != "fp8-weights-only":
+        yield
+        return
+    served = linear.fp8_linear
+    linear.fp8_linear = _weight_only_fp8_linear
+    try:
+        yield
+    finally:
+        linear.fp8_linear = served
+
+
 def run_variant(
     name: str,
     model: str,
@@ -160,7 +193,7 @@ def run_variant(
         raise SystemExit(f"variant {name}: this engine has no {', '.join(missing)} argument")
     args = {**shared, **extra}
     logger.info("%s: %s", name, args)
-    with LLM(model, **args) as llm:
+    with _variant_arithmetic(name), LLM(model, **args) as llm:
         tok = llm.get_tokenizer()
         scoring = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
 

@@ -99,3 +99,14 @@ def test_fp8_weights_stay_near_the_baseline(short_window: dict) -> None:
 def test_fp8_weights_within_the_goal(short_window: dict) -> None:
     for name in ("fp8-w8a8", "fp8-both"):
         assert short_window[name]["ppl_delta"] <= perplexity.GOALS[name], name
+
+
+@needs_fp8
+def test_the_weights_only_diagnostic_leaves_the_served_path_as_it_was(short_window: dict) -> None:
+    """fp8-weights-only (W8A8's weights, activations unquantized) costs perplexity of its own
+    and not W8A8's; once it has run, the engine's fp8 linear is the served one again."""
+    from kvfleet.engine.layers import fp8, linear
+
+    weights_only = short_window["fp8-weights-only"]["ppl_delta"]
+    assert 0 < weights_only != short_window["fp8-w8a8"]["ppl_delta"]
+    assert linear.fp8_linear is fp8.fp8_linear
