@@ -213,10 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not modes:
         p.error(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
     logging.basicConfig(level=logging.WARNING)
-    engine_op = sampler_module.apply_bitmask
-    if args.bitmask_op == "pytorch":
-        sampler_module.apply_bitmask = reference.apply_token_bitmask
-
     llm = LLM(
         model=args.model,
         load_format="dummy",
@@ -225,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batch, 8),
     )
+    engine_op = sampler_module.apply_bitmask
     try:
+        if args.bitmask_op == "pytorch":
+            sampler_module.apply_bitmask = reference.apply_token_bitmask
         sys.stdout.write(f"{device_name()}: batch {args.batch}, context ~{args.context}\n")
         walls: dict[str, float] = {}
         own = llm.engine.structured.executor if llm.engine.structured is not None else None
@@ -239,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     ratio = walls["json"] / walls["free"]
                     sys.stdout.write(f"json / free wall per step: {ratio:.3f}\n")
     finally:
-        llm.shutdown()
         sampler_module.apply_bitmask = engine_op
+        llm.shutdown()
     return 0
 
 

@@ -55,6 +55,10 @@ def test_the_pytorch_bitmask_op_is_a_choice(
     )
     assert rc == 0
     assert "[json] wall per decode step" in capsys.readouterr().out
+    # The engine's own bitmask op is back once the run ends.
+    from kvfleet.engine import sampler, structured_output
+
+    assert sampler.apply_bitmask is structured_output.apply_bitmask
 
 
 def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
