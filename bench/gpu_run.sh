@@ -233,7 +233,8 @@ for step in "$@"; do
         # then every row under the bench's JSON schema, on one engine: wall, runner, bitmask.
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 300 $py bench/profile_step.py --model /tmp/llama8b --batch 32 --context 512 \
-            --modes free,json --host-profile 30 --grammar-threads "${GRAMMAR_THREADS:-0}" --bitmask-op "${BITMASK_OP:-engine}" 2>&1 | tee "$out/structured_profile.txt"
+            --modes free,json --host-profile 30 --grammar-threads "${GRAMMAR_THREADS:-0}" \
+            --bitmask-op "${BITMASK_OP:-engine}" 2>&1 | tee "$out/structured_profile.txt"
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.

@@ -94,12 +94,10 @@ def profile_mode(
     core: EngineCore, mode: str, args: argparse.Namespace, threads: int = 0
 ) -> tuple[float, str]:
     """One mode's wall seconds per decode step and its report: the batch admitted and
-    prefilled, then timed decode steps. threads: the grammar executor's (0: the engine's own)."""
+    prefilled, then timed decode steps. threads: the grammar executor's, for the report (0: the
+    engine's own)."""
     structured = None
     if mode == "json":
-        assert core.structured is not None
-        if threads:
-            core.structured.executor = llguidance.LLExecutor(num_threads=threads)
         schema = records_schema("profile", 64)  # never complete within the steps run
         structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     sp = SamplingParams(
@@ -227,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
             sampler_module.apply_bitmask = reference.apply_token_bitmask
         sys.stdout.write(f"{device_name()}: batch {args.batch}, context ~{args.context}\n")
         walls: dict[str, float] = {}
-        own = llm.engine.structured.executor if llm.engine.structured is not None else None
+        grammars = llm.engine.structured
+        own = grammars.executor if grammars is not None else None
         for mode in modes:
             for n in threads if mode == "json" else [0]:
-                if own is not None:
-                    llm.engine.structured.executor = own
+                if grammars is not None:
+                    grammars.executor = llguidance.LLExecutor(num_threads=n) if n else own
                 walls[mode], report = profile_mode(llm.engine, mode, args, n)
                 sys.stdout.write(report)
                 if mode == "json" and "free" in walls:
