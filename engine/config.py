@@ -94,6 +94,12 @@ class EngineArgs(BaseModel):
         default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"
     )
     enforce_eager: bool = Field(default=False, description="never use CUDA graphs")
+    async_scheduling: bool = Field(
+        default=True,
+        description="launch each step before the host has read the previous step's tokens, so "
+        "the host's work on them (grammar, stop checks, outputs) overlaps the GPU's; off: "
+        "every step waits for its tokens before the next is scheduled",
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,

@@ -12,7 +12,7 @@ from typing import Any
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
-from kvfleet.engine.model_runner import ModelRunner
+from kvfleet.engine.model_runner import InFlightStep, ModelRunner
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
@@ -91,6 +91,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.vocab_size = self.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
+        # The step launched last whose tokens the host has not read yet (async scheduling).
+        self._in_flight: InFlightStep | None = None
+        self.async_scheduling = args.async_scheduling
         # Structured outputs need the tokenizer's text of every token id.
         self.structured: StructuredOutputs | None = None
         if self.tokenizer is not None:
@@ -230,10 +233,26 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. With async scheduling the next step is launched before the host reads the
+        last one's tokens, so the host's work on them (grammar matchers, stop checks, outputs,
+        the next masks) runs while the device computes: the outputs returned are the previous
+        step's. A request that stopped at that step has run one wasted row in this one."""
+        prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
-        reqs, sampled = self.runner.execute(out)
+        launched = self.runner.launch(out, prev)
+        self.scheduler.advance(out)
+        outputs = self._resolve(prev) if prev is not None else []
+        flight = self.runner.sample(launched)
+        if self.async_scheduling:
+            self._in_flight = flight
+            return outputs
+        return outputs + self._resolve(flight)
+
+    def _resolve(self, flight: InFlightStep) -> list[RequestOutput]:
+        """Read a step's tokens and turn them into outputs; end the requests they stop."""
+        reqs, sampled = self.runner.resolve(flight)
         self.scheduler.update(
-            out,
+            flight.out,
             {
                 r.request_id: t
                 for i, (r, t) in enumerate(zip(reqs, sampled.token_ids, strict=True))

@@ -79,8 +79,11 @@ class KVCacheManager:
             and (not self.enable_caching or total // bs <= self._num_cached_blocks[req.request_id])
         ):
             return []
-        if total > req.num_tokens:
-            raise ValueError(f"{req}: cannot compute {total} tokens, only {req.num_tokens} known")
+        if total > req.num_tokens + req.num_pending:
+            raise ValueError(
+                f"{req}: cannot compute {total} tokens, only {req.num_tokens} known and "
+                f"{req.num_pending} sampled"
+            )
         num_needed = cdiv(total, bs) - len(blocks) - len(new_computed_blocks)
         # Adopting a hit whose block sits unreferenced in the free queue uses up a free block.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -96,9 +99,10 @@ class KVCacheManager:
 
         if self.enable_caching:
             # Blocks filled by this step are published now: any later request in the same batch
-            # that hits them reads K/V written earlier in the same layer's forward.
+            # that hits them reads K/V written earlier in the same layer's forward. A block
+            # whose last token is still on the device waits for a later step: its hash needs it.
             self._update_block_hashes(req)
-            num_full = total // bs
+            num_full = min(total, req.num_tokens) // bs
             start = self._num_cached_blocks.get(req.request_id, 0)
             for i in range(start, num_full):
                 self.pool.cache_block(blocks[i], req.block_hashes[i])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kvfleet.engine.attention_backend import get_attention_backend
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
@@ -21,7 +22,13 @@ from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
-from kvfleet.engine.sampler import PromptLogprobsChunk, Sampler, SamplerOutput
+from kvfleet.engine.sampler import (
+    PromptLogprobsChunk,
+    SampledBatch,
+    Sampler,
+    SamplerOutput,
+    to_device,
+)
 from kvfleet.engine.scheduler import SchedulerOutput
 from kvfleet.engine.structured_output import StructuredOutputs
 
@@ -82,10 +89,38 @@ class StepPlan:
     input_ids: np.ndarray
     table_writes: list[tuple[int, int, list[int]]]  # (row, first column, block ids)
     sampling: np.ndarray  # indices of the sequences that sample this step
+    # Input ids still on the device: the previous step's sampled tokens (async scheduling).
+    # input_ids[pending_ids[j]] is that step's token pending_src[j] of its num_prev_sampled;
+    # rank 0 broadcasts them to the other ranks.
+    pending_ids: np.ndarray
+    pending_src: np.ndarray
+    num_prev_sampled: int
     # Sequences that score prompt tokens this step: (sequence index, top N, the prompt tokens
     # that its chunk's first positions predict). Every rank computes their logits (the LM head
     # is a collective); rank 0 keeps the logprobs.
     prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass is queued (rank 0): what the sampler needs once the host has
+    caught up with the previous step."""
+
+    out: SchedulerOutput
+    reqs: list[Request]  # the sequences that sample, row for row of the logits
+    logits: torch.Tensor | None
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
+
+
+@dataclass
+class InFlightStep:
+    """A step whose tokens are sampled on the device and on their way to the host."""
+
+    out: SchedulerOutput
+    batch: SampledBatch | None
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
+    # Request id -> its row in batch.token_ids, for the next step's inputs.
+    rows: dict[str, int]
 
 
 class ModelRunner:
@@ -351,33 +386,61 @@ class ModelRunner:
         if self.sampler is not None:
             self.sampler.forget(request_id)
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput]:
-        """Run one step (rank 0). Returns the requests that sampled a token and what they
-        sampled. `before_forward` hands the plan to the tensor-parallel workers."""
+    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> LaunchedStep:
+        """Queue one step's forward pass (rank 0); `before_forward` hands the plan to the
+        tensor-parallel workers. Tokens of `prev` that the host has not read yet are taken from
+        the device. Nothing here waits for the device unless the step scores prompt tokens."""
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
-            return [], SamplerOutput([], [])
-        plan = self.plan(out)
+            return LaunchedStep(out, [], None, {})
+        plan = self.plan(out, prev)
         if self.before_forward is not None:
             self.before_forward(plan)
-        logits, scored = self.forward(plan)
+        prev_tokens = None if prev is None or prev.batch is None else prev.batch.token_ids
+        logits, scored = self.forward(plan, prev_tokens)
         prompt_logprobs = {out.scheduled[i][0].request_id: chunk for i, chunk in scored.items()}
-        if logits is None:
-            return [], SamplerOutput([], [], prompt_logprobs=prompt_logprobs)
-        assert self.sampler is not None
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
-        # On the CPU while the forward launched above runs on the GPU, before the sampler waits
-        # for its logits.
-        grammar = self.structured.masks(sample_reqs) if self.structured is not None else None
-        with torch.inference_mode():
-            sampled = self.sampler(logits, sample_reqs, grammar)
-        sampled.prompt_logprobs = prompt_logprobs
-        return sample_reqs, sampled
+        return LaunchedStep(out, sample_reqs, logits, prompt_logprobs)
 
-    def plan(self, out: SchedulerOutput) -> StepPlan:
-        """Rows for new requests, the block ids appended since the last step, the input ids."""
+    def sample(self, step: LaunchedStep) -> InFlightStep:
+        """Queue the sampling of a launched step, its grammar masks computed on the host first
+        (the forward pass runs meanwhile). Rows of requests that have finished since the launch
+        are not sampled."""
+        reqs, logits = step.reqs, step.logits
+        if logits is None or not reqs:
+            return InFlightStep(step.out, None, step.prompt_logprobs, {})
+        live = [i for i, r in enumerate(reqs) if not r.status.finished]
+        if len(live) < len(reqs):
+            reqs = [reqs[i] for i in live]
+            if not reqs:
+                return InFlightStep(step.out, None, step.prompt_logprobs, {})
+            logits = logits[to_device(live, torch.long, logits.device)]
+        assert self.sampler is not None
+        grammar = self.structured.masks(reqs) if self.structured is not None else None
+        with torch.inference_mode():
+            batch = self.sampler.sample(logits, reqs, grammar)
+        rows = {r.request_id: i for i, r in enumerate(reqs)}
+        return InFlightStep(step.out, batch, step.prompt_logprobs, rows)
+
+    def resolve(self, step: InFlightStep) -> tuple[list[Request], SamplerOutput]:
+        """Wait for an in-flight step's tokens: the live requests that sampled and what they
+        sampled, with the prompt tokens scored."""
+        if step.batch is None:
+            reqs, sampled = [], SamplerOutput([], [])
+        else:
+            assert self.sampler is not None
+            with torch.inference_mode():  # the penalty counts are inference tensors
+                reqs, sampled = self.sampler.resolve(step.batch)
+        sampled.prompt_logprobs = step.prompt_logprobs
+        return reqs, sampled
+
+    def plan(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> StepPlan:
+        """Rows for new requests, the block ids appended since the last step, the input ids
+        (those the host does not know yet: where in `prev`'s sampled tokens they are)."""
         rows_l: list[int] = []
+        pending_ids: list[int] = []
+        pending_src: list[int] = []
         num_new_l: list[int] = []
         computed_l: list[int] = []
         input_ids: list[int] = []
@@ -402,11 +465,20 @@ class ModelRunner:
             num_new_l.append(n)
             computed_l.append(c)
             tokens = req.all_token_ids
-            if n == 1:
+            known = len(tokens)
+            if c + n > known:
+                # Its last token is still on the device: only ever one, the newest, which the
+                # previous step sampled (a request that resumes has had it appended).
+                assert prev is not None and c + n == known + 1, (req, c, n)
+                pending_ids.append(len(input_ids) + n - 1)
+                pending_src.append(prev.rows[rid])
+                input_ids.extend(tokens[c:known])
+                input_ids.append(0)
+            elif n == 1:
                 input_ids.append(tokens[c])
             else:
                 input_ids.extend(tokens[c : c + n])
-            if c + n == len(tokens):
+            if c + n == known + req.num_pending:
                 sampling.append(i)
             top_n = req.sampling_params.prompt_logprobs
             if top_n is not None:
@@ -422,6 +494,9 @@ class ModelRunner:
             table_writes=writes,
             sampling=np.array(sampling, dtype=np.int64),
             prompt_logprobs=tuple(scored),
+            pending_ids=np.array(pending_ids, dtype=np.int64),
+            pending_src=np.array(pending_src, dtype=np.int64),
+            num_prev_sampled=0 if prev is None or prev.batch is None else len(prev.rows),
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -431,10 +506,13 @@ class ModelRunner:
         prefix = shared_prefix_len(tables, seq_lens, self.block_size)
         return prefix if prefix >= CASCADE_MIN_PREFIX else 0
 
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk]]:
+    def forward(
+        self, plan: StepPlan, prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk]]:
         """Run a plan through this rank's model: the logits of the sampling sequences (None
         when none samples), and the scored prompt tokens of the sequences that asked, by
-        sequence index (rank 0 only)."""
+        sequence index (rank 0 only). `prev_tokens`: rank 0's tokens of the previous step, where
+        the plan's pending input ids are."""
         bs = self.block_size
         table = self.block_table
         for row, start, blocks in plan.table_writes:
@@ -452,7 +530,7 @@ class ModelRunner:
         width = cdiv(max_seq_len, bs)
 
         dev = self.device
-        ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
+        ids = self._input_ids(plan, prev_tokens)
         graphs = None if self.kv_scales_pending else self.graphs
         if (
             graphs is not None
@@ -484,7 +562,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(),
             max_query_len=int(num_new.max()),
             max_seq_len=max_seq_len,
-            cascade_prefix_len=torch.tensor([prefix], device=dev) if prefix else None,
+            cascade_prefix_len=to_device([prefix], torch.long, dev) if prefix else None,
         )
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         with torch.inference_mode(), attention_context(meta):
@@ -495,6 +573,23 @@ class ModelRunner:
                 return None, scored
             logits_idx = torch.from_numpy(qsl[1:][plan.sampling] - 1).to(dev, non_blocking=True)
             return self.model.compute_logits(hidden[logits_idx]), scored
+
+    def _input_ids(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The step's input ids on the device, the pending ones filled in there from the previous
+        step's sampled tokens (which rank 0 sends the other ranks, in stream order)."""
+        dev = self.device
+        ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
+        if not len(plan.pending_ids):
+            return ids
+        if tp_size() > 1:
+            if prev_tokens is None:  # a worker: rank 0 holds them
+                prev_tokens = torch.empty(plan.num_prev_sampled, dtype=torch.long, device=dev)
+            dist.broadcast(prev_tokens, src=0)
+        assert prev_tokens is not None
+        src = torch.from_numpy(plan.pending_src).to(dev, non_blocking=True)
+        dst = torch.from_numpy(plan.pending_ids).to(dev, non_blocking=True)
+        ids[dst] = prev_tokens[src]
+        return ids
 
     def _score_prompts(
         self, plan: StepPlan, hidden: torch.Tensor, qsl: np.ndarray

@@ -90,6 +90,9 @@ class Request:
         # Logprobs per output token: (chosen token logprob, [(token id, logprob) top-N]).
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.num_computed_tokens = 0
+        # Tokens sampled on the device that the host has not read yet (async scheduling): the
+        # scheduler plans past them, the runner feeds them from the device.
+        self.num_pending = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

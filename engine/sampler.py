@@ -1,6 +1,11 @@
 """Next-token choice for a batch of requests: penalties, logit bias, temperature, top-k / top-p /
 min-p, greedy or seeded random sampling, and logprobs of the raw model distribution.
 
+Sampling is two calls, so that the host never waits for the device in between: `sample` queues
+the batch's ops and the copy of their results to the host and returns at once; `resolve` waits for
+that copy, then advances each request's grammar matcher and penalty counts with its token. The
+engine launches the next step's forward pass between the two (async scheduling).
+
 Each request's own preparation (its penalty state, its seeded generator, its banned tokens, the
 scalars it feeds into the batched ops) runs on its own, guarded: a request whose preparation
 fails is reported in SamplerOutput.failed and takes part in the batched ops as a neutral greedy
@@ -9,6 +14,7 @@ ops themselves belong to no request and propagate."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +39,24 @@ class SamplerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
+def to_device(
+    values: Sequence[int | float | bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: from pinned memory,
+    asynchronously (a plain torch.tensor(..., device=cuda) synchronizes the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor on the host, queued behind the work that computes it: read it
+    only once the event recorded after it has completed."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 class PenaltyState:
     """Token counts a request's penalties need, kept on the device and updated one token per
     step rather than rebuilt from the whole history."""
@@ -40,7 +64,7 @@ class PenaltyState:
     def __init__(self, prompt_token_ids: list[int], vocab_size: int, device: torch.device):
         self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        ids = torch.tensor(prompt_token_ids, dtype=torch.long, device=device)
+        ids = to_device(prompt_token_ids, torch.long, device)
         self.seen[ids.clamp(0, vocab_size - 1)] = True
 
     def add(self, token_id: int) -> None:
@@ -59,6 +83,23 @@ class _Row:
     min_p: float = 0.0
     logprobs: int | None = None
     generator: torch.Generator | None = None
+
+
+@dataclass
+class SampledBatch:
+    """A batch whose sampling is queued on the device: its tokens there (the next step's input)
+    and on their way to the host."""
+
+    reqs: list[Request]
+    token_ids: torch.Tensor  # on the device, one per row
+    tokens_host: torch.Tensor
+    rows: list[_Row]
+    failed: dict[int, Exception]
+    # On their way to the host: each row's chosen-token logprob, and the batch's top values and
+    # ids (as wide as the widest request asked for).
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Recorded after the copies to the host; None on the CPU, where they are done at once.
+    ready: torch.cuda.Event | None = None
 
 
 class Sampler:
@@ -88,9 +129,15 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarMasks | None = None
     ) -> SamplerOutput:
-        """`grammar`: the batch's structured-output bitmask, applied after penalties and bans
-        (logprobs stay those of the raw distribution); each constrained row's matcher then
-        accepts the token it sampled."""
+        """sample() and resolve() in one: for callers that have nothing to overlap."""
+        return self.resolve(self.sample(logits, reqs, grammar))[1]
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarMasks | None = None
+    ) -> SampledBatch:
+        """Queue the batch's sampling on the logits' device; nothing here waits for the device.
+        `grammar`: the batch's structured-output bitmask, applied after penalties and bans
+        (logprobs stay those of the raw distribution)."""
         logits = logits.float()
         failed: dict[int, Exception] = {}
         rows: list[_Row] = []
@@ -121,20 +168,56 @@ class Sampler:
         self._apply_logit_bias(logits, reqs, failed)
         if grammar is not None:
             # From StructuredOutputs.masks' pinned buffer, so the copy does not stall the host.
-            # That buffer is rewritten only after this step's tokens reach the host, which
-            # waits for the copy first.
+            # That buffer is rewritten only after this batch is resolved, which waits for
+            # everything queued here first.
             apply_bitmask(logits, grammar.bitmask.to(logits.device, non_blocking=True))
-        token_ids = self._choose(logits, rows)
-        for i, (req, tok) in enumerate(zip(reqs, token_ids, strict=True)):
-            if i in failed:
+        chosen = self._choose(logits, rows)
+        batch = SampledBatch(reqs, chosen, to_host(chosen), rows, failed)
+        if raw_logprobs is not None:
+            picked = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+            top_vals, top_ids = raw_logprobs.topk(max(max(r.logprobs or 0 for r in rows), 1), -1)
+            batch.logprobs = (to_host(picked), to_host(top_vals), to_host(top_ids))
+        if logits.is_cuda:
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
+        return batch
+
+    def resolve(self, batch: SampledBatch) -> tuple[list[Request], SamplerOutput]:
+        """Wait for a sampled batch's results; each live row's grammar matcher accepts its token
+        and its penalty counts take it. Rows of requests that finished after the batch was
+        launched (aborted, or stopped by their previous token) are left out: their tokens are
+        void. Returns the live rows' requests and their results, row for row."""
+        if batch.ready is not None:
+            batch.ready.synchronize()
+        tokens = batch.tokens_host.tolist()
+        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(tokens)
+        if batch.logprobs is not None:
+            picked, top_vals, top_ids = (t.tolist() for t in batch.logprobs)
+            for i, row in enumerate(batch.rows):
+                if row.logprobs is not None:
+                    n = row.logprobs
+                    top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+                    logprobs[i] = (picked[i], top)
+        reqs: list[Request] = []
+        out = SamplerOutput([], [])
+        for i, req in enumerate(batch.reqs):
+            if req.status.finished:
                 continue
-            try:
-                if req.grammar is not None:
-                    req.grammar.accept(tok)
-                self.record(req, tok)
-            except Exception as e:
-                failed[i] = e
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, rows), failed)
+            row = len(reqs)
+            reqs.append(req)
+            out.token_ids.append(tokens[i])
+            out.logprobs.append(logprobs[i])
+            error = batch.failed.get(i)
+            if error is None:
+                try:
+                    if req.grammar is not None:
+                        req.grammar.accept(tokens[i])
+                    self.record(req, tokens[i])
+                except Exception as e:
+                    error = e
+            if error is not None:
+                out.failed[row] = error
+        return reqs, out
 
     def _prepare(self, req: Request, row: torch.Tensor) -> _Row:
         """This request's part of the batch, checked so the batched ops cannot fail on it."""
@@ -163,10 +246,10 @@ class Sampler:
             state = self._penalty_state(req)
             if sp.repetition_penalty != 1.0:
                 # As in HF/vLLM: positive logits shrink, negative ones grow more negative.
-                rep = row[state.seen]
-                row[state.seen] = torch.where(
-                    rep > 0, rep / sp.repetition_penalty, rep * sp.repetition_penalty
-                )
+                # A where, not boolean indexing, which waits for the device to count the tokens.
+                p = sp.repetition_penalty
+                penalized = torch.where(row > 0, row / p, row * p)
+                row.copy_(torch.where(state.seen, penalized, row))
             counts = state.output_counts.to(row.dtype)
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
         if req.num_output_tokens < sp.min_tokens:
@@ -175,7 +258,7 @@ class Sampler:
                 banned.extend(req.eos_token_ids)
             banned = [t for t in banned if 0 <= t < row.shape[0]]
             if banned:
-                row[banned] = float("-inf")
+                row.index_fill_(0, to_device(banned, torch.long, row.device), float("-inf"))
 
     @staticmethod
     def _apply_logit_bias(
@@ -195,15 +278,16 @@ class Sampler:
                 biases.extend(bias.values())
         if rows:
             dev = logits.device
-            index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-            values = torch.tensor(biases, dtype=logits.dtype, device=dev)
+            index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))
+            values = to_device(biases, logits.dtype, dev)
             logits.index_put_(index, values, accumulate=True)
 
-    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Each row's token, on the device."""
         flags = [r.greedy for r in rows]
         chosen = logits.argmax(dim=-1)
         if not all(flags):
-            greedy = torch.tensor(flags, device=logits.device)
+            greedy = to_device(flags, torch.bool, logits.device)
             probs = self._filtered_probs(logits, rows)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets
             # seeded requests draw their noise from their own generator, independent of batch.
@@ -213,17 +297,17 @@ class Sampler:
                     noise[i].exponential_(generator=row.generator)
             sampled = (probs / noise).argmax(dim=-1)
             chosen = torch.where(greedy, chosen, sampled)
-        return chosen.tolist()
+        return chosen
 
     def _filtered_probs(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([r.temperature for r in rows], device=dev).unsqueeze(1)
+        temps = to_device([r.temperature for r in rows], torch.float32, dev).unsqueeze(1)
         logits = logits / temps
         vocab = logits.shape[-1]
-        top_k = torch.tensor([r.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.top_p for r in rows], device=dev)
-        min_p = torch.tensor([r.min_p for r in rows], device=dev)
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        # Which filters run is decided from the rows on the host, not from device tensors.
+        if any(r.top_k < vocab or r.top_p < 1.0 for r in rows):
+            top_k = to_device([r.top_k for r in rows], torch.long, dev)
+            top_p = to_device([r.top_p for r in rows], torch.float32, dev)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
             drop = ranks >= top_k.unsqueeze(1)
@@ -233,27 +317,8 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        if bool((min_p > 0).any()):
+        if any(r.min_p > 0 for r in rows):
+            min_p = to_device([r.min_p for r in rows], torch.float32, dev)
             threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
-
-    @staticmethod
-    def _logprobs(
-        raw: torch.Tensor | None, token_ids: list[int], rows: list[_Row]
-    ) -> list[tuple[float, list[tuple[int, float]]] | None]:
-        if raw is None:
-            return [None] * len(rows)
-        out: list[tuple[float, list[tuple[int, float]]] | None] = []
-        chosen = raw.gather(1, torch.tensor(token_ids, device=raw.device).unsqueeze(1)).squeeze(1)
-        max_n = max(r.logprobs or 0 for r in rows)
-        top_vals, top_ids = raw.topk(max(max_n, 1), dim=-1)
-        chosen_l, top_vals_l, top_ids_l = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        for i, row in enumerate(rows):
-            n = row.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            top = list(zip(top_ids_l[i][:n], top_vals_l[i][:n], strict=True))
-            out.append((chosen_l[i], top))
-        return out

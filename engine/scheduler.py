@@ -26,6 +26,8 @@ class SchedulerOutput:
     started: set[str] = field(default_factory=set)
     # Requests preempted in this step; their KV blocks are already released.
     preempted: list[str] = field(default_factory=list)
+    # Whether Scheduler.advance has moved the requests past this step.
+    advanced: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -111,7 +113,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_tokens + req.num_pending >= req.max_tokens:
+                i += 1  # its last token is in flight: it ends at length once that is read
+                continue
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             block_ids = self.kv.allocate_slots(req, num_new)
             while block_ids is None:
                 victim = self.running.pop()  # the newest running request gives way
@@ -163,17 +168,32 @@ class Scheduler:
         out.preempted.append(req.request_id)
         logger.debug("preempted %s", req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests past this step; append sampled tokens and apply the
-        token-level stop conditions. Returns the requests that got a new token."""
-        advanced = []
+    def advance(self, out: SchedulerOutput) -> None:
+        """Move the scheduled requests past this step once it is launched, before its tokens are
+        known: the next schedule plans from here. A request that reached the end of its tokens
+        has one more on the way (num_pending) until update() appends it."""
+        if out.advanced:
+            return
+        out.advanced = True
         for req, num_new in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted before the step was launched
             req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens + req.num_pending:
+                req.num_pending += 1
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append the tokens a step sampled (advancing it first if that is not done) and apply
+        the token-level stop conditions. A request preempted since the step was launched keeps
+        its token; one that finished meanwhile (aborted, or stopped by the token before) takes
+        none. Returns the requests that got a new token."""
+        self.advance(out)
+        advanced = []
+        for req, _ in out.scheduled:
             token = sampled.get(req.request_id)
-            if token is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            if token is None or req.status.finished:
+                continue  # a prefill chunk short of the prompt's end, or a request gone
+            req.num_pending -= 1
             req.append_token(token)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()

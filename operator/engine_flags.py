@@ -52,6 +52,8 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--attention-backend": None,
     "--enforce-eager": 0,
     "--no-enforce-eager": 0,
+    "--async-scheduling": 0,
+    "--no-async-scheduling": 0,
     "--tensor-parallel-size": None,
     "--quantization": None,
     "--host": None,

@@ -178,11 +178,11 @@ def test_engine_through_the_graph_path_equals_hf(model_dirs, prompts, hf_referen
     one_token_chunks = 0
     forward = runner.forward
 
-    def spy(plan):
+    def spy(plan, prev_tokens=None):
         nonlocal one_token_chunks
         if len(plan.input_ids) == len(plan.rows) > len(plan.sampling):
             one_token_chunks += 1
-        return forward(plan)
+        return forward(plan, prev_tokens)
 
     runner.forward = spy
     outs = llm.generate(

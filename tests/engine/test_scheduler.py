@@ -527,6 +527,128 @@ def test_abort_while_step_runs() -> None:
     assert_pool_consistent(sched)
 
 
+# -- async scheduling: each step launched before the previous one's tokens are read ---------
+
+
+def run_async(sched: Scheduler, token: TokenFn, max_steps: int = 1000) -> list[SchedulerOutput]:
+    """The engine's loop under async scheduling: step k is scheduled and advanced, and only then
+    are step k-1's tokens appended."""
+    outs: list[SchedulerOutput] = []
+    prev: tuple[SchedulerOutput, list[Request]] | None = None
+    while sched.has_unfinished():
+        assert len(outs) < max_steps, f"not done after {max_steps} steps: {sched.requests}"
+        out = sched.schedule()
+        samplers = [
+            req
+            for req, n in out.scheduled
+            if req.num_computed_tokens + n == req.num_tokens + req.num_pending
+        ]
+        sched.advance(out)
+        if prev is not None:
+            sched.update(prev[0], {r.request_id: token(r) for r in prev[1]})
+        sched.take_finished()
+        assert_pool_consistent(sched)
+        assert all(r.num_pending <= 1 for r in sched.requests.values())
+        prev = out, samplers
+        outs.append(out)
+    return outs
+
+
+def _stopping_workload(num_blocks: int) -> tuple[Scheduler, list[Request], TokenFn]:
+    """Requests of mixed lengths that stop by EOS or by length, over a chunking budget."""
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=40)
+    reqs = [
+        make_request(f"r{i}", list(range(1000 + 100 * i, 1000 + 100 * i + n)), max_tokens=m)
+        for i, (n, m) in enumerate([(5, 30), (37, 12), (16, 25), (60, 9), (3, 40), (20, 20)])
+    ]
+    stop_at = {"r0": 17, "r2": 4, "r4": 22}
+
+    def token(req: Request) -> int:
+        k = req.num_output_tokens
+        return EOS if stop_at.get(req.request_id) == k else FILLER + k % 3
+
+    for r in reqs:
+        sched.add_request(r)
+    return sched, reqs, token
+
+
+@pytest.mark.parametrize("num_blocks", [200, 9], ids=["roomy", "preempting"])
+def test_async_scheduling_produces_what_sync_scheduling_does(num_blocks: int) -> None:
+    sync, sync_reqs, token = _stopping_workload(num_blocks)
+    run(sync, token=token)
+    sched, reqs, token = _stopping_workload(num_blocks)
+    outs = run_async(sched, token)
+    if num_blocks == 9:
+        assert sched.stats.num_preemptions > 0
+    for got, want in zip(reqs, sync_reqs, strict=True):
+        assert got.output_token_ids == want.output_token_ids
+        assert got.status is want.status
+        # A request that stopped at length never ran a row past its last token.
+        if got.status is RequestStatus.FINISHED_LENGTH:
+            assert got.num_output_tokens == got.max_tokens
+    # Each stop by EOS costs at most one wasted row (scheduled before the EOS was read); the
+    # longest request's ends are beyond (it computes every token it has but the last).
+    computed = sum(o.num_batched_tokens for o in outs)
+    if num_blocks == 200:
+        needed = sum(r.num_prompt_tokens + r.num_output_tokens - 1 for r in reqs)
+        assert needed <= computed <= needed + 3
+    assert_all_free(sched)
+
+
+def test_a_last_token_in_flight_is_not_scheduled_again() -> None:
+    sched = make_scheduler()
+    a = make_request("a", 5, max_tokens=1)
+    sched.add_request(a)
+    first = sched.schedule()
+    sched.advance(first)
+    assert a.num_pending == 1 and a.num_computed_tokens == 5
+    assert sched.schedule().empty  # its one token is on the way: nothing more to compute
+    sched.update(first, {"a": FILLER})
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [FILLER]
+    assert a.num_pending == 0
+    assert_all_free(sched)
+
+
+def test_the_next_step_feeds_the_token_in_flight() -> None:
+    sched = make_scheduler()
+    a = make_request("a", 5, max_tokens=4)
+    sched.add_request(a)
+    first = sched.schedule()
+    sched.advance(first)
+    second = sched.schedule()
+    # One decode row for the token the prefill is sampling, before anyone has read it.
+    assert second.scheduled == [(a, 1)] and a.num_computed_tokens == 5 and a.num_tokens == 5
+    sched.advance(second)
+    assert a.num_pending == 2 and a.num_computed_tokens == 6
+    sched.update(first, {"a": 11})
+    sched.update(second, {"a": 12})
+    assert a.output_token_ids == [11, 12] and a.num_pending == 0
+
+
+def test_a_request_preempted_with_a_token_in_flight_keeps_it() -> None:
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, budget=256)  # 4 usable blocks
+    a = make_request("a", 16, max_tokens=40)
+    b = make_request("b", 16, max_tokens=40)
+    sched.add_request(a)
+    sched.add_request(b)
+    prev = sched.schedule()
+    sched.advance(prev)
+    while True:
+        out = sched.schedule()
+        sched.advance(out)
+        if out.preempted:
+            break
+        sched.update(prev, {"a": FILLER, "b": FILLER})
+        prev = out
+    assert out.preempted == ["b"]
+    assert b.status is RequestStatus.WAITING and b.num_pending == 1
+    known = b.num_tokens
+    sched.update(prev, {"a": FILLER, "b": FILLER})
+    # The token it sampled before it gave way is kept, to be recomputed with the rest.
+    assert b.num_tokens == known + 1 and b.num_pending == 0 and b.num_computed_tokens == 0
+    assert_pool_consistent(sched)
+
+
 # -- admission checks --------------------------------------------------------------------------
 
 
