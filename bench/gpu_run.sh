@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
+#   bash bench/gpu_run.sh OUTDIR async-ab          # async scheduling against the synchronous loop
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 #   bash bench/gpu_run.sh OUTDIR fp8-linear          # an fp8 linear's time, part by part
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
@@ -234,7 +235,22 @@ for step in "$@"; do
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 300 $py bench/profile_step.py --model /tmp/llama8b --batch 32 --context 512 \
             --modes free,json --host-profile 30 --grammar-threads "${GRAMMAR_THREADS:-0}" \
-            --bitmask-op "${BITMASK_OP:-engine}" 2>&1 | tee "$out/structured_profile.txt"
+            --bitmask-op "${BITMASK_OP:-engine}" --scheduling async,sync 2>&1 |
+            tee "$out/structured_profile.txt"
+        ;;
+    async-ab)
+        # The engine loop's cost: async scheduling (the default) against the synchronous loop,
+        # same card, same call: batch-1 Llama-3.1-8B TPOT, then Llama-3-8B 1000 x 256/256.
+        for loop in async no-async; do
+            timeout 150 $py bench/latency.py --model bench/models/Llama-3.1-8B --repeats 3 \
+                --$loop-scheduling 2>&1 | tee "$out/latency_$loop.txt"
+        done
+        for loop in async no-async; do
+            timeout 200 $py bench/throughput.py --model bench/models/Meta-Llama-3-8B \
+                --num-prompts 1000 --input-len 256 256 --output-len 256 256 --$loop-scheduling \
+                --result-json "$out/llama3_requests_$loop.json" 2>&1 |
+                tee "$out/llama3_requests_$loop.txt"
+        done
         ;;
     tp-tests)
         # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.

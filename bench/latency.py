@@ -55,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's loop: the next step launched before the last one's tokens are read",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
     p.add_argument("--profile", action="store_true", help="cProfile one timed run (host time)")
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=False,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        async_scheduling=args.async_scheduling,
     )
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
     vocab = llm.engine.vocab_size

@@ -1,11 +1,13 @@
-"""Where one engine step's time goes: wall time per decode step at a fixed batch, split into the
-host's share (scheduling, input preparation, output processing) and ModelRunner.execute's, plus
-the top CUDA kernels from torch.profiler. With `--modes free,json` the same batch runs again with
-every request under a JSON schema (the structured-output bench's), so a constrained step's extra
-cost shows where it lands: the grammar bitmask's host time, the sampler, or outside the runner.
+"""Where one engine step's time goes: wall time per decode step at a fixed batch; how much of it
+the host spends waiting for the device's tokens (ModelRunner.resolve: the device is the bottleneck
+then) and how much busy (scheduling, input preparation, launching, grammar masks, outputs); the
+top CUDA kernels from torch.profiler. With `--modes free,json` the same batch runs again with
+every request under a JSON schema (the structured-output bench's); with `--scheduling async,sync`
+each mode runs under both engine loops, on the same engine.
 
     python bench/profile_step.py --model bench/models/Qwen3-0.6B --batch 128 --context 1024
-    python bench/profile_step.py --model /tmp/llama8b --batch 32 --modes free,json
+    python bench/profile_step.py --model /tmp/llama8b --batch 32 --modes free,json \
+        --scheduling async,sync
 
 A JSON mode needs a tokenizer in the model folder (bench/dummy_tokenizer.py writes one).
 """
@@ -94,8 +96,8 @@ def profile_mode(
     core: EngineCore, mode: str, args: argparse.Namespace, threads: int = 0
 ) -> tuple[float, str]:
     """One mode's wall seconds per decode step and its report: the batch admitted and
-    prefilled, then timed decode steps. threads: the grammar executor's, for the report (0: the
-    engine's own)."""
+    prefilled, then timed decode steps, under the engine's current loop (async or sync
+    scheduling). threads: the grammar executor's, for the report (0: the engine's own)."""
     structured = None
     if mode == "json":
         schema = records_schema("profile", 64)  # never complete within the steps run
@@ -124,17 +126,18 @@ def profile_mode(
     steps(5)
     with _gc_pauses() as pauses:
         wall = steps(args.steps)
-    runner, execute_s, masks_s = core.runner, [], []
-    runner.execute = _timed(runner.execute, execute_s)
+    runner, resolve_s, masks_s = core.runner, [], []
+    # Host clocks: the resolve's wait is for work queued earlier, which events would not time.
+    runner.resolve = _timed(runner.resolve, resolve_s, host=True)
     if core.structured is not None:
         core.structured.masks = _timed(core.structured.masks, masks_s, host=True)
     try:
         steps(args.steps)
     finally:
-        del runner.execute  # the instance attributes go; the methods show through again
+        del runner.resolve  # the instance attributes go; the methods show through again
         if core.structured is not None:
             del core.structured.masks
-    execute = sum(execute_s) / len(execute_s)
+    waiting = sum(resolve_s) / args.steps
     masks = sum(masks_s) / args.steps  # called every step (a free batch returns at once)
     spread = ""
     gc_line = (
@@ -160,10 +163,11 @@ def profile_mode(
         table += prof.key_averages().table(sort_by="self_device_time_total", row_limit=12) + "\n"
     for rid in ids:
         core.abort_request(rid)
+    loop = "async" if core.async_scheduling else "sync"
     return wall, (
-        f"[{mode}] wall per decode step: {wall * 1e3:.2f} ms; inside ModelRunner.execute "
-        f"(incl. its host prep, the grammar bitmask and the sampler sync): {execute * 1e3:.2f} ms; "
-        f"outside it (scheduler, outputs): {(wall - execute) * 1e3:.2f} ms; grammar bitmask "
+        f"[{mode}, {loop}] wall per decode step: {wall * 1e3:.2f} ms; the host waiting for the "
+        f"tokens (ModelRunner.resolve, incl. the matchers' advance): {waiting * 1e3:.2f} ms; "
+        f"busy otherwise: {(wall - waiting) * 1e3:.2f} ms; grammar bitmask "
         f"(host): {masks * 1e3:.3f} ms{spread}{gc_line}; tokens/s at this batch: "
         f"{args.batch / wall:,.0f}\n{table}"
     )
@@ -182,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         default="free",
         help="comma-separated, run in turn on the same engine: free (unconstrained), json "
         "(every request under a JSON schema; needs a tokenizer)",
+    )
+    p.add_argument(
+        "--scheduling",
+        default="async",
+        help="comma-separated engine loops to run each mode under, in turn: async (the "
+        "default: the next step launched before the last one's tokens are read), sync",
     )
     p.add_argument(
         "--host-profile",
@@ -210,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not modes:
         p.error(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
+    loops = [s for s in args.scheduling.split(",") if s]
+    if not loops or set(loops) - {"async", "sync"}:
+        p.error(f"--scheduling: {args.scheduling!r}; choose from async, sync")
     logging.basicConfig(level=logging.WARNING)
     llm = LLM(
         model=args.model,
@@ -224,18 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.bitmask_op == "pytorch":
             sampler_module.apply_bitmask = reference.apply_token_bitmask
         sys.stdout.write(f"{device_name()}: batch {args.batch}, context ~{args.context}\n")
-        walls: dict[str, float] = {}
         grammars = llm.engine.structured
         own = grammars.executor if grammars is not None else None
-        for mode in modes:
-            for n in threads if mode == "json" else [0]:
-                if grammars is not None:
-                    grammars.executor = llguidance.LLExecutor(num_threads=n) if n else own
-                walls[mode], report = profile_mode(llm.engine, mode, args, n)
-                sys.stdout.write(report)
-                if mode == "json" and "free" in walls:
-                    ratio = walls["json"] / walls["free"]
-                    sys.stdout.write(f"json / free wall per step: {ratio:.3f}\n")
+        for loop in loops:
+            llm.engine.async_scheduling = loop == "async"
+            walls: dict[str, float] = {}
+            for mode in modes:
+                for n in threads if mode == "json" else [0]:
+                    if grammars is not None:
+                        grammars.executor = llguidance.LLExecutor(num_threads=n) if n else own
+                    walls[mode], report = profile_mode(llm.engine, mode, args, n)
+                    sys.stdout.write(report)
+                    if mode == "json" and "free" in walls:
+                        ratio = walls["json"] / walls["free"]
+                        sys.stdout.write(f"json / free wall per step ({loop}): {ratio:.3f}\n")
     finally:
         sampler_module.apply_bitmask = engine_op
         llm.shutdown()

@@ -28,7 +28,8 @@ def _worker(conn: Connection) -> None:
 
 
 def decode_plan(num_seqs: int, new_blocks: int, context: int = 700) -> StepPlan:
-    """A decode step: one token per sequence, `new_blocks` of them just crossed a block."""
+    """A decode step under async scheduling: one token per sequence, each the previous step's
+    token still on the device; `new_blocks` of them just crossed a block."""
     return StepPlan(
         rows=np.arange(num_seqs, dtype=np.int64),
         num_new=np.ones(num_seqs, dtype=np.int64),
@@ -36,6 +37,9 @@ def decode_plan(num_seqs: int, new_blocks: int, context: int = 700) -> StepPlan:
         input_ids=np.arange(num_seqs, dtype=np.int64),
         table_writes=[(i, context // 16, [1000 + i]) for i in range(new_blocks)],
         sampling=np.arange(num_seqs, dtype=np.int64),
+        pending_ids=np.arange(num_seqs, dtype=np.int64),
+        pending_src=np.arange(num_seqs, dtype=np.int64),
+        num_prev_sampled=num_seqs,
     )
 
 

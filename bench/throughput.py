@@ -63,6 +63,7 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
+        async_scheduling=args.async_scheduling,
     )
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens
@@ -218,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's loop: the next step launched before the last one's tokens are read",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto")

@@ -25,12 +25,12 @@ def test_free_and_json_modes_on_one_engine(
     )
     assert rc == 0
     out = capsys.readouterr().out
-    line = r"\[(\w+)\] wall per decode step: .*grammar bitmask \(host\): ([\d.]+)"
+    line = r"\[(\w+), async\] wall per decode step: .*grammar bitmask \(host\): ([\d.]+)"
     bitmask = dict(re.findall(line, out))
     assert set(bitmask) == {"free", "json"}, out
     # A free batch only checks that no row has a grammar; a constrained one computes masks.
     assert float(bitmask["json"]) > float(bitmask["free"]), out
-    assert re.search(r"json / free wall per step: \d+\.\d{3}", out), out
+    assert re.search(r"json / free wall per step \(async\): \d+\.\d{3}", out), out
     # --grammar-threads: one JSON run per executor size, its mask times' spread reported.
     assert re.findall(r"max [\d.]+; (\w+) threads\)", out) == ["engine", "1"], out
     assert len(re.findall(r"json / free wall per step", out)) == 2, out
@@ -54,11 +54,32 @@ def test_the_pytorch_bitmask_op_is_a_choice(
         ]
     )
     assert rc == 0
-    assert "[json] wall per decode step" in capsys.readouterr().out
+    assert "[json, async] wall per decode step" in capsys.readouterr().out
     # The engine's own bitmask op is back once the run ends.
     from kvfleet.engine import sampler, structured_output
 
     assert sampler.apply_bitmask is structured_output.apply_bitmask
+
+
+def test_each_mode_runs_under_each_engine_loop(
+    model_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = profile_step.main(
+        [
+            *("--model", str(model_dirs["llama"]), "--dtype", "float32", "--batch", "2"),
+            *("--context", "8", "--steps", "2", "--max-model-len", "256", "--modes", "free"),
+            *("--scheduling", "async,sync"),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    line = (
+        r"\[free, (\w+)\] wall per decode step: ([\d.]+) ms; the host waiting for the tokens "
+        r"\(ModelRunner.resolve[^)]*\): ([\d.]+) ms"
+    )
+    waits = re.findall(line, out)
+    assert [loop for loop, _, _ in waits] == ["async", "sync"], out
+    assert all(float(wait) <= float(wall) for _, wall, wait in waits), out
 
 
 def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
