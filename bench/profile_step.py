@@ -92,6 +92,30 @@ def _gc_pauses() -> Iterator[list[tuple[int, float]]]:
         gc.callbacks.remove(callback)
 
 
+def device_idle(events: list[Any], steps: int, top: int = 4) -> str:
+    """The device's idle time between kernels and copies (from a profiler's events), per step,
+    and its longest gaps with the work on either side: where the host kept the device waiting."""
+    work = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not work:
+        return "no device work recorded"
+    gaps: list[tuple[float, str, str]] = []
+    busy_until, last = work[0][1], work[0][2]
+    for start, end, name in work[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if end > busy_until:
+            busy_until, last = end, name
+    idle = sum(g for g, _, _ in gaps) / 1e3  # the profiler's clock is in microseconds
+    longest = "; ".join(
+        f"{g:.0f} us after {a[:40]} before {b[:40]}" for g, a, b in sorted(gaps, reverse=True)[:top]
+    )
+    return f"device idle between its work: {idle / steps:.3f} ms a step (longest: {longest})"
+
+
 def profile_mode(
     core: EngineCore, mode: str, args: argparse.Namespace, threads: int = 0
 ) -> tuple[float, str]:
@@ -161,6 +185,7 @@ def profile_mode(
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             steps(10)
         table += prof.key_averages().table(sort_by="self_device_time_total", row_limit=12) + "\n"
+        table += device_idle(prof.events(), 10) + "\n"
     for rid in ids:
         core.abort_request(rid)
     loop = "async" if core.async_scheduling else "sync"

@@ -87,3 +87,25 @@ def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
         profile_step.main(["--model", "unused", "--modes", "free,xml"])
     assert exc.value.code == 2
     assert "--modes: xml; choose from free, json" in capsys.readouterr().err
+
+
+def test_device_idle_is_the_time_between_the_device_work() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    def event(start: float, end: float, name: str, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(
+            time_range=SimpleNamespace(start=start, end=end), name=name, device_type=device
+        )
+
+    events = [
+        event(0, 100, "a"),
+        event(50, 120, "b"),  # overlaps a: no gap
+        event(500, 600, "c"),  # 380 us after b
+        event(200, 900, "host", torch.autograd.DeviceType.CPU),  # not device work
+        event(700, 800, "d"),  # 100 us after c
+    ]
+    line = profile_step.device_idle(events, steps=2)
+    assert line.startswith("device idle between its work: 0.240 ms a step"), line
+    assert "380 us after b before c; 100 us after c before d" in line, line
