@@ -12,7 +12,7 @@ from typing import Any
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
-from kvfleet.engine.model_runner import InFlightStep, LaunchedStep, ModelRunner
+from kvfleet.engine.model_runner import InFlightStep, ModelRunner
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
@@ -241,21 +241,15 @@ class EngineCore:
         out = self.scheduler.schedule()
         launched = self.runner.launch(out, prev)
         self.scheduler.advance(out)
-        outputs = self._finish_step(prev, launched) if prev is not None else []
-        if prev is None:
-            self.runner.start_sampling(launched)
+        outputs = self._resolve(prev) if prev is not None else []
         flight = self.runner.sample(launched)
         if self.async_scheduling:
             self._in_flight = flight
             return outputs
-        return outputs + self._finish_step(flight, None)
+        return outputs + self._resolve(flight)
 
-    def _finish_step(
-        self, flight: InFlightStep, launched: LaunchedStep | None
-    ) -> list[RequestOutput]:
-        """Read a step's tokens, apply its stops and turn it into outputs. `launched`: the step
-        launched after it, whose rows are fixed and masks started once the token-level stops
-        are known, so the masks are computed while the outputs are."""
+    def _resolve(self, flight: InFlightStep) -> list[RequestOutput]:
+        """Read a step's tokens and turn them into outputs; end the requests they stop."""
         reqs, sampled = self.runner.resolve(flight)
         self.scheduler.update(
             flight.out,
@@ -269,8 +263,6 @@ class EngineCore:
             # A grammar that allows no further token ends its sequence as a stop would.
             if req.grammar is not None and req.grammar.terminated:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-        if launched is not None:
-            self.runner.start_sampling(launched)
         processed = self.output_processor.process(reqs, sampled)
         # The one place requests end for what the processor found: stop strings, failures.
         for req, status in processed.to_finish:

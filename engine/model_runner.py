@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,7 @@ from kvfleet.engine.sampler import (
     to_device,
 )
 from kvfleet.engine.scheduler import SchedulerOutput
-from kvfleet.engine.structured_output import GrammarMasks, StructuredOutputs
+from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +110,6 @@ class LaunchedStep:
     reqs: list[Request]  # the sequences that sample, row for row of the logits
     logits: torch.Tensor | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
-    # Their grammar masks, on their way (ModelRunner.start_sampling).
-    masks: Future[GrammarMasks | None] | None = None
 
 
 @dataclass
@@ -406,26 +403,21 @@ class ModelRunner:
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
         return LaunchedStep(out, sample_reqs, logits, prompt_logprobs)
 
-    def start_sampling(self, step: LaunchedStep) -> None:
-        """Fix the rows a launched step samples, leaving out those of requests that have
-        finished since its launch, and start their grammar masks on the host (the forward pass
-        runs meanwhile). Their matchers must not move until sample()."""
-        reqs = step.reqs
-        live = [i for i, r in enumerate(reqs) if not r.status.finished]
-        if len(live) < len(reqs):
-            step.reqs = [reqs[i] for i in live]
-            if step.logits is not None and step.reqs:
-                step.logits = step.logits[to_device(live, torch.long, step.logits.device)]
-        if step.logits is not None and step.reqs and self.structured is not None:
-            step.masks = self.structured.start_masks(step.reqs)
-
     def sample(self, step: LaunchedStep) -> InFlightStep:
-        """Queue the sampling of a launched step, once start_sampling has fixed its rows."""
+        """Queue the sampling of a launched step, its grammar masks computed on the host first
+        (the forward pass runs meanwhile). Rows of requests that have finished since the launch
+        are not sampled."""
         reqs, logits = step.reqs, step.logits
         if logits is None or not reqs:
             return InFlightStep(step.out, None, step.prompt_logprobs, {})
+        live = [i for i, r in enumerate(reqs) if not r.status.finished]
+        if len(live) < len(reqs):
+            reqs = [reqs[i] for i in live]
+            if not reqs:
+                return InFlightStep(step.out, None, step.prompt_logprobs, {})
+            logits = logits[to_device(live, torch.long, logits.device)]
         assert self.sampler is not None
-        grammar = step.masks.result() if step.masks is not None else None
+        grammar = self.structured.masks(reqs) if self.structured is not None else None
         with torch.inference_mode():
             batch = self.sampler.sample(logits, reqs, grammar)
         rows = {r.request_id: i for i, r in enumerate(reqs)}

@@ -142,12 +142,6 @@ class Sampler:
         failed: dict[int, Exception] = {}
         rows: list[_Row] = []
         for i, req in enumerate(reqs):
-            if req.status.finished:
-                # Ended after its row was fixed (a stop string, a failed sibling): a neutral row
-                # that gets no sampler state; resolve() drops it.
-                failed[i] = RuntimeError(f"{req.request_id} ended before its sampling")
-                rows.append(_Row())
-                continue
             try:
                 rows.append(self._prepare(req, logits[i]))
             except Exception as e:

@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,9 +266,6 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._compilers = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self.executor = llguidance.LLExecutor(num_threads=mask_threads(usable_cpus()))
-        # One thread hands the executor a batch and waits for it off the GIL, so the engine's
-        # thread processes the last step's outputs meanwhile.
-        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.compiles = 0  # cache misses, for tests and metrics
         self._buffer: torch.Tensor | None = None
 
@@ -362,15 +359,6 @@ class StructuredOutputs:
                 f"the constraint took longer than {timeout:g} s to compile: simplify it",
                 "structured_outputs",
             ) from None
-
-    def start_masks(self, reqs: list[Request]) -> Future[GrammarMasks | None]:
-        """masks() in the background; the result at once when no row has a grammar. Until the
-        future is done, nothing may advance these rows' matchers."""
-        if all(req.grammar is None for req in reqs):
-            done: Future[GrammarMasks | None] = Future()
-            done.set_result(None)
-            return done
-        return self._mask_thread.submit(self.masks, reqs)
 
     def masks(self, reqs: list[Request]) -> GrammarMasks | None:
         """The allowed-token bitmask of every row of a batch (int32, bit t of a row: token t
