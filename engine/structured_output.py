@@ -273,11 +273,9 @@ class StructuredOutputs:
         """The compiled grammar of a constraint, from the cache or compiled now (blocking, in
         the caller's thread; bounded by the parser limits). GrammarError for a bad one."""
         key = _cache_key(params)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
+        hit = self._lookup(key)
+        if hit is not None:
+            return hit
         try:
             kind, spec = grammar_spec(params, self.tokenizer)
             if params.structural_tag is not None:
@@ -294,6 +292,13 @@ class StructuredOutputs:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _lookup(self, key: str) -> CompiledGrammar | None:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+            return hit
 
     def _check_structures(self, params: StructuredOutputsParams) -> None:
         """Each distinct schema of a structural tag compiled alone, so that a bad one is an
@@ -342,7 +347,12 @@ class StructuredOutputs:
         self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S
     ) -> CompiledGrammar:
         """grammar() off the event loop, within `timeout` seconds of compiling: a wait for a free
-        compile thread (a burst of new schemas) is not held against the request."""
+        compile thread (a burst of new schemas) is not held against the request. A cached one
+        comes back at once: a trip through a thread would wait for the GIL, which the engine's
+        busy thread holds for up to a switch interval (5 ms) at a time."""
+        hit = self._lookup(_cache_key(params))
+        if hit is not None:
+            return hit
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
 

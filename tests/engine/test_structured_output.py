@@ -162,6 +162,17 @@ def test_a_wait_for_a_compile_thread_is_not_compile_time(structured, monkeypatch
     assert compiled.kind == "regex"
 
 
+def test_a_cached_constraint_comes_back_without_a_compile_thread(structured, monkeypatch):
+    params = StructuredOutputsParams(regex="cached[0-9]")
+    first = asyncio.run(structured.compile(params))
+    idle = ThreadPoolExecutor(1)
+    idle.shutdown()  # any submit now raises
+    monkeypatch.setattr(structured, "_compilers", idle)
+    assert asyncio.run(structured.compile(params)) is first
+    with pytest.raises(RuntimeError, match="shutdown"):
+        asyncio.run(structured.compile(StructuredOutputsParams(regex="uncached[0-9]")))
+
+
 # -- masks ------------------------------------------------------------------------------------
 def test_bitmask_rows_and_padded_vocabulary(tokenizer):
     vocab = len(tokenizer) + 40  # the model's logits are wider than the tokenizer
