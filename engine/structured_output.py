@@ -348,8 +348,7 @@ class StructuredOutputs:
     ) -> CompiledGrammar:
         """grammar() off the event loop, within `timeout` seconds of compiling: a wait for a free
         compile thread (a burst of new schemas) is not held against the request. A cached one
-        comes back at once: a trip through a thread would wait for the GIL, which the engine's
-        busy thread holds for up to a switch interval (5 ms) at a time."""
+        comes back at once, never queued behind such a burst."""
         hit = self._lookup(_cache_key(params))
         if hit is not None:
             return hit
