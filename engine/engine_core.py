@@ -123,6 +123,7 @@ class EngineCore:
         """shutdown(), and give back the runner's memory (KV cache, CUDA graphs, weights):
         what the engine's owner calls when it is done with it; no step runs after this."""
         self.shutdown()
+        self._in_flight = None  # its tokens' device and pinned memory go with the rest
         runner = getattr(self, "runner", None)  # absent when the model failed to load
         if runner is not None:
             runner.release()

@@ -89,3 +89,24 @@ def test_the_next_step_is_launched_before_the_last_tokens_are_read(model_dirs, p
         ("launch", True),
     ]
     assert_no_leak(llm)
+
+
+def test_a_request_aborted_with_its_token_in_flight_leaves_nothing(model_dirs, prompts):
+    llm = LLM(str(model_dirs["llama"]), dtype="float32")
+    core = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, sp)[0].outputs[0].token_ids
+    core.add_request("a", core.admit(prompts[1], sp))
+    core.add_request("b", core.admit(prompts[2], sp))
+    for _ in range(4):
+        core.step()
+    assert core._in_flight is not None and "a#0" in core._in_flight.rows  # its token unread
+    assert core.abort_request("a")
+    deltas = []
+    while core.has_unfinished_requests():
+        deltas.extend(core.step())
+    assert {d.request_id for d in deltas} == {"b"}
+    tokens = [t for d in deltas for t in d.outputs[0].token_ids]
+    assert tokens == alone[-len(tokens) :] and deltas[-1].finished
+    assert not core.runner.sampler._penalties
+    assert_no_leak(llm)
