@@ -23,6 +23,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x in every rank's x (in place; every rank passes a tensor of its shape)."""
+    if tp_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def all_reduce_min(value: int, device: torch.device) -> int:
     if tp_size() == 1:
         return value

@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from kvfleet.engine.attention_backend import get_attention_backend
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
-from kvfleet.engine.distributed import all_reduce_min, tp_rank, tp_size
+from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
@@ -581,11 +580,9 @@ class ModelRunner:
         ids = torch.from_numpy(plan.input_ids).to(dev, non_blocking=True)
         if not len(plan.pending_ids):
             return ids
-        if tp_size() > 1:
-            if prev_tokens is None:  # a worker: rank 0 holds them
-                prev_tokens = torch.empty(plan.num_prev_sampled, dtype=torch.long, device=dev)
-            dist.broadcast(prev_tokens, src=0)
-        assert prev_tokens is not None
+        if prev_tokens is None:  # a tensor-parallel worker: rank 0 holds them
+            prev_tokens = torch.empty(plan.num_prev_sampled, dtype=torch.long, device=dev)
+        prev_tokens = broadcast_from_rank0(prev_tokens)
         src = torch.from_numpy(plan.pending_src).to(dev, non_blocking=True)
         dst = torch.from_numpy(plan.pending_ids).to(dev, non_blocking=True)
         ids[dst] = prev_tokens[src]
