@@ -89,6 +89,13 @@ def test_an_unknown_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--modes: xml; choose from free, json" in capsys.readouterr().err
 
 
+def test_an_unknown_engine_loop_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        profile_step.main(["--model", "unused", "--scheduling", "async,eager"])
+    assert exc.value.code == 2
+    assert "--scheduling: 'async,eager'; choose from async, sync" in capsys.readouterr().err
+
+
 def test_device_idle_is_the_time_between_the_device_work() -> None:
     from types import SimpleNamespace
 
