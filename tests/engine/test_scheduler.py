@@ -586,8 +586,8 @@ def test_async_scheduling_produces_what_sync_scheduling_does(num_blocks: int) ->
         # A request that stopped at length never ran a row past its last token.
         if got.status is RequestStatus.FINISHED_LENGTH:
             assert got.num_output_tokens == got.max_tokens
-    # Each stop by EOS costs at most one wasted row (scheduled before the EOS was read); the
-    # longest request's ends are beyond (it computes every token it has but the last).
+    # Every token but a request's last is computed once; each of the three stops by EOS may
+    # cost one wasted row more (scheduled before the EOS was read).
     computed = sum(o.num_batched_tokens for o in outs)
     if num_blocks == 200:
         needed = sum(r.num_prompt_tokens + r.num_output_tokens - 1 for r in reqs)
