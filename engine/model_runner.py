@@ -477,7 +477,7 @@ class ModelRunner:
                 input_ids.append(tokens[c])
             else:
                 input_ids.extend(tokens[c : c + n])
-            if c + n == known + req.num_pending:
+            if req.samples_after(n):
                 sampling.append(i)
             top_n = req.sampling_params.prompt_logprobs
             if top_n is not None:

@@ -122,6 +122,11 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
+    def samples_after(self, num_new: int) -> bool:
+        """Whether computing num_new more tokens reaches the end of those it has (known or in
+        flight), so that the step samples its next one."""
+        return self.num_computed_tokens + num_new == self.num_tokens + self.num_pending
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

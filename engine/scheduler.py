@@ -178,9 +178,9 @@ class Scheduler:
         for req, num_new in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted before the step was launched
-            req.num_computed_tokens += num_new
-            if req.num_computed_tokens == req.num_tokens + req.num_pending:
+            if req.samples_after(num_new):
                 req.num_pending += 1
+            req.num_computed_tokens += num_new
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the tokens a step sampled (advancing it first if that is not done) and apply

@@ -538,11 +538,7 @@ def run_async(sched: Scheduler, token: TokenFn, max_steps: int = 1000) -> list[S
     while sched.has_unfinished():
         assert len(outs) < max_steps, f"not done after {max_steps} steps: {sched.requests}"
         out = sched.schedule()
-        samplers = [
-            req
-            for req, n in out.scheduled
-            if req.num_computed_tokens + n == req.num_tokens + req.num_pending
-        ]
+        samplers = [req for req, n in out.scheduled if req.samples_after(n)]
         sched.advance(out)
         if prev is not None:
             sched.update(prev[0], {r.request_id: token(r) for r in prev[1]})
