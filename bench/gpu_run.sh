@@ -9,7 +9,7 @@
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR async-ab          # async scheduling against the synchronous loop
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
-#   bash bench/gpu_run.sh OUTDIR fp8-linear          # an fp8 linear's time, part by part
+#   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-profile   # an fp8 linear part by part; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
@@ -145,6 +145,16 @@ for step in "$@"; do
                     "${qargs[@]}" --result-json "$out/${step}_$q.json" 2>&1 | tee -a "$out/$step.txt"
                 ;;
             esac
+        done
+        ;;
+    fp8-profile)
+        # Where a batch-1 Llama-3.1-8B decode step's time goes, bf16 then fp8 weights (issue 21's
+        # batch-1 TPOT): the kernels, the device's idle gaps, the host's share.
+        for q in bf16 fp8; do
+            qargs=()
+            [ $q = fp8 ] && qargs=(--quantization fp8)
+            timeout 200 $py bench/profile_step.py --model bench/models/Llama-3.1-8B --batch 1 \
+                --context 128 "${qargs[@]}" 2>&1 | tee "$out/fp8_profile_$q.txt"
         done
         ;;
     profile)

@@ -184,7 +184,7 @@ def profile_mode(
     if torch.cuda.is_available():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             steps(10)
-        table += prof.key_averages().table(sort_by="self_device_time_total", row_limit=12) + "\n"
+        table += prof.key_averages().table(sort_by="self_device_time_total", row_limit=20) + "\n"
         table += device_idle(prof.events(), 10) + "\n"
     for rid in ids:
         core.abort_request(rid)
@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument(
         "--modes",
         default="free",
@@ -256,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         skip_tokenizer_init="json" not in modes,
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batch, 8),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine_op = sampler_module.apply_bitmask
     try:
