@@ -346,6 +346,32 @@ def check_act_and_mul(dev: torch.device, activation: str) -> bool:
     return report(f"act_and_mul {activation} {tuple(x.shape)} bf16", got, want, 1e-2, 1.6e-2)
 
 
+def check_fused_fp8_quant(dev: torch.device) -> bool:
+    """The RMSNorm and the gated activation quantizing their own outputs for an fp8 linear,
+    bit for bit against the unfused pair (the kernel, then fp8_quant.quantize_tokens), at
+    Llama-3-8B's widths, with a dynamic and a static scale."""
+    from kvfleet.kernels import fp8_quant
+
+    ok = True
+    x = torch.randn(300, 4096, device=dev).to(torch.bfloat16) * 3
+    r = torch.randn_like(x)
+    w = torch.rand(4096, device=dev).to(torch.bfloat16)
+    h = torch.randn(300, 2 * 14336, device=dev).to(torch.bfloat16) * 3
+    for static in (None, torch.tensor(2.0 / 448, device=dev)):
+        (q, s), _ = rms_norm(x, w, 1e-5, r, False, True, static)
+        q_ref, s_ref = fp8_quant.quantize_tokens(rms_norm(x, w, 1e-5, r)[0], static)
+        same = torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+        q2, s2 = act_and_mul(h, "silu", True, static)
+        q2_ref, s2_ref = fp8_quant.quantize_tokens(act_and_mul(h, "silu"), static)
+        same_act = torch.equal(s2, s2_ref) and torch.equal(q2.float(), q2_ref.float())
+        for name, good in (("rms_norm", same), ("act_and_mul silu", same_act)):
+            label = f"{name} -> fp8 {'static' if static is not None else 'dynamic'} scale"
+            logger.info("%s %-58s %s", "PASS" if good else "FAIL", label,
+                        "bit-exact" if good else "differs")  # fmt: skip
+            ok &= good
+    return ok
+
+
 def check_grammar_mask(dev: torch.device, dtype: torch.dtype, vocab: int) -> bool:
     """Bit for bit against the twin: every other row of a wider batch (a row stride of its own), a
     bitmask wider than the vocabulary, free rows (all bits set) and a row with everything banned."""
@@ -403,6 +429,7 @@ def run_checks(dev: torch.device) -> bool:
         lambda: check_rms_norm(dev, bf16, 2304, zero_centred=True),
         lambda: check_act_and_mul(dev, "silu"),
         lambda: check_act_and_mul(dev, "gelu_pytorch_tanh"),
+        lambda: check_fused_fp8_quant(dev),
         lambda: check_grammar_mask(dev, bf16, 128256),
         lambda: check_grammar_mask(dev, torch.float32, 151936),
         lambda: check_grammar_mask(dev, torch.float16, 49152 + 17),

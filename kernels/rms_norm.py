@@ -7,13 +7,22 @@ residual). Llama style: the normalised row is rounded to the input dtype before 
 multiply and the output dtype is ``promote_types(weight.dtype, x.dtype)``. Gemma style
 (``zero_centred``): the row is scaled by ``1 + weight`` in fp32 and rounded once, to the input
 dtype. Inputs are never written; outputs are new tensors.
+
+With ``quantize``, the kernel also quantizes the normalised row for an fp8 linear layer, as
+``reference.quantize_tokens`` would quantize the output above (per-row amax, or a static
+scale): one launch less per layer input on the fp8 path, whose decode step is made of such small
+launches.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+
+from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -29,9 +38,14 @@ def _rms_norm_kernel(
     stride_nr,
     n_cols,
     eps,
+    scale_ptr,
+    static_ptr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTRED: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # 0: no, 1: per-row amax, 2: the static scale
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -50,7 +64,18 @@ def _rms_norm_kernel(
         w = w + 1.0
     else:
         x = x.to(in_dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * x).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:
+        # Rounded to the input dtype first: the row the unfused path would quantize.
+        y = (w * x).to(in_dtype).to(tl.float32)
+        if QUANTIZE == 2:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (w * x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -59,8 +84,12 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # like x
     zero_centred: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given."""
+    quantize: bool = False,
+    static_scale: torch.Tensor | None = None,
+) -> Any:
+    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given. With
+    ``quantize``, ``norm(x)`` is ``(fp8 [..., hidden], fp32 scale [rows, 1])``, scaled per row or
+    by ``static_scale``; the weight must be of x's dtype."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous(), (weight.shape, x.shape)
     x2 = x.reshape(-1, hidden)
@@ -68,7 +97,11 @@ def rms_norm(
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    if quantize:
+        assert out_dtype == x.dtype, (weight.dtype, x.dtype)
+        out_dtype = FP8
     out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quantize else out
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
         r2 = residual.reshape(-1, hidden)
@@ -92,12 +125,19 @@ def rms_norm(
             new_residual.stride(0),
             hidden,
             eps,
+            scale,
+            scale if static_scale is None else static_scale,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
             ZERO_CENTRED=zero_centred,
+            QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
+            FP8_MAX=FP8_MAX,
+            MIN_SCALE=MIN_SCALE,
             num_warps=min(max(block // 256, 1), 16),
         )
     out = out.view(x.shape)
+    if quantize:
+        out = (out, scale)
     if residual is None:
         return out
     return out, new_residual.view(x.shape)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.fp8 import Fp8Activations, Fp8Input, quantize_input
 from kvfleet.kernels import reference
 from kvfleet.kernels.availability import triton_available
 
@@ -38,13 +40,21 @@ class GatedActivation(nn.Module):
         super().__init__()
         self.hidden_act = hidden_act
         self.act = get_activation(hidden_act)
+        # Set when only an fp8 linear reads the output: quantized here (Fp8Activations).
+        self.fp8_output: Fp8Input | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
+        fp8 = self.fp8_output
         if self.hidden_act in reference.GATED_ACTIVATIONS:
             if x.is_cuda and triton_available():
                 from kvfleet.kernels.activation import act_and_mul
 
-                return act_and_mul(x, self.hidden_act)
-            return reference.act_and_mul(x, self.hidden_act)
-        gate, up = x.chunk(2, dim=-1)
-        return self.act(gate) * up
+                if fp8 is None:
+                    return act_and_mul(x, self.hidden_act)
+                data, scale = act_and_mul(x, self.hidden_act, True, fp8.static_scale)
+                return Fp8Activations(data, scale, x.dtype)
+            out = reference.act_and_mul(x, self.hidden_act)
+        else:
+            gate, up = x.chunk(2, dim=-1)
+            out = self.act(gate) * up
+        return out if fp8 is None else quantize_input(out, fp8.static_scale)

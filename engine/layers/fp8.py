@@ -137,6 +137,38 @@ def check_fp8_shape(out_features: int, in_features: int, what: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Fp8Activations:
+    """A linear layer's input, quantized per token by the kernel that produced it (an RMSNorm or
+    a gated activation feeding an fp8 layer): fp8 values [..., K], fp32 scales [tokens, 1], and
+    the dtype the values had, which the layer's output takes."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+class Fp8Input:
+    """Set on a layer whose output only an fp8 linear reads, so that it quantizes the output
+    itself: the consumer's static input scale, when its checkpoint has one, read at each call
+    since it loads after the model is built. A plain object: not a submodule or parameter of
+    the producing layer."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+
+    @property
+    def static_scale(self) -> torch.Tensor | None:
+        return self._consumer.input_scale
+
+
+def quantize_input(x: torch.Tensor, static_scale: torch.Tensor | None) -> Fp8Activations:
+    """The PyTorch twin of the producing kernels' quantization (the CPU path)."""
+    lead = x.shape[:-1]
+    data, scale = quantize_tokens(x.reshape(-1, x.shape[-1]), static_scale)
+    return Fp8Activations(data.view(*lead, x.shape[-1]), scale, x.dtype)
+
+
 _current: Fp8Config | None = None
 
 
@@ -171,37 +203,42 @@ def quantize_rows(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activations,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x @ (weight * weight_scale[:, None]).T + bias in x's dtype. weight: fp8 [out, in],
-    row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. On
+    row-major, so its transpose is the column-major operand cuBLASLt wants, with no copy. x comes
+    unquantized, or as Fp8Activations from a kernel that quantized it while producing it. On
     CUDA the elementwise work runs in Triton kernels (kernels.fp8_quant), on the CPU in their
     PyTorch twins."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x.is_cuda:
+    if isinstance(x, Fp8Activations):
+        lead, dtype = x.data.shape[:-1], x.dtype
+        x_fp8, x_scale = x.data.reshape(-1, x.data.shape[-1]), x.scale
+    else:
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.is_cuda:
+            from kvfleet.kernels import fp8_quant
+
+            x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
+        else:
+            x_fp8, x_scale = quantize_tokens(x2, input_scale)
+    if x_fp8.is_cuda and x_fp8.shape[0] <= _SMALL_BATCH:
         from kvfleet.kernels import fp8_quant
 
-        x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
-        if x2.shape[0] <= _SMALL_BATCH:
-            one = _unit_scale(x.device)
-            acc = torch._scaled_mm(
-                x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
-            )
-            y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, x.dtype)
-            return y.view(*lead, y.shape[-1])
-    else:
-        x_fp8, x_scale = quantize_tokens(x2, input_scale)
+        one = _unit_scale(x_fp8.device)
+        acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, dtype)
+        return y.view(*lead, y.shape[-1])
     y = torch._scaled_mm(
         x_fp8,
         weight.t(),
         scale_a=x_scale,
         scale_b=weight_scale.view(1, -1),
-        out_dtype=x.dtype,
+        out_dtype=dtype,
         bias=bias,
     )
     return y.view(*lead, y.shape[-1])

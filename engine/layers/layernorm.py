@@ -3,9 +3,12 @@ on): RMSNorm (Llama family), GemmaRMSNorm (scale by 1 + weight) and LayerNorm (G
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from kvfleet.engine.layers.fp8 import Fp8Activations, Fp8Input, quantize_input
 from kvfleet.kernels import reference
 from kvfleet.kernels.availability import triton_available
 
@@ -19,15 +22,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
         init = torch.zeros if self.zero_centred else torch.ones
         self.weight = nn.Parameter(init(hidden_size), requires_grad=False)
+        # Set when only an fp8 linear reads the output: the norm quantizes it (Fp8Activations).
+        self.fp8_output: Fp8Input | None = None
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        fp8 = self.fp8_output
         if x.is_cuda and triton_available():
             from kvfleet.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
-        return reference.rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
+            if fp8 is None:
+                return rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
+            out = rms_norm(
+                x, self.weight, self.eps, residual, self.zero_centred, True, fp8.static_scale
+            )
+            (data, scale), new_residual = out if residual is not None else (out, None)
+            quantized = Fp8Activations(data, scale, x.dtype)
+            return quantized if residual is None else (quantized, new_residual)
+        out = reference.rms_norm(x, self.weight, self.eps, residual, self.zero_centred)
+        if fp8 is None:
+            return out
+        if residual is None:
+            return quantize_input(out, fp8.static_scale)
+        return quantize_input(out[0], fp8.static_scale), out[1]
 
 
 class GemmaRMSNorm(RMSNorm):

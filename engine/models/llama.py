@@ -11,6 +11,7 @@ from torch import nn
 from kvfleet.engine.layers.activation import GatedActivation
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.embedding import VocabParallelEmbedding
+from kvfleet.engine.layers.fp8 import Fp8Input
 from kvfleet.engine.layers.layernorm import RMSNorm
 from kvfleet.engine.layers.linear import (
     MergedColumnParallelLinear,
@@ -103,6 +104,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # With fp8 linears, the layers that feed them quantize their own outputs.
+        for producer, consumer in (
+            (self.input_layernorm, self.self_attn.qkv_proj),
+            (self.post_attention_layernorm, self.mlp.gate_up_proj),
+            (self.mlp.act, self.mlp.down_proj),
+        ):
+            if consumer.fp8:
+                producer.fp8_output = Fp8Input(consumer)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None

@@ -199,6 +199,32 @@ def test_tensor_parallel_fp8_equals_one_rank(fp8_dirs):
         assert torch.equal(rank0[f"{name}.weight_scale"], whole[f"{name}.weight_scale"])
 
 
+def test_the_layers_feeding_fp8_linears_quantize_what_they_produce(fp8_dirs):
+    """Each Llama layer's two norms and its gated activation hand their fp8 linear quantized
+    values (one kernel fewer per linear on a GPU); nothing is added to the model's parameters,
+    and the tokens and their logprobs equal the unfused path's, bit for bit, with dynamic and
+    with static activation scales."""
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for path, args in ((fp8_dirs["dequantized"], {"quantization": "fp8"}),
+                       (fp8_dirs["tensor-static"], {})):  # fmt: skip
+        with LLM(str(path), device="cpu", skip_tokenizer_init=True,
+                 enable_prefix_caching=False, **args) as llm:  # fmt: skip
+            model = llm.engine.runner.model
+            layer = model.model.layers[0]
+            producers = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act]
+            assert all(p.fp8_output is not None for p in producers)
+            assert not any("fp8_output" in name for name, _ in model.named_parameters())
+            fused = llm.generate(prompts, sp)
+            for layer in model.model.layers:
+                for p in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act):
+                    p.fp8_output = None
+            unfused = llm.generate(prompts, sp)
+        for a, b in zip(fused, unfused, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_dummy_weights_in_fp8_are_the_dummy_weights_quantized(model_dirs):
     """Benchmarks run --load-format dummy --quantization fp8: the random weights of the model
     dtype, quantized per channel as a checkpoint's would be."""
