@@ -7,10 +7,12 @@ overflow the L2 cache (50 MB on an H100), as a decode step's distinct layers do,
 read from memory each time.
 
     python bench/fp8_linear_bench.py
+    python bench/fp8_linear_bench.py --gemm-sweep   # kernels.fp8_gemm's tiles at decode sizes
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +21,7 @@ import torch
 from latency import copy_bandwidth
 
 from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
-from kvfleet.kernels import fp8_quant
+from kvfleet.kernels import fp8_gemm, fp8_quant
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BATCHES = (1, 8, 16, 32, 64, 256, 2048)
@@ -93,10 +95,80 @@ def row(m: int, k: int, w_bf16: torch.Tensor, w_fp8: torch.Tensor, w_scale: torc
     return f"{m:5d} {t[0]:9.1f} {t[1]:7.1f}  ({t[2]:7.1f} {t[3]:13.1f} {t[4]:16.1f} {t[5]:13.1f})"
 
 
+def sweep_tiles(k: int, n: int) -> Iterator[fp8_gemm.GemmTile]:
+    for block_n, block_k, split, stages in itertools.product(
+        (64, 128), (128, 256, 512), (1, 2, 3, 4, 6, 8), (3, 4, 6)
+    ):
+        if k // block_k >= 2 * split and block_n * block_k <= 64 * 512:
+            yield fp8_gemm.GemmTile(block_n, block_k, split, 4, stages)
+
+
+def gemm_sweep(bandwidth: float) -> None:
+    """kernels.fp8_gemm at 1, 4 and 16 tokens, every tile of sweep_tiles: the default tile's time,
+    the best tile's, and each against the fp8 weight-read floor and the cuBLASLt path it
+    replaces (quantized input; unscaled GEMM + epilogue)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sys.stdout.write(
+        "shape      M  floor us  cublas+epilogue us  default tile us (tile)  best us (tile)\n"
+    )
+    one = torch.ones((), device="cuda")
+    for name, (k, n) in SHAPES.items():
+        w_fp8, w_scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+        floor = w_fp8.numel() / bandwidth * 1e6
+        weights = copies(w_fp8, w_scale)
+        for m in (1, 4, 16):
+            x_fp8, x_scale = fp8_quant.quantize_tokens(
+                torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            )
+
+            def cublas(
+                weights: Iterator[tuple[torch.Tensor, ...]] = weights,
+                x_fp8: torch.Tensor = x_fp8,
+                x_scale: torch.Tensor = x_scale,
+            ) -> torch.Tensor:
+                w, ws = next(weights)
+                acc = torch._scaled_mm(
+                    x_fp8, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+                )
+                return fp8_quant.scale_rows_cols(acc, x_scale, ws, None, torch.bfloat16)
+
+            def gemm(
+                tile: fp8_gemm.GemmTile | None,
+                weights: Iterator[tuple[torch.Tensor, ...]] = weights,
+                x_fp8: torch.Tensor = x_fp8,
+                x_scale: torch.Tensor = x_scale,
+            ) -> Callable[[], torch.Tensor]:
+                def call() -> torch.Tensor:
+                    w, ws = next(weights)
+                    return fp8_gemm.small_batch_gemm(
+                        x_fp8, x_scale, w, ws, None, torch.bfloat16, tile
+                    )
+
+                return call
+
+            default = fp8_gemm.default_tile(n, k, sms)
+            timed = sorted((graph_time(gemm(t)), t) for t in sweep_tiles(k, n))
+            best_t, best = timed[0]
+            d = graph_time(gemm(None))
+            sys.stdout.write(
+                f"{name:8s} {m:3d} {floor:9.1f} {graph_time(cublas):19.1f} "
+                f"{d:9.1f} ({floor / d:.0%}; {default})  {best_t:.1f} ({floor / best_t:.0%}; "
+                f"{best})\n"
+            )
+            for t_us, tile in timed[1:4]:
+                sys.stdout.write(f"{'':14s} next best {t_us:.1f} us {tile}\n")
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gemm-sweep", action="store_true", help="the decode GEMM's tiles")
+    args = parser.parse_args()
     sys.stdout.write(f"{torch.cuda.get_device_name()}  torch {torch.__version__}\n")
     bandwidth = copy_bandwidth()
     sys.stdout.write(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s\n")
+    if args.gemm_sweep:
+        gemm_sweep(bandwidth)
+        return 0
     sys.stdout.write(
         "shape        M   bf16 us  fp8 us  (quant us  rowwise-mm us  tensorwise-mm us"
         "  epilogue-path us)\n"

@@ -9,7 +9,7 @@
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR async-ab          # async scheduling against the synchronous loop
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
-#   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-profile   # an fp8 linear part by part; a batch-1 step
+#   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
@@ -101,6 +101,10 @@ for step in "$@"; do
     fp8-linear)
         # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.
         timeout 400 $py bench/fp8_linear_bench.py 2>&1 | tee "$out/fp8_linear.txt"
+        ;;
+    fp8-gemm-sweep)
+        # The decode GEMM's tiles (kernels.fp8_gemm) at Llama-3-8B's shapes, 1-16 tokens.
+        timeout 400 $py bench/fp8_linear_bench.py --gemm-sweep 2>&1 | tee "$out/fp8_gemm_sweep.txt"
         ;;
     fp8-llama2-13b)
         # Issue 21's Llama-2-13B goals: the article's workload (256 requests, input and output

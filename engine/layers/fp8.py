@@ -19,9 +19,12 @@ import torch
 
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE, quantize_tokens
 
-# Up to this many tokens, cuBLASLt's unscaled (per-tensor) FP8 GEMM plus a scaling epilogue beats
-# its row-wise-scaled GEMM (bench/fp8_linear_bench.py on an H100: 1.1-2.5x faster at Llama-3-8B's
-# shapes up to 64 tokens, about even from 256).
+# Decode batches up to this many tokens run our own GEMM, one launch with the scales and bias
+# inside (kernels.fp8_gemm; its MAX_TOKENS, which is not imported here to keep triton out).
+# From there up to _SMALL_BATCH, cuBLASLt's unscaled (per-tensor) FP8 GEMM plus a scaling
+# epilogue beats its row-wise-scaled GEMM (bench/fp8_linear_bench.py on an H100: 1.1-2.5x
+# faster at Llama-3-8B's shapes up to 64 tokens, about even from 256).
+_GEMM_TOKENS = 16
 _SMALL_BATCH = 64
 # cuBLASLt's FP8 GEMM wants the reduction and output dimensions in multiples of 16 (checked on
 # torch 2.11 / H100; the batch dimension is free).
@@ -226,6 +229,11 @@ def fp8_linear(
             x_fp8, x_scale = fp8_quant.quantize_tokens(x2.contiguous(), input_scale)
         else:
             x_fp8, x_scale = quantize_tokens(x2, input_scale)
+    if x_fp8.is_cuda and x_fp8.shape[0] <= _GEMM_TOKENS:
+        from kvfleet.kernels import fp8_gemm
+
+        y = fp8_gemm.small_batch_gemm(x_fp8, x_scale, weight, weight_scale, bias, dtype)
+        return y.view(*lead, y.shape[-1])
     if x_fp8.is_cuda and x_fp8.shape[0] <= _SMALL_BATCH:
         from kvfleet.kernels import fp8_quant
 

@@ -1,0 +1,158 @@
+"""The fp8 (W8A8) linear's GEMM at decode batch sizes, in one Triton kernel: out = (x_fp8 @
+w_fp8.T) * x_scale * w_scale + bias, in the output dtype.
+
+At a handful of tokens cuBLASLt reads the weights at 64-93% of copy bandwidth on an H100 and
+needs two more launches (its split-K reduction and our scaling epilogue). Here the weight is the
+MMA's M side ("swap AB"): a program takes BLOCK_N weight rows, so Hopper's fp8 tensor cores
+(wgmma, 64 rows a warpgroup) run with the few tokens padded to BLOCK_M as the N side, and the
+K dimension is split over SPLIT_K programs so that every SM streams weights. Each split writes
+its fp32 partial sums; the last of a column block to finish (a counter per block, which it
+resets) adds them in split order, so the result is deterministic, then scales, adds the bias
+and writes the output: one launch.
+
+The twin is the CPU path of engine.layers.fp8.fp8_linear (torch._scaled_mm), the same
+arithmetic up to the order of the fp32 sums."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens a call may have: the MMA's N side, padded.
+MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int  # weight rows a program (the MMA's M: 64 per warpgroup on Hopper)
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _scale_and_store(
+    acc, rows, toks, m, n, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_o, HAS_BIAS: tl.constexpr
+):
+    w_scale = tl.load(ws_ptr + rows, mask=rows < n, other=0.0)
+    x_scale = tl.load(xs_ptr + toks, mask=toks < m, other=0.0)
+    y = acc * w_scale[:, None] * x_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rows < n, other=0.0).to(tl.float32)[:, None]
+    # The tile is [weight rows, tokens]: the output's transpose.
+    out = out_ptr + toks[None, :].to(tl.int64) * stride_o + rows[:, None]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < n) & (toks[None, :] < m))
+
+
+@triton.jit
+def _small_batch_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    m, n, k, stride_x, stride_w, stride_o,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = tl.arange(0, BLOCK_M)
+    tiles = tl.cdiv(k, BLOCK_K)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    first = pid_k * per_split
+    last = tl.minimum(first + per_split, tiles)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+    x_rows = x_ptr + toks[:, None] * stride_x
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for t in range(first, last):
+        cols = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_rows + cols[None, :], mask=(rows[:, None] < n) & (cols[None, :] < k), other=0.0
+        )
+        x = tl.load(
+            x_rows + cols[None, :], mask=(toks[:, None] < m) & (cols[None, :] < k), other=0.0
+        )
+        acc = tl.dot(w, tl.trans(x), acc)
+    if SPLIT_K == 1:
+        _scale_and_store(
+            acc, rows, toks, m, n, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_o, HAS_BIAS
+        )
+    else:
+        # Partials [SPLIT_K, BLOCK_M, n]: padded token rows are written too (zeros), so the
+        # sum below reads no uninitialised memory.
+        part = part_ptr + toks[None, :] * n + rows[:, None]
+        tl.store(part + pid_k * BLOCK_M * n, acc, mask=rows[:, None] < n)
+        # Every thread's stores before the counter's release (acq_rel, GPU scope).
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_n, 1)
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * BLOCK_M * n, mask=rows[:, None] < n, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _scale_and_store(
+                total, rows, toks, m, n, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_o, HAS_BIAS
+            )
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
+
+
+# Column-block counters per device, zero between calls (the last program of a block resets its
+# own). Made by the first call, which is a warm-up before any CUDA graph is captured. One stream
+# at a time may use them: the engine's.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_BLOCKS = 1 << 14
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_MAX_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+@functools.cache
+def default_tile(n: int, k: int, sms: int) -> GemmTile:
+    """A tile that gives every SM about two programs: 64 weight rows a program, the K dimension
+    split until the grid is that large (each split at least two 256-wide tiles)."""
+    block_n, block_k = 64, 256
+    blocks = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(2 * sms, blocks), k // (2 * block_k)))
+    return GemmTile(block_n, block_k, split)
+
+
+def small_batch_gemm(
+    x: torch.Tensor,  # fp8 [m, k], m <= MAX_TOKENS
+    x_scale: torch.Tensor,  # fp32 [m, 1]
+    weight: torch.Tensor,  # fp8 [n, k]
+    weight_scale: torch.Tensor,  # fp32 [n]
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    tile: GemmTile | None = None,
+) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= MAX_TOKENS:
+        raise ValueError(f"small_batch_gemm takes 1-{MAX_TOKENS} tokens, not {m}")
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
+    if tile is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        tile = default_tile(n, k, sms)
+    blocks = triton.cdiv(n, tile.block_n)
+    if blocks > _MAX_BLOCKS:
+        raise ValueError(f"small_batch_gemm: {n} output columns is more than it counts")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    part = (
+        torch.empty((tile.split_k, MAX_TOKENS, n), dtype=torch.float32, device=x.device)
+        if tile.split_k > 1
+        else out
+    )
+    _small_batch_gemm_kernel[(blocks, tile.split_k)](
+        x, x_scale, weight, weight_scale, out if bias is None else bias, out, part,
+        _counters(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=tile.split_k, BLOCK_M=MAX_TOKENS,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out
