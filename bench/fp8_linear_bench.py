@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import triton
 from latency import copy_bandwidth
 
 from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
@@ -96,11 +97,11 @@ def row(m: int, k: int, w_bf16: torch.Tensor, w_fp8: torch.Tensor, w_scale: torc
 
 
 def sweep_tiles(k: int, n: int) -> Iterator[fp8_gemm.GemmTile]:
-    for block_n, block_k, split, stages in itertools.product(
-        (64, 128), (128, 256, 512), (1, 2, 3, 4, 6, 8), (3, 4, 6)
+    for block_n, block_k, split, warps, stages in itertools.product(
+        (64, 128), (128, 256, 512), (1, 2, 3, 4, 6, 8), (4, 8), (4, 6)
     ):
-        if k // block_k >= 2 * split and block_n * block_k <= 64 * 512:
-            yield fp8_gemm.GemmTile(block_n, block_k, split, 4, stages)
+        if k // block_k >= 2 * split and block_n * block_k <= 64 * 512 and warps * 16 <= block_n:
+            yield fp8_gemm.GemmTile(block_n, block_k, split, warps, stages)
 
 
 def gemm_sweep(bandwidth: float) -> None:
@@ -147,7 +148,13 @@ def gemm_sweep(bandwidth: float) -> None:
                 return call
 
             default = fp8_gemm.default_tile(n, k, sms)
-            timed = sorted((graph_time(gemm(t)), t) for t in sweep_tiles(k, n))
+            timed = []
+            for tile in sweep_tiles(k, n):
+                try:
+                    timed.append((graph_time(gemm(tile)), tile))
+                except triton.runtime.errors.OutOfResources:
+                    continue  # more shared memory than an SM has
+            timed.sort()
             best_t, best = timed[0]
             d = graph_time(gemm(None))
             sys.stdout.write(

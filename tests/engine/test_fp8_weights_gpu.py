@@ -43,8 +43,9 @@ def test_fp8_gemm_equals_the_dequantized_reference(m, k, n):
 
 
 @pytest.mark.parametrize("m", [1, 16])
+# (weight rows, K tile, splits, warps, stages)
 @pytest.mark.parametrize(
-    "tile", [(64, 256, 1, 4), (64, 256, 3, 4), (64, 128, 8, 5), (128, 256, 4, 3)]
+    "tile", [(64, 256, 1, 4, 4), (64, 256, 3, 4, 4), (64, 128, 8, 4, 5), (128, 256, 4, 8, 3)]
 )
 def test_small_batch_gemm_tiles_equal_cublaslt_row_wise(m, tile):
     """Every tile shape of the decode GEMM, split or not, against cuBLASLt's row-wise-scaled
