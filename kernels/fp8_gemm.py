@@ -5,10 +5,10 @@ At a handful of tokens cuBLASLt reads the weights at 64-93% of copy bandwidth on
 needs two more launches (its split-K reduction and our scaling epilogue). Here the weight is the
 MMA's M side ("swap AB"): a program takes BLOCK_N weight rows, so Hopper's fp8 tensor cores
 (wgmma, 64 rows a warpgroup) run with the few tokens padded to BLOCK_M as the N side, and the
-K dimension is split over SPLIT_K programs so that every SM streams weights. Each split writes
-its fp32 partial sums; the last of a column block to finish (a counter per block, which it
-resets) adds them in split order, so the result is deterministic, then scales, adds the bias
-and writes the output: one launch.
+K dimension may be split over SPLIT_K programs when there are too few column blocks to keep
+the SMs streaming. Split, each program writes its fp32 partial sums; the last of a column block
+to finish (a counter per block, which it resets) adds them in split order, so the result is
+deterministic, then scales, adds the bias and writes the output: one launch either way.
 
 The twin is the CPU path of engine.layers.fp8.fp8_linear (torch._scaled_mm), the same
 arithmetic up to the order of the fp32 sums."""
@@ -114,12 +114,17 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 @functools.cache
 def default_tile(n: int, k: int, sms: int) -> GemmTile:
-    """A tile that gives every SM about two programs: 64 weight rows a program, the K dimension
-    split until the grid is that large (each split at least two 256-wide tiles)."""
+    """64 weight rows and 256 columns a tile. Measured on an H100 at Llama-3-8B's shapes
+    (bench/fp8_linear_bench.py --gemm-sweep, 1-16 tokens): the K dimension unsplit was the best
+    of 1-8 splits from 64 column blocks up (0.5 SMs' worth), and six stages in flight beat four
+    where an SM has at most two programs, four where it has more. Below 64 blocks (a
+    tensor-parallel shard of a small model) K is split until there are 64 programs, each with at
+    least two K tiles: more programs streaming, for the partial sums' one extra pass."""
     block_n, block_k = 64, 256
     blocks = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(2 * sms, blocks), k // (2 * block_k)))
-    return GemmTile(block_n, block_k, split)
+    split = 1 if blocks >= 64 else max(1, min(triton.cdiv(64, blocks), k // (2 * block_k)))
+    stages = 6 if blocks * split <= 2 * sms else 4
+    return GemmTile(block_n, block_k, split, num_warps=4, num_stages=stages)
 
 
 def small_batch_gemm(

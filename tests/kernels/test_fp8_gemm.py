@@ -49,10 +49,14 @@ def test_small_batch_gemm_is_the_row_wise_scaled_mm(m, k, n, tile, bias):
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
 
 
-def test_default_tile_splits_k_until_every_sm_has_work():
-    tile = fp8_gemm.default_tile(4096, 14336, 132)  # Llama-3-8B's down projection
-    assert tile.block_n == 64 and 4096 // 64 * tile.split_k >= 2 * 132
-    assert fp8_gemm.default_tile(28672, 4096, 132).split_k == 1  # 448 blocks: enough already
+def test_default_tile_splits_k_only_for_few_column_blocks():
+    # Llama-3-8B's down projection and gate_up: enough column blocks, so K stays whole, with
+    # deeper pipelining where an SM has few programs.
+    assert fp8_gemm.default_tile(4096, 14336, 132) == fp8_gemm.GemmTile(64, 256, 1, 4, 6)
+    assert fp8_gemm.default_tile(28672, 4096, 132) == fp8_gemm.GemmTile(64, 256, 1, 4, 4)
+    # A shard of 1,024 columns (16 blocks): K split to reach 64 programs.
+    assert fp8_gemm.default_tile(1024, 2048, 132).split_k == 4
+    assert fp8_gemm.default_tile(1024, 512, 132).split_k == 1  # one split per two K tiles
 
 
 def test_small_batch_gemm_refuses_more_tokens_than_it_pads_to():
