@@ -13,7 +13,9 @@ model of random weights (and a small real one, greedy) writes newlines for ever,
 not the ones an answer needs. Each prompt starts with its own tag, so no mode gets prefix-cache
 hits that another did not. Before measuring, one small answer is checked to be the JSON asked
 for: a server that ignored the constraint would otherwise look free. Reports TPOT and TTFT
-p50/p90 per mode and their ratios against issue 22's goals::
+p50/p90 per mode and their ratios against issue 22's goals; against a kvfleet server, also where
+each mode's mean TTFT goes (the engine's queue and prefill histograms, and the rest outside the
+engine)::
 
     python bench/structured.py --base-url http://127.0.0.1:8000 --model NAME --users 32 \\
         --max-tokens 256 --warmup-duration 10 --duration 60 --result-json out.json
@@ -26,12 +28,14 @@ import asyncio
 import json
 import logging
 import sys
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, overload
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -234,10 +238,84 @@ def format_report(
     return "\n".join(lines) + "\n"
 
 
+# The engine's own latency histograms (engine/metrics.py): their means over a mode's turns split
+# the TTFT the client sees into the wait to be scheduled, the prefill up to the first token,
+# and the rest, outside the engine (HTTP, tokenization, compile, the delivery of the token).
+ENGINE_PHASES = {
+    "engine_ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+
+
+def scrape_phases(base_url: str, headers: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(sum of seconds, count) of each ENGINE_PHASES histogram, over its label sets; empty when
+    the server has no such /metrics (another server, an old kvfleet)."""
+    request = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return {}
+    wanted = {name: phase for phase, name in ENGINE_PHASES.items()}
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        phase = wanted.get(family.name)
+        if phase is None:
+            continue
+        acc = totals.setdefault(phase, [0.0, 0.0])
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                acc[0] += sample.value
+            elif sample.name.endswith("_count"):
+                acc[1] += sample.value
+    return {phase: (acc[0], acc[1]) for phase, acc in totals.items()}
+
+
+def phase_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, tuple[float, float]]:
+    """(seconds, requests) each phase added between two scrapes."""
+    return {
+        phase: (after[phase][0] - before[phase][0], after[phase][1] - before[phase][1])
+        for phase in after
+        if phase in before
+    }
+
+
+def format_phases(
+    phases: dict[str, dict[str, tuple[float, float]]], client: dict[str, tuple[float, float]]
+) -> str:
+    """Mean ms per request of each mode's engine phases next to the client's mean TTFT over the
+    same turns (warm-up included, as the scrapes bracket it)."""
+    if not any(phases.values()):
+        return ""
+
+    def mean(pair: tuple[float, float] | None) -> float | None:
+        return pair[0] / pair[1] * 1e3 if pair and pair[1] else None
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    lines = [
+        "| mode | client TTFT | engine TTFT | queue | prefill | outside the engine |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, own in phases.items():
+        c, e = mean(client.get(mode)), mean(own.get("engine_ttft"))
+        outside = c - e if c is not None and e is not None else None
+        lines.append(
+            f"| {mode} | {fmt(c)} | {fmt(e)} | {fmt(mean(own.get('queue')))} | "
+            f"{fmt(mean(own.get('prefill')))} | {fmt(outside)} |"
+        )
+    lines.append("(mean ms per request over every turn, warm-up included)")
+    return "\n".join(lines) + "\n"
+
+
 async def run_mode(
     mode: str, round_: int, args: argparse.Namespace, url: str, headers: dict[str, str]
-) -> tuple[list[RequestRecord], int]:
-    """(the records of the measured window, requests sent) of one mode's turn."""
+) -> tuple[list[RequestRecord], list[RequestRecord]]:
+    """(the records of the measured window, every record) of one mode's turn."""
     every = await closed_loop(
         url,
         Requests(mode, args.model, args.max_tokens, args.items, round_),
@@ -250,7 +328,7 @@ async def run_mode(
     )
     window = in_window(every, args.duration)
     logger.info("%s: %d requests sent, %d in the window", mode, len(every), len(window))
-    return window, len(every)
+    return window, every
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -304,19 +382,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(check_schema_followed(url, args.model, headers, args.timeout))
     records: dict[str, list[RequestRecord]] = {m: [] for m in args.modes}
     sent = dict.fromkeys(args.modes, 0)
+    phases: dict[str, dict[str, tuple[float, float]]] = {m: {} for m in args.modes}
+    client: dict[str, tuple[float, float]] = dict.fromkeys(args.modes, (0.0, 0.0))
     # Modes take turns, round after round: a drift in the machine's speed (another job, clocks)
     # then falls on every mode alike instead of on whichever ran at the time.
     for round_ in range(args.rounds):
         for mode in args.modes:
-            window, n = asyncio.run(run_mode(mode, round_, args, url, headers))
+            before = scrape_phases(args.base_url, headers)
+            window, every = asyncio.run(run_mode(mode, round_, args, url, headers))
+            added = phase_means(before, scrape_phases(args.base_url, headers))
+            for phase, (secs, n) in added.items():
+                prev = phases[mode].get(phase, (0.0, 0.0))
+                phases[mode][phase] = (prev[0] + secs, prev[1] + n)
+            ttfts = [r.ttft for r in every if r.success and r.ttft is not None]
+            client[mode] = (client[mode][0] + sum(ttfts), client[mode][1] + len(ttfts))
             records[mode] += window
-            sent[mode] += n
+            sent[mode] += len(every)
     metrics = {m: compute_metrics(records[m], args.duration * args.rounds) for m in args.modes}
     short = {
         m: sum(1 for r in records[m] if r.success and r.output_tokens < args.max_tokens)
         for m in args.modes
     }
     sys.stdout.write(format_report(metrics, short, args.max_tokens))
+    sys.stdout.write(format_phases(phases, client))
     sys.stdout.flush()
     if args.result_json is not None:
         doc = {
@@ -324,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "modes": {m: {**asdict(metrics[m]), "short": short[m], "sent": sent[m]}
                       for m in metrics},
             "ratios": goals(metrics),
+            "engine_phases": phases,
+            "client_ttft": client,
         }  # fmt: skip
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(doc, indent=2, default=str))

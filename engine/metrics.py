@@ -127,6 +127,29 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # vLLM's phases of a request: scheduled to first token (the prefill, with any wait for
+        # its grammar's first mask), first token to finish, scheduled to finish.
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "First scheduling to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds",
+            "First token to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inference_time = Histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduling to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._last_token_time: dict[str, float] = {}
 
     def collect_state(self, stats: Callable[[], EngineStats]) -> None:
@@ -140,18 +163,24 @@ class EngineMetrics:
             rid = out.request_id
             last = self._last_token_time.get(rid)
             timing = out.metrics
+            scheduled = timing.first_scheduled_time if timing is not None else None
+            first_token = timing.first_token_time if timing is not None else None
             if last is None and timing is not None:
                 self.ttft.labels(m).observe(now - timing.arrival_time)
-                if timing.first_scheduled_time is not None:
-                    self.queue_time.labels(m).observe(
-                        timing.first_scheduled_time - timing.arrival_time
-                    )
+                if scheduled is not None:
+                    self.queue_time.labels(m).observe(scheduled - timing.arrival_time)
+                    if first_token is not None:
+                        self.prefill_time.labels(m).observe(first_token - scheduled)
             elif last is not None:
                 self.itl.labels(m).observe(now - last)
             if out.finished:
                 self._last_token_time.pop(rid, None)
                 if timing is not None:
                     self.e2e.labels(m).observe(now - timing.arrival_time)
+                if scheduled is not None:
+                    self.inference_time.labels(m).observe(now - scheduled)
+                if first_token is not None:
+                    self.decode_time.labels(m).observe(now - first_token)
                 # One count per request; the last choice to end decides the reason.
                 reason = out.outputs[-1].finish_reason if out.outputs else None
                 self.request_success.labels(m, reason or "stop").inc()

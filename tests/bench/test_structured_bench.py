@@ -113,10 +113,16 @@ def test_smoke_against_the_engine(model_dirs, tmp_path: Path) -> None:
             ]
         )
     assert rc == 0
-    modes = json.loads(out.read_text())["modes"]
-    for mode in modes.values():
+    doc = json.loads(out.read_text())
+    for mode in doc["modes"].values():
         assert mode["successful_requests"] > 0 and mode["failed_requests"] == 0
         assert mode["short"] == 0
+    # The engine's histograms saw every request the client timed, and its share is the smaller.
+    for mode, phases in doc["engine_phases"].items():
+        (engine_s, engine_n), (client_s, client_n) = phases["engine_ttft"], doc["client_ttft"][mode]
+        assert engine_n == client_n > 0
+        assert 0 < engine_s < client_s
+        assert phases["queue"][0] + phases["prefill"][0] <= engine_s
 
 
 def test_no_verdict_without_measurements() -> None:
@@ -124,3 +130,15 @@ def test_no_verdict_without_measurements() -> None:
     modes = structured.MODES
     report = structured.format_report({m: empty for m in modes}, dict.fromkeys(modes, 0), 8)
     assert "n/a" in report and "met" not in report and "MISSED" not in report
+
+
+def test_engine_phases_are_the_histograms_increase_between_scrapes() -> None:
+    before = {"engine_ttft": (1.0, 2.0), "queue": (0.5, 2.0)}
+    after = {"engine_ttft": (4.0, 5.0), "queue": (0.8, 5.0), "prefill": (2.0, 3.0)}
+    added = structured.phase_means(before, after)
+    assert added == {"engine_ttft": (3.0, 3.0), "queue": pytest.approx((0.3, 3.0))}
+    table = structured.format_phases(
+        {"unconstrained": added}, {"unconstrained": (4.5, 3.0)}
+    )  # client 1.5 s a request, engine 1.0 s: 500 ms outside it
+    assert "| unconstrained | 1500.00 | 1000.00 | 100.00 | n/a | 500.00 |" in table
+    assert structured.format_phases({"unconstrained": {}}, {}) == ""
