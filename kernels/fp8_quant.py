@@ -61,20 +61,17 @@ def _quantize_rows_kernel(
             tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=cols < k)
 
 
-# Rows up to this wide are read once, in registers (32 warps: 16 values a thread).
+# Rows up to this wide are read once, in registers (16 warps: 32 values a thread).
 ONE_PASS_MAX = 16384
 
 
 def row_launch(k: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of a per-row quantizing kernel over k columns: the whole row when it
-    fits ONE_PASS_MAX, else 4,096-column passes. A decode token's row is one program, on one SM,
-    and its per-value work (an exact division, the activation's exponential) bounds it: on an
-    H100 the fused SiLU-and-quantize of a 14,336-wide row took 5.9 us with 16 warps, so a row
-    gets up to 32 (16 values a thread at 16,384 columns, 16 warps at 4,096)."""
+    fits ONE_PASS_MAX, else 4,096-column passes."""
     block = triton.next_power_of_2(k)
     if block > ONE_PASS_MAX:
         return 4096, 8
-    return block, min(max(block // 256, 1), 32)
+    return block, min(max(block // 512, 1), 16)
 
 
 def quantize_tokens(
