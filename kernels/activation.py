@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.fp8_quant import row_launch
+from kvfleet.kernels.fp8_quant import row_launch, store_fp8_row, to_fp8
 from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
 
@@ -52,17 +52,13 @@ def _act_and_mul_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     round_to = x_ptr.dtype.element_ty
+    out_row = out_ptr + row * stride_o
     if d <= BLOCK:
         cols = tl.arange(0, BLOCK)
         mask = cols < d
         y = _act_and_mul_row(x_row, cols, mask, d, ACTIVATION).to(round_to).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
-        tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        store_fp8_row(y, cols, mask, row, out_row, scale_ptr, static_ptr, STATIC, FP8_MAX,
+                      MIN_SCALE)  # fmt: skip
     else:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -78,8 +74,8 @@ def _act_and_mul_quant_kernel(
             cols = start + tl.arange(0, BLOCK)
             mask = cols < d
             y = _act_and_mul_row(x_row, cols, mask, d, ACTIVATION).to(round_to).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
-            tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            q = to_fp8(y, scale, FP8_MAX)
+            tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_and_mul(

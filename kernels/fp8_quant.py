@@ -25,24 +25,45 @@ def _max(a, b):
 
 
 @triton.jit
+def to_fp8(y, scale, FP8_MAX: tl.constexpr):
+    """fp32 values over their scale, rounded as reference.quantize_tokens rounds (an exact
+    division, then saturation): to be cast to e4m3 by the store."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
+def store_fp8_row(
+    y, cols, mask, row, out_row_ptr, scale_ptr, static_ptr,
+    STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):  # fmt: skip
+    """A whole row held in fp32 registers, quantized and stored: its scale (from its amax, or
+    the static one) at scale_ptr + row, its e4m3 values at out_row_ptr + cols. Shared by every
+    kernel that quantizes a row it produced (this module's, the fused RMSNorm and activation),
+    so all of them round alike."""
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.reduce(tl.abs(y), 0, _max) / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    q = to_fp8(y, scale, FP8_MAX)
+    tl.store(out_row_ptr + cols, q.to(out_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, static_ptr, k, stride_x, stride_o,
     STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_o
     if k <= BLOCK:
         # The whole row in registers, read once: at decode a row is one program's work, and
         # the second read of a looped pass is what kept it slow (9 us at 14,336 on an H100).
         cols = tl.arange(0, BLOCK)
         v = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.reduce(tl.abs(v), 0, _max) / FP8_MAX, MIN_SCALE)
-        tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=cols < k)
+        store_fp8_row(v, cols, cols < k, row, out_row, scale_ptr, static_ptr, STATIC, FP8_MAX,
+                      MIN_SCALE)  # fmt: skip
     else:
         if STATIC:
             scale = tl.load(static_ptr).to(tl.float32)
@@ -57,8 +78,8 @@ def _quantize_rows_kernel(
         for start in range(0, k, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
-            tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=cols < k)
+            q = to_fp8(v, scale, FP8_MAX)
+            tl.store(out_row + cols, q.to(out_ptr.dtype.element_ty), mask=cols < k)
 
 
 # Rows up to this wide are read once, in registers (16 warps: 32 values a thread).

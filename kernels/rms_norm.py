@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.fp8_quant import store_fp8_row
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
@@ -67,13 +68,8 @@ def _rms_norm_kernel(
     if QUANTIZE:
         # Rounded to the input dtype first: the row the unfused path would quantize.
         y = (w * x).to(in_dtype).to(tl.float32)
-        if QUANTIZE == 2:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
-        tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        store_fp8_row(y, cols, mask, row, out_ptr + row * stride_o, scale_ptr, static_ptr,
+                      QUANTIZE == 2, FP8_MAX, MIN_SCALE)  # fmt: skip
     else:
         tl.store(out_ptr + row * stride_o + cols, (w * x).to(out_ptr.dtype.element_ty), mask=mask)
 
