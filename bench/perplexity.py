@@ -39,6 +39,7 @@ from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import load_tokenizer
 from kvfleet.engine.layers import linear
+from kvfleet.engine.models import llama
 
 logger = logging.getLogger("bench.perplexity")
 
@@ -165,16 +166,19 @@ def _weight_only_fp8_linear(
 @contextlib.contextmanager
 def _variant_arithmetic(name: str) -> Iterator[None]:
     """fp8-weights-only: the engine's fp8 linear layers multiply by their dequantized fp8
-    weights without quantizing their inputs, in this process, while the variant runs."""
+    weights without quantizing their inputs, in this process, while the variant runs. The
+    models built meanwhile leave their norms and activations unquantized too (those that feed
+    an fp8 linear quantize its input themselves when the model is built with an Fp8Input)."""
     if name != "fp8-weights-only":
         yield
         return
-    served = linear.fp8_linear
+    served, producer_input = linear.fp8_linear, llama.Fp8Input
     linear.fp8_linear = _weight_only_fp8_linear
+    llama.Fp8Input = lambda consumer: None
     try:
         yield
     finally:
-        linear.fp8_linear = served
+        linear.fp8_linear, llama.Fp8Input = served, producer_input
 
 
 def run_variant(
