@@ -43,6 +43,7 @@ from tests.support.kmock import (
     EVENTS,
     ISVCS,
     NS,
+    OPERATOR_WEDGED,
     PODS,
     APIServer,
     Fault,
@@ -312,9 +313,14 @@ async def test_liveness_fails_once_a_410_ends_kopfs_watching(cluster):
         assert await healthz(endpoint) == 200
     # An API server answers 410 to a list or watch whose resourceVersion it no longer has.
     gone = k.inject(Fault("GET", ISVC_COLLECTION, 410))
-    # kopf 1.45 stops all its tasks, /healthz included, and raises the 410 when stopped.
-    with pytest.raises(AssertionError, match="'code': 410"):
+    # kopf 1.45 stops all its tasks, /healthz included, and raises the 410 when stopped. Rarely
+    # (once in some fifteen runs on a 2-core machine) its shutdown wedges instead: a watcher
+    # retrying after the client was closed waits for new credentials that no login will bring.
+    # /healthz is down either way, which is what gets the pod restarted; only how kopf ends
+    # differs.
+    with pytest.raises(AssertionError) as ended:
         async with operator(k, liveness_endpoint=endpoint):
             await eventually(lambda: gone.hits == 1)
             await asyncio.sleep(1.0)
             assert await healthz(endpoint) != 200
+    assert "'code': 410" in str(ended.value) or OPERATOR_WEDGED in str(ended.value), ended.value

@@ -198,6 +198,10 @@ def write_kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
+# run_operator's failure when kopf has not stopped 30 s after its stop flag was set.
+OPERATOR_WEDGED = "the operator did not stop within 30 s"
+
+
 @contextlib.asynccontextmanager
 async def run_operator(
     registry: kopf.OperatorRegistry,
@@ -227,7 +231,8 @@ async def run_operator(
         except BaseException as e:
             failure.append(e)
 
-    thread = threading.Thread(target=run, name="operator")
+    # A daemon: a kopf that never stops (see OPERATOR_WEDGED) must not keep pytest from exiting.
+    thread = threading.Thread(target=run, name="operator", daemon=True)
     thread.start()
     try:
         assert await asyncio.to_thread(ready.wait, 30)
@@ -236,7 +241,8 @@ async def run_operator(
         stop.set()
         # Generous: on a loaded 2-core machine kopf takes seconds to cancel its tasks.
         await asyncio.to_thread(thread.join, 30)
-    assert not thread.is_alive() and not failure, failure
+    assert not thread.is_alive(), OPERATOR_WEDGED
+    assert not failure, failure
 
 
 @contextlib.asynccontextmanager
