@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.fp8_quant import row_launch, store_fp8_row, to_fp8
+from kvfleet.kernels.fp8_quant import row_launch, row_scale, store_fp8_row, to_fp8
 from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
 
@@ -60,15 +60,13 @@ def _act_and_mul_quant_kernel(
         store_fp8_row(y, cols, mask, row, out_row, scale_ptr, static_ptr, STATIC, FP8_MAX,
                       MIN_SCALE)  # fmt: skip
     else:
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            amax = tl.full([BLOCK], 0.0, tl.float32)
+        amax = tl.full([BLOCK], 0.0, tl.float32)
+        if not STATIC:
             for start in range(0, d, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 y = _act_and_mul_row(x_row, cols, cols < d, d, ACTIVATION).to(round_to)
                 amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-            scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+        scale = row_scale(amax, static_ptr, STATIC, FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, scale)
         for start in range(0, d, BLOCK):
             cols = start + tl.arange(0, BLOCK)

@@ -113,6 +113,15 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
+def _sms(device: torch.device) -> int:
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+
+
+@functools.cache
 def default_tile(n: int, k: int, sms: int) -> GemmTile:
     """64 weight rows and 256 columns a tile. Measured on an H100 at Llama-3-8B's shapes
     (bench/fp8_linear_bench.py --gemm-sweep, 1-16 tokens): the K dimension unsplit was the best
@@ -142,8 +151,7 @@ def small_batch_gemm(
         raise ValueError(f"small_batch_gemm takes 1-{MAX_TOKENS} tokens, not {m}")
     assert x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[1] == k
     if tile is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        tile = default_tile(n, k, sms)
+        tile = default_tile(n, k, _sms(x.device))
     blocks = triton.cdiv(n, tile.block_n)
     if blocks > _MAX_BLOCKS:
         raise ValueError(f"small_batch_gemm: {n} output columns is more than it counts")

@@ -32,6 +32,18 @@ def to_fp8(y, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def row_scale(magnitudes, static_ptr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
+              MIN_SCALE: tl.constexpr):  # fmt: skip
+    """A row's scale: the static one, or its largest magnitude (of `magnitudes`, a vector whose
+    maximum is the row's) over FP8_MAX, floored as reference.quantize_tokens floors it."""
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.reduce(magnitudes, 0, _max) / FP8_MAX, MIN_SCALE)
+    return scale
+
+
+@triton.jit
 def store_fp8_row(
     y, cols, mask, row, out_row_ptr, scale_ptr, static_ptr,
     STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
@@ -40,10 +52,7 @@ def store_fp8_row(
     the static one) at scale_ptr + row, its e4m3 values at out_row_ptr + cols. Shared by every
     kernel that quantizes a row it produced (this module's, the fused RMSNorm and activation),
     so all of them round alike."""
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    else:
-        scale = tl.maximum(tl.reduce(tl.abs(y), 0, _max) / FP8_MAX, MIN_SCALE)
+    scale = row_scale(tl.abs(y), static_ptr, STATIC, FP8_MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     q = to_fp8(y, scale, FP8_MAX)
     tl.store(out_row_ptr + cols, q.to(out_row_ptr.dtype.element_ty), mask=mask)
@@ -65,15 +74,13 @@ def _quantize_rows_kernel(
         store_fp8_row(v, cols, cols < k, row, out_row, scale_ptr, static_ptr, STATIC, FP8_MAX,
                       MIN_SCALE)  # fmt: skip
     else:
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
-            amax = tl.full([BLOCK], 0.0, tl.float32)
+        amax = tl.full([BLOCK], 0.0, tl.float32)
+        if not STATIC:
             for start in range(0, k, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 v = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.maximum(tl.reduce(amax, 0, _max) / FP8_MAX, MIN_SCALE)
+        scale = row_scale(amax, static_ptr, STATIC, FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, scale)
         for start in range(0, k, BLOCK):
             cols = start + tl.arange(0, BLOCK)
