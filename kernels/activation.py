@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.dependent_launch import allow_dependents, pdl_supported
 from kvfleet.kernels.fp8_quant import row_launch, row_scale, store_fp8_row, to_fp8
 from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
@@ -45,10 +46,11 @@ def _act_and_mul_kernel(
 def _act_and_mul_quant_kernel(
     x_ptr, out_ptr, scale_ptr, static_ptr, stride_x, stride_o, d,
     ACTIVATION: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program a row: its amax is needed before any value is written. A row that fits
     # (fp8_quant.row_launch) is computed once and kept in registers; a wider one twice.
+    allow_dependents(PDL)  # the down projection's GEMM prefetches its weights meanwhile
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     round_to = x_ptr.dtype.element_ty
@@ -98,7 +100,8 @@ def act_and_mul(
             _act_and_mul_quant_kernel[(x2.shape[0],)](
                 x2, out, scale, scale if static_scale is None else static_scale, x2.stride(0),
                 out.stride(0), d, ACTIVATION=activation, STATIC=static_scale is not None,
-                FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=warps,
+                FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block,
+                PDL=pdl_supported(x.device), num_warps=warps,
             )  # fmt: skip
         return out.view(*x.shape[:-1], d), scale
     if x2.shape[0]:

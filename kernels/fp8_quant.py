@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.dependent_launch import allow_dependents, pdl_supported
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
@@ -62,7 +63,9 @@ def store_fp8_row(
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, static_ptr, k, stride_x, stride_o,
     STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    allow_dependents(PDL)  # the fp8 GEMM this feeds prefetches its weights meanwhile
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * stride_o
@@ -114,7 +117,7 @@ def quantize_tokens(
         _quantize_rows_kernel[(m,)](
             x, out, scale, scale if static_scale is None else static_scale, k, x.stride(0),
             out.stride(0), STATIC=static_scale is not None, FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=warps,
+            MIN_SCALE=MIN_SCALE, BLOCK=block, PDL=pdl_supported(x.device), num_warps=warps,
         )  # fmt: skip
     return out, scale
 

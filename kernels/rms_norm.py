@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.dependent_launch import allow_dependents, pdl_supported
 from kvfleet.kernels.fp8_quant import store_fp8_row
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
@@ -47,7 +48,10 @@ def _rms_norm_kernel(
     QUANTIZE: tl.constexpr,  # 0: no, 1: per-row amax, 2: the static scale
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # The fp8 GEMM after a quantizing norm prefetches its weights while this runs.
+    allow_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -129,6 +133,7 @@ def rms_norm(
             QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
             FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE,
+            PDL=quantize and pdl_supported(x.device),
             num_warps=min(max(block // 256, 1), 16),
         )
     out = out.view(x.shape)

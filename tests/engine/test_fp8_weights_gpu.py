@@ -71,6 +71,36 @@ def test_small_batch_gemm_tiles_equal_cublaslt_row_wise(m, tile):
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
+def test_decode_gemm_reads_the_output_of_the_norm_launched_before_it():
+    """On Hopper the decode GEMM is launched with programmatic dependent launch: it starts while
+    the quantizing RMSNorm before it runs and prefetches its weights, then waits. A CUDA graph
+    of norm -> GEMM replayed on fresh inputs must give each replay's own product (a GEMM that
+    read its input before the wait would give the previous replay's, ~140% off)."""
+    from kvfleet.kernels import fp8_gemm
+    from kvfleet.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w_fp8, w_scale = quantize_rows(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02)
+    norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, s = rms_norm(x, norm_w, 1e-5, quantize=True)
+        return q, s, fp8_gemm.small_batch_gemm(q, s, w_fp8, w_scale, None, torch.bfloat16)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, s, y = step()
+    for _ in range(20):
+        x.copy_(torch.randn(1, 4096, device="cuda", generator=gen))
+        graph.replay()
+        want = torch._scaled_mm(
+            q, w_fp8.t(), scale_a=s, scale_b=w_scale.view(1, -1), out_dtype=torch.float32
+        )
+        assert ((y.float() - want).norm() / want.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_triton_quantization_equals_the_pytorch_function(static):
     from kvfleet.kernels import fp8_quant
