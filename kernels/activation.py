@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.dependent_launch import allow_dependents, pdl_supported
+from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.fp8_quant import row_launch, row_scale, store_fp8_row, to_fp8
 from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
@@ -33,8 +33,10 @@ def _act_and_mul_row(x_row, cols, mask, d, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _act_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, d, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, out_ptr, stride_x, stride_o, d,
+    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -50,7 +52,7 @@ def _act_and_mul_quant_kernel(
 ):  # fmt: skip
     # One program a row: its amax is needed before any value is written. A row that fits
     # (fp8_quant.row_launch) is computed once and kept in registers; a wider one twice.
-    allow_dependents(PDL)  # the down projection's GEMM prefetches its weights meanwhile
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     round_to = x_ptr.dtype.element_ty
@@ -100,13 +102,14 @@ def act_and_mul(
             _act_and_mul_quant_kernel[(x2.shape[0],)](
                 x2, out, scale, scale if static_scale is None else static_scale, x2.stride(0),
                 out.stride(0), d, ACTIVATION=activation, STATIC=static_scale is not None,
-                FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block,
-                PDL=pdl_supported(x.device), num_warps=warps,
+                FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=warps,
+                **pdl_args(x.device),
             )  # fmt: skip
         return out.view(*x.shape[:-1], d), scale
     if x2.shape[0]:
         block = 1024
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, ACTIVATION=activation, BLOCK=block, num_warps=4
-        )
+            x2, out, x2.stride(0), out.stride(0), d, ACTIVATION=activation, BLOCK=block,
+            num_warps=4, **pdl_args(x.device),
+        )  # fmt: skip
     return out.view(*x.shape[:-1], d)

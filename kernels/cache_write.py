@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.reference import FP8_MAX, kv_scales
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -59,7 +60,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -123,4 +126,5 @@ def write_kv_cache(
         PAGE_SIZE=kv_cache.shape[2],
         FP8=scales is not None,
         num_warps=4,
+        **pdl_args(key.device),
     )

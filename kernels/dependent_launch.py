@@ -6,9 +6,11 @@ anything an earlier kernel wrote, or writes anything, it must `wait_for_prior`: 
 when the kernel before has finished and its writes are visible, and so, by induction, every
 kernel before that. Only data no kernel writes (weights) may be read before the wait.
 
-At batch 1 a decode step is ~400 launches of a few microseconds each, and the fp8 GEMMs follow
-a norm, the activation or a quantization that reads a few kilobytes on one SM while the memory
-system idles. The GEMM uses that head start to pull its weights into L2 (`prefetch_l2`)."""
+At batch 1 a decode step is ~400 launches of a few microseconds each: with PDL each launch and
+each program's set-up overlaps the kernel before. The decode path's kernels (norms, rotary, the
+KV write, decode attention, the activation, fp8 quantization and GEMM) all take part. The fp8
+GEMMs follow a norm, the activation or a quantization that reads a few kilobytes on one SM while
+the memory system idles, and use that head start to pull their weights into L2 (`prefetch_l2`)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ def wait_for_prior(PDL: tl.constexpr):
 
 
 @triton.jit
+def enter(PDL: tl.constexpr):
+    """The start of a small kernel launched with `pdl_args`: the next kernel may launch at once
+    (it will wait for this one), then this one waits for the one before."""
+    allow_dependents(PDL)
+    wait_for_prior(PDL)
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """One L2 prefetch per element's address (a cache line each, 128 bytes): no registers
     held and nothing waited for. Compiled only on the GPU (the interpreter runs no asm)."""
@@ -55,10 +65,10 @@ def prefetch_l2(ptrs):
     )
 
 
-def launch_options(device: torch.device) -> dict[str, bool]:
-    """The launch keyword for a kernel that waits for its prior (empty where PDL is off, so the
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """A kernel's PDL constexpr and launch keyword (launch_pdl only where PDL is on, so the
     interpreter never sees it)."""
-    return {"launch_pdl": True} if pdl_supported(device) else {}
+    return {"PDL": True, "launch_pdl": True} if pdl_supported(device) else {"PDL": False}
 
 
 # One cache line.

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import (
-    launch_options,
-    pdl_supported,
+    allow_dependents,
+    pdl_args,
     prefetch_columns,
     prefetch_l2,
     wait_for_prior,
@@ -95,6 +95,9 @@ def _small_batch_gemm_kernel(
             x_rows + cols[None, :], mask=(toks[:, None] < m) & (cols[None, :] < k), other=0.0
         )
         acc = tl.dot(w, tl.trans(x), acc)
+    # Not before the loop: a GEMM launched early behind this one would prefetch its weights
+    # into L2 while this one streams its own through it.
+    allow_dependents(PDL)
     if SPLIT_K == 1:
         _scale_and_store(
             acc, rows, toks, m, n, xs_ptr, ws_ptr, bias_ptr, out_ptr, stride_o, HAS_BIAS
@@ -183,19 +186,19 @@ def small_batch_gemm(
         if tile.split_k > 1
         else out
     )
-    pdl = pdl_supported(x.device)
+    pdl = pdl_args(x.device)
     prefetch = (
         prefetch_columns(
             triton.cdiv(k, tile.split_k), tile.block_n, blocks * tile.split_k, _PREFETCH_BYTES
         )
-        if pdl
+        if pdl["PDL"]
         else 0
     )
     _small_batch_gemm_kernel[(blocks, tile.split_k)](
         x, x_scale, weight, weight_scale, out if bias is None else bias, out, part,
         _counters(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=tile.split_k, BLOCK_M=MAX_TOKENS,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl, PREFETCH_K=prefetch,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(x.device),
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PREFETCH_K=prefetch,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     return out

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.dependent_launch import allow_dependents, pdl_supported
+from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
@@ -65,7 +65,7 @@ def _quantize_rows_kernel(
     STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    allow_dependents(PDL)  # the fp8 GEMM this feeds prefetches its weights meanwhile
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * stride_o
@@ -117,7 +117,7 @@ def quantize_tokens(
         _quantize_rows_kernel[(m,)](
             x, out, scale, scale if static_scale is None else static_scale, k, x.stride(0),
             out.stride(0), STATIC=static_scale is not None, FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE, BLOCK=block, PDL=pdl_supported(x.device), num_warps=warps,
+            MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=warps, **pdl_args(x.device),
         )  # fmt: skip
     return out, scale
 

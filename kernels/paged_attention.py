@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.reference import is_fp8, kv_scales
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -178,7 +179,9 @@ def _decode_split_kernel(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -277,10 +280,12 @@ def _decode_prefix_kernel(
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (row tiles, num_kv_heads, PREFIX_SPLITS). A row is one (sequence, query head of this
     KV head); every row sees the whole prefix [0, prefix_len), whose pages are block-table row
     0's. Padding rows (seq_len 0 < prefix_len) store an empty partial, so they come out zero."""
+    enter(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     prefix_len = tl.load(prefix_len_ptr).to(tl.int32)
@@ -332,7 +337,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_PARTS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -631,6 +638,7 @@ def paged_decode_attention(
             KV_FP8=is_fp8(kv_cache),
             num_warps=4,
             num_stages=2,
+            **pdl_args(query.device),
         )
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -668,6 +676,7 @@ def paged_decode_attention(
         KV_FP8=is_fp8(kv_cache),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_args(query.device),
     )
     if num_parts > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -681,6 +690,7 @@ def paged_decode_attention(
             NUM_PARTS=num_parts,
             BLOCK_S=triton.next_power_of_2(num_parts),
             num_warps=4,
+            **pdl_args(query.device),
         )
     return out
 

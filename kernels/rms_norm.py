@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.dependent_launch import allow_dependents, pdl_supported
+from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.fp8_quant import store_fp8_row
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
@@ -50,8 +50,7 @@ def _rms_norm_kernel(
     MIN_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # The fp8 GEMM after a quantizing norm prefetches its weights while this runs.
-    allow_dependents(PDL)
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -133,8 +132,8 @@ def rms_norm(
             QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
             FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE,
-            PDL=quantize and pdl_supported(x.device),
             num_warps=min(max(block // 256, 1), 16),
+            **pdl_args(x.device),
         )
     out = out.view(x.shape)
     if quantize:

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.dependent_launch import enter, pdl_args
+
 
 @triton.jit
 def _rotary_kernel(
@@ -25,7 +27,9 @@ def _rotary_kernel(
     num_k_heads,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -76,5 +80,6 @@ def apply_rotary(
             HALF=head_dim // 2,
             BLOCK_H=triton.next_power_of_2(max(num_q, k.shape[1])),
             num_warps=4,
+            **pdl_args(q.device),
         )
     return q, k

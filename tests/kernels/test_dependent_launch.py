@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Before triton is imported: the module's jitted helpers must be the interpreter's for the
+# kernel tests collected after this file.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from kvfleet.kernels.dependent_launch import LINE, prefetch_columns
