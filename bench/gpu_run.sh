@@ -238,7 +238,7 @@ for step in "$@"; do
             --dtype bfloat16 --max-model-len 8192 --served-model-name llama8b || continue
         timeout 400 $py bench/structured.py --base-url http://127.0.0.1:8000 --model llama8b \
             --users 32 --max-tokens 256 --warmup-duration 10 --duration "${STRUCTURED_DURATION:-30}" \
-            --rounds 2 \
+            --rounds "${STRUCTURED_ROUNDS:-2}" \
             --result-json "$out/structured.json" 2>&1 | tee "$out/structured.txt"
         kill $server
         wait $server

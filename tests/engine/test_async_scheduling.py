@@ -64,34 +64,44 @@ def test_async_scheduling_gives_what_the_synchronous_loop_gives(model_dirs, prom
 
 def test_the_next_step_is_launched_before_the_last_tokens_are_read(model_dirs, prompts):
     llm = LLM(str(model_dirs["llama"]), dtype="float32")
-    runner, calls = llm.engine.runner, []
-    launch, resolve = runner.launch, runner.resolve
+    core, calls = llm.engine, []
+    runner = core.runner
+    step, launch, sample, resolve = core.step, runner.launch, runner.sample, runner.resolve
+
+    def spy_step():
+        calls.append("step")
+        return step()
 
     def spy_launch(out, prev=None):
-        calls.append(("launch", prev is not None))
+        calls.append("launch after a step in flight" if prev is not None else "launch")
         return launch(out, prev)
 
-    def spy_resolve(step):
-        calls.append(("resolve", None))
-        return resolve(step)
+    def spy_sample(launched):
+        calls.append("sample")
+        return sample(launched)
 
-    runner.launch, runner.resolve = spy_launch, spy_resolve
+    def spy_resolve(flight):
+        calls.append("resolve")
+        return resolve(flight)
+
+    core.step = spy_step
+    runner.launch, runner.sample, runner.resolve = spy_launch, spy_sample, spy_resolve
     out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4))[0]
     assert len(out.outputs[0].token_ids) == 4
-    # Prefill, then three decodes each launched with the step before still in flight (its token
-    # fed from the device); every resolve comes after the next launch.
-    assert calls[:6] == [
-        ("launch", False),
-        ("launch", True),
-        ("resolve", None),
-        ("launch", True),
-        ("resolve", None),
-        ("launch", True),
-    ]
+    # Prefill, then decodes each launched with the step before still in flight (its token fed
+    # from the device); every resolve comes after the next launch, and a step returns its
+    # outputs right after the resolve: the launched step is sampled (its grammar masks
+    # computed) at the start of the next call.
+    assert calls[:11] == ["step", "launch"] + [
+        "step",
+        "sample",
+        "launch after a step in flight",
+        "resolve",
+    ] * 2 + ["step"]
     assert_no_leak(llm)
 
 
-def test_a_request_aborted_with_its_token_in_flight_leaves_nothing(model_dirs, prompts):
+def test_a_request_aborted_with_its_step_launched_leaves_nothing(model_dirs, prompts):
     llm = LLM(str(model_dirs["llama"]), dtype="float32")
     core = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)
@@ -100,7 +110,8 @@ def test_a_request_aborted_with_its_token_in_flight_leaves_nothing(model_dirs, p
     core.add_request("b", core.admit(prompts[2], sp))
     for _ in range(4):
         core.step()
-    assert core._in_flight is not None and "a#0" in core._in_flight.rows  # its token unread
+    # Between steps, the last one is launched and not yet sampled: "a" has a row in it.
+    assert core._launched is not None and "a#0" in {r.request_id for r in core._launched.reqs}
     assert core.abort_request("a")
     deltas = []
     while core.has_unfinished_requests():
