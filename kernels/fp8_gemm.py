@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import (
+    LINE,
     allow_dependents,
     pdl_args,
     prefetch_columns,
@@ -36,6 +37,7 @@ from kvfleet.kernels.dependent_launch import (
 
 # Tokens a call may have: the MMA's N side, padded.
 MAX_TOKENS = 16
+_LINE = tl.constexpr(LINE)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def _small_batch_gemm_kernel(
     if PREFETCH_K > 0:
         # No kernel writes the weights, so they may be read before the wait: the rows' first
         # columns start moving while the kernel before this one finishes.
-        lines = tl.minimum(first * BLOCK_K + tl.arange(0, PREFETCH_K // 128) * 128, k - 1)
+        lines = tl.minimum(first * BLOCK_K + tl.arange(0, PREFETCH_K // _LINE) * _LINE, k - 1)
         safe_rows = tl.minimum(rows, n - 1)
         prefetch_l2(w_ptr + safe_rows[:, None].to(tl.int64) * stride_w + lines[None, :])
     wait_for_prior(PDL)
