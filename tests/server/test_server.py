@@ -23,7 +23,13 @@ from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.serving import SERVING
 from tests.support.net import free_port, http_call
-from tests.support.servers import EngineProcess, engine_server, sse_data_lines
+from tests.support.servers import (
+    EngineProcess,
+    assert_engine_idle,
+    engine_server,
+    metric,
+    sse_data_lines,
+)
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -60,32 +66,12 @@ def http(
     return status, hdrs, json.loads(raw or b"null")
 
 
-def metric(server, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
-
-
 def _metric_or_zero(server, series: str) -> float:
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith(series + "}"):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def assert_engine_idle(server, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-    while True:
-        values = [metric(server, n) for n in names]
-        if values == [0.0, 0.0, 0.0]:
-            return
-        assert time.monotonic() < deadline, dict(zip(names, values, strict=True))
-        time.sleep(0.05)
 
 
 def test_cached_prefix_blocks_are_exported_and_outlive_their_request(client, server):

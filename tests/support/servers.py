@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -148,3 +149,23 @@ async def sse_data_lines(
                 lines.append(line.decode().strip())
                 started.set()
     return lines
+
+
+def metric(server, name: str) -> float:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def assert_engine_idle(server, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    while True:
+        values = [metric(server, n) for n in names]
+        if values == [0.0, 0.0, 0.0]:
+            return
+        assert time.monotonic() < deadline, dict(zip(names, values, strict=True))
+        time.sleep(0.05)
