@@ -14,7 +14,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,10 @@ class AsyncEngine:
                     self._on_step(outputs)
                 if outputs:
                     self._post(self._deliver, outputs)
+                if self.core.idle:
+                    # Until a grammar compiles (its job wakes the loop) or a command comes.
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
         except BaseException as e:
             logger.exception("engine loop died")
             # A collective failing because a worker died says less than the death itself.
@@ -240,12 +245,17 @@ class AsyncEngine:
         self._send(AbortAll(tuple(streams)))
 
     async def generate(
-        self, request_id: str, request: EngineRequest
+        self,
+        request_id: str,
+        request: EngineRequest,
+        ready: Callable[[], Awaitable[Any]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream an admitted request's (EngineCore.admit) per-step deltas until it finishes.
         Raises ValueError before anything is queued if the id is in use; RequestFailedError if
         the engine failed this request, RequestAbortedError if abort_all ended it,
-        EngineDeadError if the loop dies."""
+        EngineDeadError if the loop dies. ready(), awaited once the request is queued and
+        before its first delta, may end the stream with its error, aborting the request: the
+        server's wait for a grammar that compiles while the prompt prefills."""
         if not self.is_alive():
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:
@@ -254,9 +264,13 @@ class AsyncEngine:
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending_sequences += request.params.n
+        if isinstance(request.grammar, Future):
+            request.grammar.add_done_callback(lambda _: self._wakeup.set())
         self._send(AddRequest(request_id, request))
         finished = False
         try:
+            if ready is not None:
+                await ready()
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvfleet.engine.config import EngineArgs, ModelConfig
@@ -18,7 +19,7 @@ from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
-from kvfleet.engine.structured_output import StructuredOutputs
+from kvfleet.engine.structured_output import CompiledGrammar, StructuredOutputs
 from kvfleet.engine.workers import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class EngineCore:
         self._launched: LaunchedStep | None = None
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = args.async_scheduling
+        # The last step found nothing to run and nothing on the device: every request waits
+        # for its grammar to compile, and the loop may sleep until one is done.
+        self.idle = False
         # Structured outputs need the tokenizer's text of every token id.
         self.structured: StructuredOutputs | None = None
         if self.tokenizer is not None:
@@ -133,11 +137,16 @@ class EngineCore:
 
     # -- requests --------------------------------------------------------------------------
     def admit(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
     ) -> EngineRequest:
         """The one admission check: an EngineRequest, or InvalidRequestError (a ValueError) for
         a request that could never run. Reads only fixed settings, so front ends call it from
-        any thread."""
+        any thread. `grammar`: the structured_outputs constraint, compiled or compiling
+        (StructuredOutputs.submit); without it, admission compiles it here."""
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop strings need a tokenizer (the engine runs without one)", "stop"
@@ -174,15 +183,16 @@ class EngineCore:
                 f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt",
                 "min_tokens",
             )
-        grammar = None
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise InvalidRequestError(
                     "structured_outputs needs a tokenizer (the engine runs without one)",
                     "structured_outputs",
                 )
-            # A cache hit when the server compiled it off its event loop first.
-            grammar = self.structured.grammar(params.structured_outputs)
+            if grammar is None:
+                grammar = self.structured.grammar(params.structured_outputs)
+            elif isinstance(grammar, Future) and grammar.done():
+                grammar = grammar.result()  # compiled, or its GrammarError
         return EngineRequest(list(prompt_token_ids), params, prompt, grammar=grammar)
 
     def add_request(self, request_id: str, request: EngineRequest) -> None:
@@ -205,7 +215,7 @@ class EngineCore:
                     self.eos_token_ids,
                     self.model_config.max_model_len,
                     request.arrival_time,
-                    None if request.grammar is None else request.grammar.matcher(),
+                    request.grammar,
                 )
             )
         self.output_processor.add_request(request_id, request, children)
@@ -246,18 +256,50 @@ class EngineCore:
         last call returned: its grammar masks (about 1 ms of host time for 32 constrained rows
         of a 128k vocabulary) then follow the delivery of the outputs they wait for, instead of
         delaying every token, the first included. The device is still in its forward pass."""
+        outputs: list[RequestOutput] = []
         if self._launched is not None:
-            self._in_flight = self.runner.sample(self._launched)
+            self._in_flight = self._sample(self._launched, outputs)
             self._launched = None
         prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
+        self.idle = out.empty and prev is None
         launched = self.runner.launch(out, prev)
         self.scheduler.advance(out)
-        outputs = self._resolve(prev) if prev is not None else []
+        if out.failed:
+            outputs += self._fail(out.failed)
+        if prev is not None:
+            outputs += self._resolve(prev)
         if self.async_scheduling:
-            self._launched = launched
+            self._launched = None if out.empty else launched
             return outputs
-        return outputs + self._resolve(self.runner.sample(launched))
+        flight = self._sample(launched, outputs)
+        return outputs + self._resolve(flight)
+
+    def _sample(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> InFlightStep:
+        """Queue a launched step's sampling. A request whose grammar is still compiling (its
+        prompt ran meanwhile) does not sample now: it steps back, to compute its last position
+        again once the grammar is there. One whose grammar failed fails (into `outputs`)."""
+        failed = []
+        for req in launched.reqs:
+            # (One preempted since the launch starts over anyway.)
+            if req.pending_grammar is None or req.status is not RequestStatus.RUNNING:
+                continue
+            try:
+                if not req.grammar_ready():
+                    self.scheduler.step_back(req)
+            except Exception as e:
+                failed.append((req, e))
+        if failed:
+            outputs += self._fail(failed)
+        return self.runner.sample(launched)
+
+    def _fail(self, failures: list[tuple[Request, Exception]]) -> list[RequestOutput]:
+        """End the requests whose grammar failed to compile, each with its error output."""
+        processed = self.output_processor.fail(failures, "structured_outputs")
+        for req, status in processed.to_finish:
+            self.scheduler.finish_request(req, status)
+        self._release_finished()
+        return list(processed.outputs.values())
 
     def _resolve(self, flight: InFlightStep) -> list[RequestOutput]:
         """Read a step's tokens and turn them into outputs; end the requests they stop."""

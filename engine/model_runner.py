@@ -409,7 +409,10 @@ class ModelRunner:
         reqs, logits = step.reqs, step.logits
         if logits is None or not reqs:
             return InFlightStep(step.out, None, step.prompt_logprobs, {})
-        live = [i for i, r in enumerate(reqs) if not r.status.finished]
+        # Nor those still waiting for their grammar (the engine stepped them back).
+        live = [
+            i for i, r in enumerate(reqs) if not r.status.finished and r.pending_grammar is None
+        ]
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
             if not reqs:

@@ -185,6 +185,13 @@ class OutputProcessor:
         parent.num_unfinished -= 1
         return not parent.num_unfinished
 
+    def fail(self, failures: list[tuple[Request, Exception]], stage: str) -> ProcessedStep:
+        """Fail the user requests of these sequences, each with its error, outside a step."""
+        step = ProcessedStep()
+        for req, error in failures:
+            self._fail(req, stage, error, step)
+        return step
+
     def _fail(self, req: Request, stage: str, error: Exception, step: ProcessedStep) -> None:
         """Fail the user request `req` belongs to (all its n children): its delta this step
         becomes the failure, and every child is to be ended."""

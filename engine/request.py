@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,8 +35,9 @@ class EngineRequest:
     prompt: str | None = None
     # time.monotonic() at admission, where latency metrics start.
     arrival_time: float = field(default_factory=time.monotonic)
-    # The compiled structured_outputs constraint; each sequence gets its own matcher of it.
-    grammar: CompiledGrammar | None = None
+    # The structured_outputs constraint, compiled, or still compiling (the server queues the
+    # request meanwhile); each sequence gets its own matcher of it.
+    grammar: CompiledGrammar | Future[CompiledGrammar] | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,7 +75,7 @@ class Request:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         arrival_time: float | None = None,
-        grammar: GrammarMatcher | None = None,
+        grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -104,7 +106,13 @@ class Request:
         self.first_token_time: float | None = None
         # Where this sequence is in its structured_outputs grammar: advanced by the sampler once
         # per sampled token, kept across preemption like the output tokens it has seen.
-        self.grammar = grammar
+        self.grammar: GrammarMatcher | None = None
+        # The grammar still compiling, until grammar_ready() finds it done.
+        self.pending_grammar: Future[CompiledGrammar] | None = None
+        if isinstance(grammar, Future):
+            self.pending_grammar = grammar
+        elif grammar is not None:
+            self.grammar = grammar.matcher()
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +134,18 @@ class Request:
         """Whether computing num_new more tokens reaches the end of those it has (known or in
         flight), so that the step samples its next one."""
         return self.num_computed_tokens + num_new == self.num_tokens + self.num_pending
+
+    def grammar_ready(self) -> bool:
+        """Whether the request may sample: False while its grammar compiles. Raises the
+        compile's error (a GrammarError) when it failed."""
+        pending = self.pending_grammar
+        if pending is None:
+            return True
+        if not pending.done():
+            return False
+        self.grammar = pending.result().matcher()
+        self.pending_grammar = None
+        return True
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -26,6 +26,8 @@ class SchedulerOutput:
     started: set[str] = field(default_factory=set)
     # Requests preempted in this step; their KV blocks are already released.
     preempted: list[str] = field(default_factory=list)
+    # Requests whose grammar failed to compile, with the error: the engine fails them.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
     # Whether Scheduler.advance has moved the requests past this step.
     advanced: bool = False
 
@@ -117,6 +119,10 @@ class Scheduler:
                 i += 1  # its last token is in flight: it ends at length once that is read
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            num_new = self._until_grammar(req, req.num_computed_tokens, num_new, out)
+            if num_new == 0:
+                i += 1
+                continue
             block_ids = self.kv.allocate_slots(req, num_new)
             while block_ids is None:
                 victim = self.running.pop()  # the newest running request gives way
@@ -133,16 +139,24 @@ class Scheduler:
             i += 1
 
         # After a preemption the pool is known to be short: admitting more would only thrash.
+        w = 0
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+            not preempted
+            and w < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting[w]
             hits, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
+            num_new = self._until_grammar(req, num_cached, num_new, out)
+            if num_new == 0:
+                w += 1  # it waits for its grammar; those behind it need not
+                continue
             block_ids = self.kv.allocate_slots(req, num_new, hits)
             if block_ids is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -156,6 +170,27 @@ class Scheduler:
             out.started.add(req.request_id)
             budget -= num_new
         return out
+
+    @staticmethod
+    def _until_grammar(req: Request, computed: int, num_new: int, out: SchedulerOutput) -> int:
+        """num_new, or 0 for a request that would only compute the position that samples while
+        its grammar still compiles: nothing to run until the grammar is there. A longer run
+        goes ahead (the grammar is needed at sampling, one forward pass later; if it is not
+        there yet, the engine steps the request back). A grammar that failed: 0, and the
+        request goes in out.failed."""
+        if req.pending_grammar is None or computed + num_new < req.num_tokens + req.num_pending:
+            return num_new
+        try:
+            return num_new if req.grammar_ready() or num_new > 1 else 0
+        except Exception as e:
+            out.failed.append((req, e))
+            return 0
+
+    def step_back(self, req: Request) -> None:
+        """Undo the sampling a launched step planned for `req` (its grammar is still
+        compiling): its last position is computed again, and samples, in a later step."""
+        req.num_pending -= 1
+        req.num_computed_tokens -= 1
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)

@@ -18,8 +18,9 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +243,47 @@ def _cache_key(params: StructuredOutputsParams) -> str:
     return json.dumps(params.model_dump(exclude_defaults=True), sort_keys=True)
 
 
+class GrammarJob:
+    """A constraint's compilation in a compile thread. The engine may queue the request before
+    it is done: the prompt prefills meanwhile and only its first sampled token waits (the
+    scheduler polls `future`). The server awaits wait() for the outcome, its 400 included."""
+
+    __slots__ = ("future", "started")
+
+    def __init__(self) -> None:
+        self.future: Future[CompiledGrammar] = Future()
+        self.started: float | None = None  # time.monotonic() when a compile thread took it up
+
+    @classmethod
+    def done(cls, compiled: CompiledGrammar) -> GrammarJob:
+        job = cls()
+        job.future.set_result(compiled)
+        job.started = time.monotonic()
+        return job
+
+    async def wait(self, timeout: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
+        """The compiled grammar, or GrammarError: the constraint's own, or a timeout counted
+        from when a compile thread took the job up (a wait for a free thread, in a burst of new
+        schemas, is not held against the request)."""
+        if self.future.done():
+            return self.future.result()
+        outcome = asyncio.wrap_future(self.future)
+        # Read, so that a failure after this waiter has gone (timed out, cancelled) is not
+        # logged as an exception nobody retrieved.
+        outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+        while True:
+            started = self.started
+            left = timeout if started is None else started + timeout - time.monotonic()
+            if left <= 0:
+                raise GrammarError(
+                    f"the constraint took longer than {timeout:g} s to compile: simplify it",
+                    "structured_outputs",
+                )
+            done, _ = await asyncio.wait([outcome], timeout=left)
+            if done:
+                return outcome.result()
+
+
 class StructuredOutputs:
     """The engine's grammar compiler and cache, for one tokenizer and vocabulary."""
 
@@ -265,6 +307,7 @@ class StructuredOutputs:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._compilers = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._compiling: dict[str, GrammarJob] = {}
         self.executor = llguidance.LLExecutor(num_threads=mask_threads(usable_cpus()))
         self.compiles = 0  # cache misses, for tests and metrics
         self._buffer: torch.Tensor | None = None
@@ -343,31 +386,41 @@ class StructuredOutputs:
             mask[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
         return bool(mask.any()) or bool(matcher.is_accepting())
 
-    async def compile(
-        self, params: StructuredOutputsParams, timeout: float = COMPILE_TIMEOUT_S
-    ) -> CompiledGrammar:
-        """grammar() off the event loop, within `timeout` seconds of compiling: a wait for a free
-        compile thread (a burst of new schemas) is not held against the request. A cached one
-        comes back at once, never queued behind such a burst."""
-        hit = self._lookup(_cache_key(params))
-        if hit is not None:
-            return hit
-        loop = asyncio.get_running_loop()
-        started = asyncio.Event()
-
-        def run() -> CompiledGrammar:
-            loop.call_soon_threadsafe(started.set)
-            return self.grammar(params)
-
-        future = loop.run_in_executor(self._compilers, run)
+    def submit(self, params: StructuredOutputsParams) -> GrammarJob:
+        """Start compiling a constraint in a compile thread: a job already done for a cached one,
+        the job in progress when the same constraint is compiling for another request (a burst
+        of one new schema compiles it once)."""
+        key = _cache_key(params)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return GrammarJob.done(hit)
+            job = self._compiling.get(key)
+            if job is not None:
+                return job
+            job = self._compiling[key] = GrammarJob()
         try:
-            await started.wait()
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise GrammarError(
-                f"the constraint took longer than {timeout:g} s to compile: simplify it",
-                "structured_outputs",
-            ) from None
+            self._compilers.submit(self._run, key, job, params)
+        except BaseException:
+            self._forget(key)
+            raise
+        return job
+
+    def _run(self, key: str, job: GrammarJob, params: StructuredOutputsParams) -> None:
+        job.started = time.monotonic()
+        try:
+            compiled = self.grammar(params)  # cached before the job leaves _compiling
+        except BaseException as e:  # the request fails with it, never the compile thread
+            self._forget(key)
+            job.future.set_exception(e)
+        else:
+            self._forget(key)
+            job.future.set_result(compiled)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            del self._compiling[key]
 
     def masks(self, reqs: list[Request]) -> GrammarMasks | None:
         """The allowed-token bitmask of every row of a batch (int32, bit t of a row: token t

@@ -103,14 +103,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         lambda max_tokens: plan.sampling(req.sampling_params(max_tokens)),
     )
     constraint, field = req.constraint
-    await ctx.compile_constraints(params, field if constraint is not None else "tool_choice")
+    constraint_param = field if constraint is not None else "tool_choice"
     request_id = random_id("chatcmpl")
     created = now()
     model = req.model or ctx.model_name
     top_n = req.top_logprobs or 0
     ctx.admit(req.model, req.n)
-    outputs = traced(request, CHAT, request_id, model, [ids], params,
-                     ctx.run(request_id, [ids], params))  # fmt: skip
+    outputs = await ctx.run(request_id, [ids], params, constraint_param=constraint_param)
+    outputs = traced(request, CHAT, request_id, model, [ids], params, outputs)
 
     def logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
         if not req.logprobs:

@@ -117,7 +117,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     # max_tokens 0 (echo only) still runs one step: the prompt's last position samples.
     scoring_only = req.max_tokens == 0
     params = ctx.prepare(prompts, 1 if scoring_only else req.max_tokens, req.sampling_params)
-    await ctx.compile_constraints(params[:1], req.constraint[1])
     echoes = [
         (t if t is not None else await ctx.decode(ids)) if req.echo else ""
         for t, ids in zip(texts, prompts, strict=True)
@@ -127,8 +126,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     n = req.n
     model = req.model or ctx.model_name
     ctx.admit(req.model, num_sequences)
-    outputs = traced(request, TEXT_COMPLETION, request_id, model, prompts, params,
-                     ctx.run(request_id, prompts, params, texts))  # fmt: skip
+    outputs = await ctx.run(request_id, prompts, params, texts, req.constraint[1])
+    outputs = traced(request, TEXT_COMPLETION, request_id, model, prompts, params, outputs)
 
     if not req.stream:
         results = await ctx.collect(outputs, prompts, params)

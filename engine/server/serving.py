@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -21,7 +22,7 @@ from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
-from kvfleet.engine.structured_output import GrammarError
+from kvfleet.engine.structured_output import GrammarError, GrammarJob
 from kvfleet.telemetry.genai import GenAISpan
 from kvfleet.telemetry.http import SPAN
 
@@ -149,39 +150,53 @@ class ServingContext:
                 raise validation_error(e) from None
         return params
 
-    async def compile_constraints(self, params: list[SamplingParams], param: str) -> None:
-        """Compile each structured-output constraint off the event loop, within a time bound,
-        so that the engine's admission finds it cached; one that cannot be compiled is a 400
-        naming `param` (the request field it came from)."""
-        structured = self.engine.core.structured
-        for sp in params:
-            if sp.structured_outputs is None:
-                continue
-            if structured is None:
-                raise bad_request("structured outputs need a tokenizer", param=param)
-            try:
-                await structured.compile(sp.structured_outputs)
-            except GrammarError as e:
-                raise bad_request(str(e), param=param) from None
-
-    def run(
+    async def run(
         self,
         request_id: str,
         prompts: list[list[int]],
         params: list[SamplingParams],
         texts: list[str | None] | None = None,
+        constraint_param: str = "structured_outputs",
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Admit every prompt (the engine's one check of a request, so every refusal comes
-        before a byte is streamed), then stream their outputs merged."""
+        """Admit every prompt (the engine's one check of a request), then stream their outputs
+        merged. A structured-output constraint not compiled yet compiles while its prompt
+        prefills, and the outputs come back only once it has: every refusal, a constraint that
+        cannot be compiled included (a 400 naming `constraint_param`, the field it came from),
+        comes before a byte is streamed."""
+        structured = self.engine.core.structured
+        jobs: list[GrammarJob | None] = [
+            structured.submit(sp.structured_outputs)
+            if structured is not None and sp.structured_outputs is not None
+            else None
+            for sp in params
+        ]
         admitted = []
-        for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        for i, (ids, sp, job) in enumerate(zip(prompts, params, jobs, strict=True)):
+            grammar = None if job is None else job.future
             try:
-                admitted.append(self.engine.core.admit(ids, sp, texts[i] if texts else None))
+                admitted.append(
+                    self.engine.core.admit(ids, sp, texts[i] if texts else None, grammar)
+                )
             except InvalidRequestError as e:
-                raise bad_request(str(e), param=e.param) from None
-        return merge_streams(
-            [self.engine.generate(f"{request_id}-{i}", r) for i, r in enumerate(admitted)]
+                param = constraint_param if e.param == "structured_outputs" else e.param
+                raise bad_request(str(e), param=param) from None
+        # Queued while their grammar compiles: each stream waits for it before its first delta.
+        pending = [isinstance(r.grammar, Future) for r in admitted]
+        outputs = merge_streams(
+            [
+                self.engine.generate(f"{request_id}-{i}", r, ready=job.wait if wait else None)
+                for i, (r, job, wait) in enumerate(zip(admitted, jobs, pending, strict=True))
+            ]
         )
+        if not any(pending):
+            return outputs
+        try:
+            first = await anext(outputs)
+        except GrammarError as e:
+            raise bad_request(str(e), param=constraint_param) from None
+        except ENGINE_ERRORS as e:
+            raise engine_error(e) from None
+        return _prepended(first, outputs)
 
     async def collect(
         self,
@@ -201,6 +216,15 @@ class ServingContext:
         except ENGINE_ERRORS as e:
             raise engine_error(e) from None
         return results
+
+
+async def _prepended(
+    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
 
 
 def traced(

@@ -7,6 +7,7 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -43,6 +44,7 @@ def make_request(
     prompt: int | list[int],
     max_tokens: int | None = 16,
     max_model_len: int = MAX_MODEL_LEN,
+    grammar: Future | None = None,
     **sampling: object,
 ) -> Request:
     """prompt: the tokens, or a length for a prompt of fresh tokens (no prefix-cache hits)."""
@@ -54,6 +56,7 @@ def make_request(
         SamplingParams(max_tokens=max_tokens, **sampling),
         eos_token_ids=frozenset({EOS}),
         max_model_len=max_model_len,
+        grammar=grammar,
     )
 
 
@@ -714,6 +717,82 @@ def test_prefix_cache_hit_on_admission() -> None:
     assert sched.stats.prefix_cache_queries == 40 + 42
     assert sched.stats.prefix_cache_hits == 32
     run(sched)
+    assert_all_free(sched)
+
+
+# -- a grammar still compiling ----------------------------------------------------------------
+
+
+class _Compiled:
+    """What a compile job's future holds: a grammar that starts a matcher."""
+
+    def matcher(self) -> str:
+        return "matcher"
+
+
+def test_a_request_steps_back_to_sample_once_its_grammar_has_compiled() -> None:
+    """Its prompt runs while the grammar compiles; the engine steps it back when the grammar
+    is not there to sample with, and its last position waits for it alone."""
+    sched = make_scheduler(budget=64)
+    compiling: Future = Future()
+    a = make_request("a", 40, max_tokens=2, grammar=compiling)
+    sched.add_request(a)
+    out = sched.schedule()
+    assert out.scheduled == [(a, 40)]
+    sched.advance(out)
+    assert a.num_pending == 1
+    sched.step_back(a)  # what the engine does when it finds the grammar still compiling
+    assert sched.update(out, {}) == [] and a.num_pending == 0 and a.num_computed_tokens == 39
+    out, _ = step(sched)
+    assert out.empty and a.grammar is None  # the last position alone waits
+    compiling.set_result(_Compiled())
+    out, advanced = step(sched)
+    assert out.scheduled == [(a, 1)] and advanced == [a]
+    assert a.grammar == "matcher" and a.pending_grammar is None
+    run(sched)
+    assert a.num_output_tokens == 2
+    assert_all_free(sched)
+
+
+def test_a_request_waiting_for_its_grammar_does_not_hold_up_the_queue() -> None:
+    sched = make_scheduler(budget=64)
+    prompt = [next(_unique_tokens) for _ in range(BS + 1)]
+    sched.add_request(make_request("warm", prompt, max_tokens=1))
+    run(sched)
+    compiling: Future = Future()
+    # Its prompt is cached but for the last token, which samples: nothing to run yet.
+    a = make_request("a", prompt, grammar=compiling)
+    b = make_request("b", 10, max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = step(sched)
+    assert out.scheduled == [(b, 10)] and list(sched.waiting) == [a]
+    compiling.set_result(_Compiled())
+    out, _ = step(sched)
+    assert out.scheduled == [(a, 1)] and a.num_cached_tokens == BS
+    run(sched)
+    assert_all_free(sched)
+
+
+def test_a_grammar_that_failed_is_reported_and_its_request_not_run() -> None:
+    sched = make_scheduler(budget=64)
+    failing: Future = Future()
+    a = make_request("a", 20, grammar=failing)
+    b = make_request("b", 5, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.scheduled == [(a, 20), (b, 5)] and not out.failed
+    sched.advance(out)
+    sched.step_back(a)
+    sched.update(out, {"b": FILLER})
+    error = ValueError("invalid regex")
+    failing.set_exception(error)
+    out, _ = step(sched)
+    assert out.failed == [(a, error)] and out.scheduled == [(b, 1)]
+    sched.finish_request(a, RequestStatus.FINISHED_ERROR)
+    run(sched)
+    assert b.num_output_tokens == 3
     assert_all_free(sched)
 
 

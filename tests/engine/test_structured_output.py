@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jsonschema
 import llguidance
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
@@ -73,7 +75,7 @@ def _allowed(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
 
 def _req(rid: str, structured: StructuredOutputs, so: dict | None, **sp) -> Request:
     params = SamplingParams(structured_outputs=so, **sp)
-    grammar = None if so is None else structured.grammar(params.structured_outputs).matcher()
+    grammar = None if so is None else structured.grammar(params.structured_outputs)
     return Request(rid, [5, 6, 7], params, frozenset([1]), 512, grammar=grammar)
 
 
@@ -149,8 +151,9 @@ def test_hostile_schemas_are_refused_quickly(structured):
 
 def test_compile_off_the_loop_times_out(structured, monkeypatch):
     monkeypatch.setattr(structured, "grammar", lambda params: time.sleep(0.5))
+    job = structured.submit(StructuredOutputsParams(regex="a"))
     with pytest.raises(GrammarError, match=r"longer than 0\.05 s"):
-        asyncio.run(structured.compile(StructuredOutputsParams(regex="a"), timeout=0.05))
+        asyncio.run(job.wait(timeout=0.05))
 
 
 def test_a_wait_for_a_compile_thread_is_not_compile_time(structured, monkeypatch):
@@ -158,19 +161,50 @@ def test_a_wait_for_a_compile_thread_is_not_compile_time(structured, monkeypatch
     still compiles, since its timeout counts from when a thread takes it up."""
     monkeypatch.setattr(structured, "_compilers", ThreadPoolExecutor(1))
     structured._compilers.submit(time.sleep, 0.5)  # the one thread, busy for 0.5 s
-    compiled = asyncio.run(structured.compile(StructuredOutputsParams(regex="ab"), timeout=0.3))
+    job = structured.submit(StructuredOutputsParams(regex="ab"))
+    assert job.started is None
+    compiled = asyncio.run(job.wait(timeout=0.3))
     assert compiled.kind == "regex"
 
 
 def test_a_cached_constraint_comes_back_without_a_compile_thread(structured, monkeypatch):
     params = StructuredOutputsParams(regex="cached[0-9]")
-    first = asyncio.run(structured.compile(params))
+    first = asyncio.run(structured.submit(params).wait())
     idle = ThreadPoolExecutor(1)
     idle.shutdown()  # any submit now raises
     monkeypatch.setattr(structured, "_compilers", idle)
-    assert asyncio.run(structured.compile(params)) is first
+    hit = structured.submit(params)
+    assert hit.future.done() and asyncio.run(hit.wait()) is first
     with pytest.raises(RuntimeError, match="shutdown"):
-        asyncio.run(structured.compile(StructuredOutputsParams(regex="uncached[0-9]")))
+        structured.submit(StructuredOutputsParams(regex="uncached[0-9]"))
+    assert not structured._compiling  # a submit that failed leaves no job behind
+
+
+def test_one_new_constraint_compiles_once_for_a_burst(structured, monkeypatch):
+    """Requests that bring the same new schema at once share its compilation."""
+    release = threading.Event()
+    real = structured.grammar
+
+    def slow(params):
+        release.wait(5)
+        return real(params)
+
+    monkeypatch.setattr(structured, "grammar", slow)
+    params = StructuredOutputsParams(regex="burst[0-9]")
+    jobs = [structured.submit(params) for _ in range(8)]
+    assert all(job is jobs[0] for job in jobs) and not jobs[0].future.done()
+    release.set()
+    compiled = jobs[0].future.result(timeout=5)
+    assert structured.submit(params).future.result() is compiled
+    assert not structured._compiling
+
+
+def test_a_failed_compile_is_the_jobs_error(structured):
+    job = structured.submit(StructuredOutputsParams(regex="(unclosed"))
+    with pytest.raises(GrammarError, match="invalid regex"):
+        asyncio.run(job.wait())
+    with pytest.raises(GrammarError):
+        job.future.result()
 
 
 # -- masks ------------------------------------------------------------------------------------
@@ -319,6 +353,102 @@ def test_tensor_parallel_samples_under_the_grammar_on_rank_0(llm, model_dirs, pr
         assert _texts(two.generate(batch, sp)) == one_rank
     for text in one_rank:
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+# -- a grammar that compiles while its prompt runs (how the server queues a new schema) -------
+def _drain(core) -> dict[str, list]:
+    deltas: dict[str, list] = {}
+    for _ in range(500):
+        if not core.has_unfinished_requests():
+            return deltas
+        for out in core.step():
+            deltas.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the engine did not finish")
+
+
+def _spy_step_backs(core, monkeypatch) -> list[str]:
+    backs: list[str] = []
+    real = core.scheduler.step_back
+
+    def step_back(req):
+        backs.append(req.request_id)
+        real(req)
+
+    monkeypatch.setattr(core.scheduler, "step_back", step_back)
+    return backs
+
+
+@pytest.mark.parametrize("ready_after_steps", [1, 3])
+def test_a_prompt_prefills_while_its_grammar_compiles(llm, prompts, monkeypatch, ready_after_steps):
+    """The server queues a request whose schema is new while it compiles. Done by the time
+    the prompt's step samples (the usual case), it costs nothing; later, the request steps
+    back and its last position alone waits for it. Either way, the output is the one a
+    grammar compiled first gives."""
+    sp = SamplingParams(max_tokens=48, temperature=0.9, seed=5, structured_outputs=COMPACT)
+    expected = _texts(llm.generate({"prompt_token_ids": prompts[1]}, sp))
+    core = llm.engine
+    backs = _spy_step_backs(core, monkeypatch)
+    compiling: Future = Future()
+    core.add_request("late", core.admit(prompts[1], sp, grammar=compiling))
+    late = core.scheduler.requests["late#0"]
+    for _ in range(ready_after_steps):
+        assert core.step() == []
+    if ready_after_steps > 1:
+        assert backs == ["late#0"] and core.idle
+        assert late.num_computed_tokens == len(prompts[1]) - 1 and late.num_output_tokens == 0
+    compiling.set_result(core.structured.grammar(sp.structured_outputs))
+    deltas = _drain(core)["late"]
+    assert deltas[-1].finished and ["".join(c.text for d in deltas for c in d.outputs)] == expected
+    assert len(backs) == (ready_after_steps > 1)
+    assert_no_leak(llm)
+
+
+def test_a_grammar_that_fails_once_queued_fails_its_request_alone(llm, prompts):
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    alone = llm.generate({"prompt_token_ids": prompts[2]}, greedy)[0].outputs[0].token_ids
+    core = llm.engine
+    failing: Future = Future()
+    sp = SamplingParams(max_tokens=8, n=2, structured_outputs={"regex": "(unclosed"})
+    core.add_request("bad", core.admit(prompts[1], sp, grammar=failing))
+    core.add_request("free", core.admit(prompts[2], greedy))
+    core.step()
+    with pytest.raises(GrammarError) as compile_error:
+        core.structured.grammar(sp.structured_outputs)
+    failing.set_exception(compile_error.value)
+    deltas = _drain(core)
+    assert len(deltas["bad"]) == 1
+    bad = deltas["bad"][0]
+    assert bad.finished and bad.error.startswith("structured_outputs failed: invalid regex")
+    assert [c.finish_reason for c in bad.outputs] == ["error", "error"]
+    assert [t for d in deltas["free"] for c in d.outputs for t in c.token_ids] == alone
+    assert_no_leak(llm)
+
+
+@pytest.mark.asyncio
+async def test_the_engine_loop_sleeps_while_every_request_waits_for_its_grammar(llm, prompts):
+    steps: list[list] = []
+    engine = AsyncEngine(llm.engine, on_step=steps.append)
+    engine.start()
+    try:
+        sp = SamplingParams(max_tokens=48, temperature=0, structured_outputs=COMPACT)
+        compiling: Future = Future()
+        admitted = llm.engine.admit(prompts[1], sp, grammar=compiling)
+        deltas = []
+
+        async def consume():
+            async for delta in engine.generate("r", admitted):
+                deltas.append(delta)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        assert len(steps) < 10  # not a loop that spins until the grammar is done
+        compiling.set_result(llm.engine.structured.grammar(sp.structured_outputs))
+        async with asyncio.timeout(10):
+            await task
+        jsonschema.validate(json.loads("".join(c.text for d in deltas for c in d.outputs)), SCHEMA)
+    finally:
+        await engine.stop()
+    assert_no_leak(llm)
 
 
 def test_json_whitespace_between_tokens_is_bounded_by_default() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -15,7 +16,7 @@ from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
 from tests.support.net import http_call
-from tests.support.servers import default_model_server, openai_client
+from tests.support.servers import assert_engine_idle, default_model_server, openai_client
 
 MODEL = "smollm2"
 CHOICES = ["red", "green", "blue"]
@@ -195,3 +196,94 @@ def test_unsupported_feature_on_completions_names_response_format(server) -> Non
     assert status == 400, raw
     error = json.loads(raw)["error"]
     assert error["param"] == "response_format" and "uniqueItems" in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_streamed_request_whose_schema_fails_to_compile_is_a_400_that_leaves_nothing(
+    server, path
+) -> None:
+    """The engine queues a request while its new schema compiles (its prompt prefills
+    meanwhile): one that fails to compile is still a 400 before a byte of the stream, and the
+    engine keeps nothing of it."""
+    prompt = {"messages": _user("Hi")} if "chat" in path else {"prompt": "Hi"}
+    status, _, raw = http_call(
+        server.url + path,
+        {
+            "model": MODEL,
+            **prompt,
+            "max_tokens": 4,
+            "stream": True,
+            "n": 2,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "loop", "schema": {"$ref": "#"}},
+            },
+        },
+    )
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["param"] == "response_format" and "allows no output" in error["message"], error
+    assert_engine_idle(server)
+
+
+def test_a_new_schema_compiles_while_its_prompt_prefills(server, client, monkeypatch) -> None:
+    core = server.srv.engine.core
+    real = core.structured.grammar
+    seen: list[list[tuple[int, int]]] = []
+
+    def slow(params):
+        time.sleep(0.5)
+        # (computed, prompt) of every queued request, read while this schema still compiles.
+        seen.append([(r.num_computed_tokens, r.num_tokens) for r in core.scheduler.running])
+        return real(params)
+
+    monkeypatch.setattr(core.structured, "grammar", slow)
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": CHOICES}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Pick a color."),
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    # The prompt ran while the schema compiled, all but the position that samples.
+    assert len(seen) == 1 and len(seen[0]) == 1, seen
+    computed, prompt = seen[0][0]
+    assert computed == prompt - 1, seen
+    assert_engine_idle(server)
+
+
+def test_a_schema_that_fails_after_its_request_is_queued_is_a_400(server, monkeypatch) -> None:
+    core = server.srv.engine.core
+    real = core.structured.grammar
+
+    def slow(params):
+        time.sleep(0.3)
+        return real(params)
+
+    monkeypatch.setattr(core.structured, "grammar", slow)
+    status, _, raw = http_call(
+        server.url + "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": _user("Hi"),
+            "max_tokens": 4,
+            "stream": True,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "late", "schema": {"type": "string", "not": {}}},
+            },
+        },
+    )
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert error["param"] == "response_format" and "unsupported" in error["message"], error
+    assert_engine_idle(server)
