@@ -59,8 +59,9 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> frozenset[int]:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
-        self.args = args
         self.device = rank_device(args.resolved_device(), 0)
+        # Resolved once, here: the workers, the runner and the metrics see the same values.
+        self.args = args = args.for_device(self.device)
         self.model_config = ModelConfig.from_args(args, self.device)
         self.tokenizer = tokenizer
         if tokenizer is None and not args.skip_tokenizer_init:

@@ -231,7 +231,8 @@ class EngineSpec(_Model):
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     max_model_len: Annotated[int, Field(ge=1)] | None = None
-    max_num_seqs: int = Field(default=256, ge=1, le=65536)
+    # None: the engine's default for its GPU (512 on one of 70 GiB or more, else 256).
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     block_size: Literal[16] = 16

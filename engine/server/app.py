@@ -314,7 +314,7 @@ def build_app(
 def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngine, EngineMetrics]:
     core = EngineCore(args)
     names = settings.served_model_name or [str(core.model_config.path)]
-    metrics = EngineMetrics(args, names[0])
+    metrics = EngineMetrics(core.args, names[0])
     engine = AsyncEngine(
         core,
         stall_timeout=settings.health_stall_timeout,

@@ -15,6 +15,7 @@ import sys
 import termios
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -164,3 +165,21 @@ def test_gguf_auto_dtype_is_fp32_on_the_cpu(tiny_gguf: Path) -> None:
 )
 def test_gguf_auto_dtype_decision(device: str, bf16: bool, dtype: torch.dtype) -> None:
     assert gguf_auto_dtype(device, bf16_supported=bf16) == dtype
+
+
+@pytest.mark.parametrize(
+    "device,memory,expected",
+    [("cpu", None, 256), ("cuda", 80 * 2**30, 512), ("cuda", 40 * 2**30, 256)],
+)
+def test_max_num_seqs_defaults_by_the_device(monkeypatch, device, memory, expected) -> None:
+    props = SimpleNamespace(total_memory=memory)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: props)
+    assert EngineArgs(model="m").for_device(torch.device(device)).max_num_seqs == expected
+    given = EngineArgs(model="m", max_num_seqs=64)
+    assert given.for_device(torch.device(device)).max_num_seqs == 64
+
+
+def test_the_engine_runs_with_the_resolved_batch_size(llm) -> None:
+    assert llm.engine.args.max_num_seqs == 256  # the CPU's default
+    assert llm.engine.scheduler.max_num_seqs == 256
+    assert len(llm.engine.runner.free_rows) == 256

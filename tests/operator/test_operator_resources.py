@@ -291,6 +291,11 @@ def test_engine_flags_follow_the_spec():
     assert env_of(engine)["KVFLEET_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "api-key"}}
     assert engine["image"] == "my/engine:dev"
     assert "--tensor-parallel-size" not in args
+    # Without maxNumSeqs the engine picks its default for the GPU it finds.
+    del raw["engine"]["maxNumSeqs"]
+    assert (
+        "--max-num-seqs" not in container(children(raw)["Deployment/llm-engine"], "engine")["args"]
+    )
 
 
 def test_user_env_overrides_operator_defaults():
