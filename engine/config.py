@@ -161,8 +161,9 @@ class EngineArgs(BaseModel):
 
 # GPUs of this much memory or more (H100, H200, A100 80 GB) run more sequences a step by
 # default, as vLLM's defaults do there: the batch, not the KV cache, then bounds throughput. On
-# an H100, Llama-3-8B 1000 x 256/256 ran 13% faster in bf16 and 18% with fp8 weights and cache
-# at 512 than at 256 (bench/RESULTS.md); smaller GPUs hold too few tokens of cache to gain.
+# an H100, Llama-3-8B 1000 x 256/256 ran 7% faster in bf16 and 11% with fp8 weights and cache
+# at 512 than at 256 (bench/RESULTS.md, twelfth session), for 7 s more of CUDA graph capture
+# and 2% less KV cache; smaller GPUs hold too few tokens of cache to gain.
 LARGE_GPU_BYTES = 70 * 2**30
 
 
