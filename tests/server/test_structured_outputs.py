@@ -226,18 +226,24 @@ def test_a_streamed_request_whose_schema_fails_to_compile_is_a_400_that_leaves_n
     assert_engine_idle(server)
 
 
-def test_a_new_schema_compiles_while_its_prompt_prefills(server, client, monkeypatch) -> None:
+def _slow_compiles(server, monkeypatch, seconds: float) -> list[list[tuple[int, int]]]:
+    """Make the server's compiles take `seconds` longer; each one records, as it ends, the
+    (computed, all) tokens of every running request."""
     core = server.srv.engine.core
     real = core.structured.grammar
     seen: list[list[tuple[int, int]]] = []
 
     def slow(params):
-        time.sleep(0.5)
-        # (computed, prompt) of every queued request, read while this schema still compiles.
+        time.sleep(seconds)
         seen.append([(r.num_computed_tokens, r.num_tokens) for r in core.scheduler.running])
         return real(params)
 
     monkeypatch.setattr(core.structured, "grammar", slow)
+    return seen
+
+
+def test_a_new_schema_compiles_while_its_prompt_prefills(server, client, monkeypatch) -> None:
+    seen = _slow_compiles(server, monkeypatch, 0.5)
     schema = {
         "type": "object",
         "properties": {"color": {"enum": CHOICES}},
@@ -262,14 +268,7 @@ def test_a_new_schema_compiles_while_its_prompt_prefills(server, client, monkeyp
 
 
 def test_a_schema_that_fails_after_its_request_is_queued_is_a_400(server, monkeypatch) -> None:
-    core = server.srv.engine.core
-    real = core.structured.grammar
-
-    def slow(params):
-        time.sleep(0.3)
-        return real(params)
-
-    monkeypatch.setattr(core.structured, "grammar", slow)
+    _slow_compiles(server, monkeypatch, 0.3)
     status, _, raw = http_call(
         server.url + "/v1/chat/completions",
         {
