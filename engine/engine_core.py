@@ -107,13 +107,15 @@ class EngineCore:
             self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self.runner.structured = self.structured
         logger.info(
-            "engine ready: %s (%s) on %s x%d, %s, max_model_len=%d, prefix caching %s",
+            "engine ready: %s (%s) on %s x%d, %s, max_model_len=%d, max_num_seqs=%d, "
+            "prefix caching %s",
             self.model_config.path,
             self.model_config.architecture,
             self.device,
             args.tensor_parallel_size,
             self.model_config.dtype,
             self.model_config.max_model_len,
+            args.max_num_seqs,
             "on" if args.enable_prefix_caching else "off",
         )
 
