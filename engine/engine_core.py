@@ -283,9 +283,9 @@ class EngineCore:
         prompt ran meanwhile) does not sample now: it steps back, to compute its last position
         again once the grammar is there. One whose grammar failed fails (into `outputs`)."""
         failed = []
-        for req in launched.reqs:
+        for req in launched.out.unready:
             # (One preempted since the launch starts over anyway.)
-            if req.pending_grammar is None or req.status is not RequestStatus.RUNNING:
+            if req.status is not RequestStatus.RUNNING:
                 continue
             try:
                 if not req.grammar_ready():

@@ -28,6 +28,9 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # Requests whose grammar failed to compile, with the error: the engine fails them.
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    # Requests scheduled to sample while their grammar was still compiling: the engine checks
+    # them again at sampling (these alone, not the whole batch) and steps back those not ready.
+    unready: list[Request] = field(default_factory=list)
     # Whether Scheduler.advance has moved the requests past this step.
     advanced: bool = False
 
@@ -175,16 +178,21 @@ class Scheduler:
     def _until_grammar(req: Request, computed: int, num_new: int, out: SchedulerOutput) -> int:
         """num_new, or 0 for a request that would only compute the position that samples while
         its grammar still compiles: nothing to run until the grammar is there. A longer run
-        goes ahead (the grammar is needed at sampling, one forward pass later; if it is not
-        there yet, the engine steps the request back). A grammar that failed: 0, and the
-        request goes in out.failed."""
+        goes ahead, listed in out.unready (the grammar is needed at sampling, one forward pass
+        later; if it is not there yet, the engine steps the request back). A grammar that
+        failed: 0, and the request goes in out.failed."""
         if req.pending_grammar is None or computed + num_new < req.num_tokens + req.num_pending:
             return num_new
         try:
-            return num_new if req.grammar_ready() or num_new > 1 else 0
+            if req.grammar_ready():
+                return num_new
         except Exception as e:
             out.failed.append((req, e))
             return 0
+        if num_new == 1:
+            return 0
+        out.unready.append(req)
+        return num_new
 
     def step_back(self, req: Request) -> None:
         """Undo the sampling a launched step planned for `req` (its grammar is still
