@@ -19,6 +19,8 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS cpu
+# Inherited by the gpu stage: images/build.sh removes the images of earlier builds by it.
+LABEL org.opencontainers.image.vendor=kvfleet
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -8,6 +8,8 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
+# On every stage: images/build.sh removes the images of earlier builds by this label.
+LABEL org.opencontainers.image.vendor=kvfleet
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
@@ -23,6 +25,7 @@ RUN pip install --no-cache-dir --no-deps /src \
     && python -c "import kvfleet.operator.main, kvfleet.router.main"
 
 FROM ${BASE_IMAGE}
+LABEL org.opencontainers.image.vendor=kvfleet
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
