@@ -87,7 +87,8 @@ def paged_context(
 ) -> Paged:
     """Random K/V in randomly permuted blocks (a fragmented cache); slots past each sequence's
     length and the spare block 0 that pads block tables hold NaN, so unmasked reads show. With
-    fp8 the cache holds them quantized with FP8_SCALES (NaN stays NaN)."""
+    fp8 the cache holds them quantized with FP8_SCALES, V by dimension, and NaN as 0, as the
+    cache write stores them (an FP8 cache holds no NaN: see kernels/reference.py)."""
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks) + 1
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev).to(dtype)
@@ -103,9 +104,9 @@ def paged_context(
     if not fp8:
         return Paged(cache, tables)
     k_scale, v_scale = (torch.tensor(s, device=dev) for s in FP8_SCALES)
-    quantized = torch.stack(
-        [reference.quantize_fp8(cache[0], k_scale), reference.quantize_fp8(cache[1], v_scale)]
-    )
+    quantized = torch.empty_like(cache, dtype=FP8)
+    quantized[0] = reference.quantize_fp8(cache[0], k_scale)
+    reference.cache_values(quantized).copy_(reference.quantize_fp8(cache[1], v_scale))
     return Paged(quantized, tables, k_scale, v_scale)
 
 

@@ -1,10 +1,11 @@
 """Triton kernel that scatters this step's K/V into the paged KV cache (twin of
 ``reference.write_kv_cache``).
 
-Cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
-A slot is ``block_id * block_size + offset``. A negative slot means "skip this token": CUDA-graph
-batches are padded to a captured size, and the padding tokens must not overwrite any block.
-An FP8 cache stores ``clamp(x / scale, -448, 448)`` rounded to e4m3 (see ``reference``).
+Cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V; an
+FP8 cache's V by head and dimension within each block, see ``reference``). A slot is
+``block_id * block_size + offset``. A negative slot means "skip this token": CUDA-graph batches
+are padded to a captured size, and the padding tokens must not overwrite any block. An FP8 cache
+stores ``clamp(x / scale, -448, 448)`` rounded to e4m3, NaN as 0 (see ``reference``).
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
-from kvfleet.kernels.reference import FP8_MAX, kv_scales
+from kvfleet.kernels.reference import FP8_MAX, cache_values, kv_scales
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
 def _quantize_e4m3(x, scale):
-    """clamp(x / scale, +-448) rounded to the nearest e4m3 value (ties to even) in fp32
+    """clamp(x / scale, +-448) (NaN as 0) rounded to the nearest e4m3 value (ties to even) in fp32
     arithmetic, so the cast to fp8 that follows is exact. A GPU's own cast rounds the same way,
     but Triton's CPU interpreter does not (it rounds ties up and drops a carry into the exponent:
     126.4 becomes 64), and the kernels are tested there."""
     # div_rn: Triton's `/` on fp32 is the approximate division, whose quotient, a unit off in
     # the last place now and then, rounded to a neighbouring e4m3 value (fp32 K/V on an H100).
-    x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+    x = tl.math.div_rn(x.to(tl.float32), scale)
+    # No NaN in the cache: the attention kernels read V slots they then weight by 0.
+    x = tl.clamp(tl.where(x == x, x, 0.0), -_FP8_MAX, _FP8_MAX)
     bits = x.to(tl.int32, bitcast=True)
     # e4m3's spacing is 2**(E - 3) for |x| in [2**E, 2**(E + 1)), E >= -6, and 2**-9 below
     # (subnormals). Adding 2**23 times that spacing to |x| makes fp32 round |x| to a multiple
@@ -55,6 +58,10 @@ def _write_kv_kernel(
     stride_cblk,
     stride_ctok,
     stride_chead,
+    stride_vblk,
+    stride_vtok,
+    stride_vhead,
+    stride_vdim,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -81,8 +88,14 @@ def _write_kv_kernel(
     if FP8:
         k = _quantize_e4m3(k, tl.load(k_scale_ptr))
         v = _quantize_e4m3(v, tl.load(v_scale_ptr))
+    v_dst = (
+        block * stride_vblk
+        + offset * stride_vtok
+        + heads[:, None] * stride_vhead
+        + dims[None, :] * stride_vdim
+    )
     tl.store(cache_ptr + dst, k.to(elem), mask=mask)
-    tl.store(cache_ptr + stride_ckv + dst, v.to(elem), mask=mask)
+    tl.store(cache_ptr + stride_ckv + v_dst, v.to(elem), mask=mask)
 
 
 def write_kv_cache(
@@ -120,6 +133,7 @@ def write_kv_cache(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        *cache_values(kv_cache).stride(),
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,

@@ -80,6 +80,17 @@ def _scaled_scores(s, scale, soft_cap, HAS_SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
+def _head_bases(kv_ptr, kv_head, stride_ckv, stride_chead, HEAD_DIM, PAGE_SIZE, V_BY_DIM):
+    """Where this KV head's keys and values start within block 0."""
+    k_base = kv_ptr + kv_head * stride_chead
+    if V_BY_DIM:
+        v_base = kv_ptr + stride_ckv + kv_head * (HEAD_DIM * PAGE_SIZE)
+    else:
+        v_base = k_base + stride_ckv
+    return k_base, v_base
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -104,15 +115,41 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    V_BY_DIM: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N). With MASK, keys outside
     [lo, hi) are dropped, and with CAUSAL also keys that row's q_pos and window hide. Without
     MASK the caller guarantees that every key is in the context and visible to every row, and the
-    tile runs with no mask arithmetic at all."""
+    tile runs with no mask arithmetic at all. V_BY_DIM: an FP8 cache (reference's layout), whose
+    pages are read whole; `start` must then be a multiple of min(PAGE_SIZE, BLOCK_N), as every
+    caller's tiles are (they start on a page, a split or a tile boundary)."""
     toks = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     if MASK:
         kv_ok = (toks >= lo) & (toks < hi)
+    if V_BY_DIM:
+        # The tile as runs of keys that share a page: one block-table read per run, and loads
+        # whose contiguity the compiler can see (16 bytes of V per dimension and page), where a
+        # per-key mask or page would make it load byte by byte. Unmasked: slots past the context
+        # hold finite values (no NaN in an FP8 cache) and get zero weight from the scores' mask;
+        # runs past `hi` read block 0.
+        RUN: tl.constexpr = min(PAGE_SIZE, BLOCK_N)
+        # `start` is a multiple of RUN; rounding it down says so to the compiler, which drops
+        # a multiple_of hint on a loop's induction variable.
+        runs = start // RUN * RUN + tl.arange(0, BLOCK_N // RUN) * RUN
+        if MASK:
+            pages = tl.load(bt_row + runs // PAGE_SIZE, mask=runs < hi, other=0)
+        else:
+            pages = tl.load(bt_row + runs // PAGE_SIZE)
+        page_base = pages.to(tl.int64) * stride_cblk
+        in_page = runs % PAGE_SIZE
+        j = tl.arange(0, RUN)[None, :, None]
+        d = dims[None, None, :]
+        k_off = (page_base + in_page * stride_ctok)[:, None, None] + j * stride_ctok + d
+        v_off = (page_base + in_page)[:, None, None] + j + d * PAGE_SIZE
+        k = tl.reshape(tl.load(k_base + k_off), [BLOCK_N, HEAD_DIM]).to(DOT_DTYPE)
+        v = tl.reshape(tl.load(v_base + v_off), [BLOCK_N, HEAD_DIM]).to(DOT_DTYPE)
+    elif MASK:
         pages = tl.load(bt_row + toks // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
         kv_off = (pages * stride_cblk + (toks % PAGE_SIZE) * stride_ctok)[:, None] + dims[None, :]
         # Masked lanes read as 0: never-written cache slots may hold NaN, and 0 * NaN is NaN.
@@ -209,8 +246,9 @@ def _decode_split_kernel(
         other=0.0,
     ).to(DOT_DTYPE)
 
-    k_base = kv_ptr + kv_head * stride_chead
-    v_base = k_base + stride_ckv
+    k_base, v_base = _head_bases(
+        kv_ptr, kv_head, stride_ckv, stride_chead, HEAD_DIM, PAGE_SIZE, V_BY_DIM=KV_FP8
+    )
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if KV_FP8:
         scale = scale * tl.load(k_scale_ptr)
@@ -223,6 +261,7 @@ def _decode_split_kernel(
             q, m_i, l_i, acc, k_base, v_base, bt_row, start, lo, tok_end, lo, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -306,7 +345,9 @@ def _decode_prefix_kernel(
     tiles_per_split = tl.cdiv(num_tiles, PREFIX_SPLITS)
     tok_start = split * tiles_per_split * BLOCK_N
     tok_end = tl.minimum(tok_start + tiles_per_split * BLOCK_N, prefix_len)
-    k_base = kv_ptr + kv_head * stride_chead
+    k_base, v_base = _head_bases(
+        kv_ptr, kv_head, stride_ckv, stride_chead, HEAD_DIM, PAGE_SIZE, V_BY_DIM=KV_FP8
+    )
     if KV_FP8:
         scale = scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
@@ -314,9 +355,10 @@ def _decode_prefix_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in tl.range(tok_start, tok_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_base, k_base + stride_ckv, block_tables_ptr, start, 0, tok_end,
+            q, m_i, l_i, acc, k_base, v_base, block_tables_ptr, start, 0, tok_end,
             0, 0, scale, soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -451,8 +493,9 @@ def _prefill_kernel(
     all_seen = start + tl.cdiv(tl.maximum(q_last - window + 1, 0) - start, BLOCK_N) * BLOCK_N
     diag = tl.minimum(start + (q_first + 1 - start) // BLOCK_N * BLOCK_N, hi)
 
-    k_base = kv_ptr + kv_head * stride_chead
-    v_base = k_base + stride_ckv
+    k_base, v_base = _head_bases(
+        kv_ptr, kv_head, stride_ckv, stride_chead, HEAD_DIM, PAGE_SIZE, V_BY_DIM=KV_FP8
+    )
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if KV_FP8:
         scale = scale * tl.load(k_scale_ptr)
@@ -464,18 +507,21 @@ def _prefill_kernel(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            V_BY_DIM=KV_FP8,
         )  # fmt: skip
     for kv_start in tl.range(all_seen, diag, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=False, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            V_BY_DIM=KV_FP8,
         )  # fmt: skip
     for kv_start in tl.range(tl.maximum(all_seen, diag), hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
             MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)

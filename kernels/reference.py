@@ -6,6 +6,15 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 An FP8 cache (``torch.float8_e4m3fn``) holds ``clamp(x / scale, -448, 448)`` rounded to e4m3, with
 one fp32 scale per layer for K and one for V (0-dim device tensors); reads dequantize as ``fp8 value
 * scale`` in fp32. Caches of the model's own dtype store values as they are and take no scales.
+
+Two things differ in an FP8 cache, both for the decode kernel's sake:
+- Its V half keeps each block by head and dimension, ``[num_kv_heads, head_dim, block_size]``
+  (``cache_values`` gives the usual view). Attention sums P x V over tokens, and a tensor-core
+  dot needs neighbouring tokens of one dimension in neighbouring bytes: token-major e4m3 bytes
+  had to be gathered one at a time, which made the kernel bound by instructions, not memory.
+- It holds no NaN: the write stores NaN as 0 (and saturates infinities), and the engine zeroes
+  the cache when it allocates it. The kernels then read whole pages of V without masking the
+  slots past a sequence's end: those get zero weight, and 0 x a finite value is 0.
 """
 
 from __future__ import annotations
@@ -35,8 +44,18 @@ def kv_scales(
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale in fp32, saturated to e4m3's finite range, rounded to nearest even."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+    """x / scale in fp32, saturated to e4m3's finite range, rounded to nearest even; NaN is 0."""
+    return (x.float() / scale).nan_to_num(0.0).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def cache_values(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The V half as ``[num_blocks, block_size, num_kv_heads, head_dim]``: the tensor itself, or
+    for an FP8 cache a strided view of its blocks laid out by head and dimension."""
+    if not is_fp8(kv_cache):
+        return kv_cache[1]
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    by_dim = kv_cache[1].view(num_blocks, num_kv_heads, head_dim, block_size)
+    return by_dim.permute(0, 3, 1, 2)
 
 
 def write_kv_cache(
@@ -59,9 +78,12 @@ def write_kv_cache(
         flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
         return
     # The CPU has no index_copy_ for fp8: the bytes are copied as uint8.
-    raw = flat.view(torch.uint8)
-    raw[0].index_copy_(0, slot_mapping, quantize_fp8(key, scales[0]).view(torch.uint8))
-    raw[1].index_copy_(0, slot_mapping, quantize_fp8(value, scales[1]).view(torch.uint8))
+    flat.view(torch.uint8)[0].index_copy_(
+        0, slot_mapping, quantize_fp8(key, scales[0]).view(torch.uint8)
+    )
+    values = cache_values(kv_cache).view(torch.uint8)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    values[blocks, offsets] = quantize_fp8(value, scales[1]).view(torch.uint8)
 
 
 def paged_attention(
@@ -95,7 +117,7 @@ def paged_attention(
         num_blocks = -(-seq_len // block_size)
         blocks = block_tables[i, :num_blocks].long()
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = cache_values(kv_cache)[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         if scales is not None:
             k, v = k * scales[0], v * scales[1]
         q = query[start:end].float().view(q_len, num_kv_heads, group, head_dim)

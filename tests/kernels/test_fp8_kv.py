@@ -2,7 +2,8 @@
 the cache against the PyTorch reference reading the same FP8 bytes, on the CPU through Triton's
 interpreter at tiny sizes (bench/kernel_test_gpu.py repeats the checks at real sizes on a GPU).
 
-Slots no token wrote hold NaN (e4m3fn has one), so a read that masking should drop shows up."""
+Slots no token wrote hold e4m3's largest value, so a read that masking should drop shows up. Not
+NaN: an FP8 cache holds none (see ``reference``), and the kernels read whole pages of V."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _fp8_context(
     seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 cache whose first seq_len positions of each sequence (in shuffled blocks) hold
-    random K/V written by the reference, NaN elsewhere (block 0 included, which pads tables)."""
+    random K/V written by the reference, 448 elsewhere (block 0 included, which pads tables)."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks) + 1
@@ -57,7 +58,7 @@ def _fp8_context(
         tables[i, :nb] = ids[start : start + nb]
         start += nb
     shape = (2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    cache = torch.full(shape, float("nan")).to(FP8)
+    cache = torch.full(shape, reference.FP8_MAX).to(FP8)
     slots = _slots(tables, seq_lens)
     k, v = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=gen)
     reference.write_kv_cache(k, v, cache, slots, K_SCALE, V_SCALE)
@@ -103,6 +104,7 @@ def test_write_kv_cache_quantizes_like_the_reference(dtype: torch.dtype) -> None
     # (< 2**-6 * scale) to past its saturation point (448 * scale).
     kv = torch.randn(7, 2 * num_kv_heads, head_dim, generator=gen)
     kv = (kv * 10 ** torch.empty_like(kv).uniform_(-5, 2, generator=gen)).to(dtype)
+    kv[2, 0, :3] = kv[6, -1, 5] = float("nan")  # stored as 0: the cache holds no NaN
     key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     slots = torch.tensor([5, -1, 16, 63, -1, 0, 33])
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(FP8)
@@ -110,10 +112,21 @@ def test_write_kv_cache_quantizes_like_the_reference(dtype: torch.dtype) -> None
     reference.write_kv_cache(key, value, expected, slots, K_SCALE, V_SCALE)
     write_kv_cache(key, value, cache, slots, K_SCALE, V_SCALE)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
-    written = expected.view(2, -1, num_kv_heads, head_dim)[:, slots[slots >= 0]].float().abs()
-    assert written.max() == 448.0 and ((written > 0) & (written < 2**-6)).any()
-    per_slot = (cache.view(torch.uint8) != untouched.view(torch.uint8)).view(2, -1, 3 * 64)
-    assert per_slot.any(-1).any(0).nonzero().flatten().tolist() == [0, 5, 16, 33, 63]
+
+    def by_slot(c: torch.Tensor) -> torch.Tensor:  # [2, slots, heads, dims], V by its view
+        values = reference.cache_values(c).reshape(-1, num_kv_heads, head_dim)
+        return torch.stack([c[0].reshape(-1, num_kv_heads, head_dim), values]).float()
+
+    written = by_slot(expected)[:, slots[slots >= 0]]
+    assert torch.equal(written[0, 1, 0, :3], torch.zeros(3))
+    assert written[1, 4, -1, 5] == 0
+    assert written.isfinite().all() and written.abs().max() == 448.0
+    assert ((written != 0) & (written.abs() < 2**-6)).any()
+    # Each written token changed its own K and V slots and nothing else.
+    per_slot = by_slot(cache) != by_slot(untouched)
+    assert per_slot.flatten(2).any(-1).nonzero().tolist() == [
+        [half, slot] for half in (0, 1) for slot in (0, 5, 16, 33, 63)
+    ]
 
 
 # -- attention ---------------------------------------------------------------------------------
