@@ -532,19 +532,27 @@ def bench_decode(
 
 
 def bench_prefill(
-    dev: torch.device, seqs: list[tuple[int, int]], iters: int, warmup: int
+    dev: torch.device, seqs: list[tuple[int, int]], iters: int, warmup: int, fp8: bool = False
 ) -> tuple[float, float]:
     num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
     lens = [s for s, _ in seqs]
     qsl = torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], device=dev)
-    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev)
+    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev, fp8)
     query = torch.randn(int(qsl[-1]), num_heads, head_dim, device=dev, dtype=dtype)
     out = torch.empty_like(query)
     seq_lens = torch.tensor(lens, device=dev)
     max_q = max(q for _, q in seqs)
     ms = median_ms(
         lambda: paged_prefill_attention(
-            query, ctx.cache, ctx.tables, seq_lens, qsl, max_q, head_dim**-0.5, out=out
+            query,
+            ctx.cache,
+            ctx.tables,
+            seq_lens,
+            qsl,
+            max_q,
+            head_dim**-0.5,
+            out=out,
+            **ctx.scales,
         ),
         iters,
         warmup,
@@ -593,14 +601,36 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
             f"{ms * 1e3:9.1f} us, {gbs:6.0f} logical KV GB/s ({100 * gbs / copy_gbs:.0f}% of "
             "copy)\n"
         )
-    out.write(f"\nprefill (causal FLOPs / time)\n{'batch':>42} {'us':>9} {'TFLOP/s':>9}\n")
-    for name, seqs in (
-        ("4 x 4096 prompts", [(4096, 4096)] * 4),
-        ("chunk 2048 after 2048 + 64 decodes @ 2048", [(4096, 2048)] + [(2048, 1)] * 64),
-        ("8192 prompt + 63 chunks of 16 @ 1000", [(8192, 8192)] + [(1000, 16)] * 63),
+    out.write(
+        f"\nprefill (causal FLOPs / time)\n{'batch':>42} {'cache':>5} {'us':>9} {'TFLOP/s':>9}\n"
+    )
+    for (name, seqs), fp8 in itertools.product(
+        (
+            ("4 x 4096 prompts", [(4096, 4096)] * 4),
+            ("chunk 2048 after 2048 + 64 decodes @ 2048", [(4096, 2048)] + [(2048, 1)] * 64),
+            ("8192 prompt + 63 chunks of 16 @ 1000", [(8192, 8192)] + [(1000, 16)] * 63),
+        ),
+        (False, True),
     ):
-        ms, tflops = bench_prefill(dev, seqs, iters, warmup)
-        out.write(f"{name:>42} {ms * 1e3:9.1f} {tflops:9.0f}\n")
+        ms, tflops = bench_prefill(dev, seqs, iters, warmup, fp8)
+        out.write(f"{name:>42} {'fp8' if fp8 else 'bf16':>5} {ms * 1e3:9.1f} {tflops:9.0f}\n")
+    out.write("\nKV cache write, 8 kv heads x 128, contiguous slots\n")
+    for num_tokens, fp8 in itertools.product((64, 4096), (False, True)):
+        ms = bench_cache_write(dev, num_tokens, fp8, iters, warmup)
+        out.write(f"{num_tokens:>6} tokens {'fp8' if fp8 else 'bf16':>5} {ms * 1e3:9.1f} us\n")
+
+
+def bench_cache_write(
+    dev: torch.device, num_tokens: int, fp8: bool, iters: int, warmup: int
+) -> float:
+    cache = torch.zeros(
+        2, num_tokens // BLOCK_SIZE + 2, BLOCK_SIZE, 8, 128, device=dev,
+        dtype=FP8 if fp8 else torch.bfloat16,
+    )  # fmt: skip
+    key, value = torch.randn(2, num_tokens, 8, 128, device=dev, dtype=torch.bfloat16)
+    slots = torch.arange(num_tokens, device=dev) + BLOCK_SIZE
+    scales = [torch.tensor(s, device=dev) for s in FP8_SCALES] if fp8 else [None, None]
+    return median_ms(lambda: write_kv_cache(key, value, cache, slots, *scales), iters, warmup)
 
 
 def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int) -> None:
