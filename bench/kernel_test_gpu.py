@@ -5,7 +5,7 @@ bf16 KV cache and an FP8 (e4m3) one::
     python bench/kernel_test_gpu.py                 # checks, then the bandwidth table
     python bench/kernel_test_gpu.py --skip-bench    # checks only
     python bench/kernel_test_gpu.py --iters 200 --splits 1,4,8,16
-    python bench/kernel_test_gpu.py --fp8-decode-sweep   # the fp8-cache decode's tiles
+    python bench/kernel_test_gpu.py --fp8-decode-sweep --fp8-prefill-sweep --rounds 3
 
 Checks draw fresh random data, poison outputs with NaN before each kernel runs, and fail on any
 NaN or on an error over the stated tolerance (|out - ref| <= atol + rtol * |ref| elementwise);
@@ -487,6 +487,52 @@ def copy_bandwidth(dev: torch.device, iters: int, warmup: int) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def decode_timer(
+    dev: torch.device,
+    batch: int,
+    ctx_len: int,
+    iters: int,
+    warmup: int,
+    heads: tuple[int, int] = (32, 8),
+    shared_prefix: int = 0,
+    cascade: bool = False,
+    fp8: bool = False,
+) -> tuple[Callable[[int], float], int]:
+    """A decode batch built once, and a function timing it at a split count (ms), with the K/V
+    bytes the step must read (every sequence's bytes counted, shared or not, at the cache's
+    element size); with `cascade`, the shared prefix goes through the kernel's shared-prefix
+    pass; with fp8, the cache is FP8."""
+    (num_heads, num_kv_heads), head_dim, dtype = heads, 128, torch.bfloat16
+    ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev, fp8)
+    # A prompt prefix every sequence shares: the same physical blocks head every block table.
+    ctx.tables[:, : shared_prefix // BLOCK_SIZE] = ctx.tables[0, : shared_prefix // BLOCK_SIZE]
+    query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
+    seq_lens = torch.full((batch,), ctx_len, device=dev)
+    out = torch.empty_like(query)
+    prefix_len = torch.tensor([shared_prefix], device=dev) if cascade else None
+    prefix_splits = choose_prefix_splits(4096, batch, num_heads, num_kv_heads)
+
+    def time_ms(splits: int) -> float:
+        return median_ms(
+            lambda: paged_decode_attention(
+                query,
+                ctx.cache,
+                ctx.tables,
+                seq_lens,
+                head_dim**-0.5,
+                out=out,
+                num_splits=splits,
+                prefix_len=prefix_len,
+                prefix_splits=prefix_splits,
+                **ctx.scales,
+            ),
+            iters,
+            warmup,
+        )
+
+    return time_ms, 2 * batch * ctx_len * num_kv_heads * head_dim * ctx.cache.element_size()
+
+
 def bench_decode(
     dev: torch.device,
     batch: int,
@@ -499,35 +545,11 @@ def bench_decode(
     cascade: bool = False,
     fp8: bool = False,
 ) -> tuple[float, float]:
-    """Time and logical KV bandwidth (every sequence's bytes counted, shared or not, at the
-    cache's element size); with `cascade`, the shared prefix goes through the kernel's
-    shared-prefix pass; with fp8, the cache is FP8."""
-    (num_heads, num_kv_heads), head_dim, dtype = heads, 128, torch.bfloat16
-    ctx = paged_context([ctx_len] * batch, num_kv_heads, head_dim, dtype, dev, fp8)
-    # A prompt prefix every sequence shares: the same physical blocks head every block table.
-    ctx.tables[:, : shared_prefix // BLOCK_SIZE] = ctx.tables[0, : shared_prefix // BLOCK_SIZE]
-    query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
-    seq_lens = torch.full((batch,), ctx_len, device=dev)
-    out = torch.empty_like(query)
-    prefix_len = torch.tensor([shared_prefix], device=dev) if cascade else None
-    prefix_splits = choose_prefix_splits(4096, batch, num_heads, num_kv_heads)
-    ms = median_ms(
-        lambda: paged_decode_attention(
-            query,
-            ctx.cache,
-            ctx.tables,
-            seq_lens,
-            head_dim**-0.5,
-            out=out,
-            num_splits=splits,
-            prefix_len=prefix_len,
-            prefix_splits=prefix_splits,
-            **ctx.scales,
-        ),
-        iters,
-        warmup,
+    """Time (ms) and logical KV bandwidth (GB/s) of one decode batch (see decode_timer)."""
+    time_ms, kv_bytes = decode_timer(
+        dev, batch, ctx_len, iters, warmup, heads, shared_prefix, cascade, fp8
     )
-    kv_bytes = 2 * batch * ctx_len * num_kv_heads * head_dim * ctx.cache.element_size()
+    ms = time_ms(splits)
     return ms, kv_bytes / ms / 1e6
 
 
@@ -633,33 +655,109 @@ def bench_cache_write(
     return median_ms(lambda: write_kv_cache(key, value, cache, slots, *scales), iters, warmup)
 
 
-def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int) -> None:
-    """The fp8-cache decode kernel's tile (keys per K/V tile) and launch (warps, stages) around
-    the shipped choice, at the bandwidth table's sizes: what the 85%-of-copy goal needs."""
+class _SkippedLaunch:
+    """Stands in for a Triton kernel whose launches should not run (a sweep's 'without' row)."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int, rounds: int) -> None:
+    """The fp8-cache decode kernel's tile (keys per K/V tile), launch (warps, stages) and split
+    count around the shipped choice, at the bandwidth table's sizes: what the 85%-of-copy goal
+    needs. Configurations are timed in `rounds` interleaved rounds (the median and the spread
+    are printed), and the shipped configuration once more without its reduction kernel, which
+    bounds what folding the reduction into the split kernel can gain."""
     from kvfleet.kernels import paged_attention
 
     copy_gbs = copy_bandwidth(dev, iters, warmup)
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shipped = paged_attention._kv_tile_tokens, paged_attention._FP8_DECODE_LAUNCH
+    reduce_kernel = paged_attention._decode_reduce_kernel
+    launches = ((2, 3), (2, 4), (2, 6), (4, 3), (4, 4))
     out = sys.stdout
-    out.write(f"\nfp8-cache decode sweep (copy {copy_gbs:.0f} GB/s)\n")
+    out.write(f"\nfp8-cache decode sweep (copy {copy_gbs:.0f} GB/s), {rounds} rounds\n")
     out.write(
-        f"{'batch x ctx':>13} {'keys':>5} {'warps':>5} {'stages':>6} {'us':>9} {'% copy':>7}\n"
+        f"{'batch x ctx':>13} {'keys':>5} {'warps':>5} {'stages':>6} {'splits':>8} "
+        f"{'us':>9} {'% copy':>7} {'range %':>12}\n"
     )
     try:
-        for (batch, ctx_len), keys, (warps, stages) in itertools.product(
-            ((64, 2048), (8, 16384)), (64, 128), ((2, 6), (2, 4), (4, 4), (4, 3), (8, 3))
-        ):
-            paged_attention._kv_tile_tokens = lambda head_dim, itemsize, keys=keys: keys
-            paged_attention._FP8_DECODE_LAUNCH = (warps, stages)
-            splits = choose_num_splits(32768, batch, 8, num_sms)
-            ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, fp8=True)
-            out.write(
-                f"{f'{batch} x {ctx_len}':>13} {keys:>5} {warps:>5} {stages:>6} "
-                f"{ms * 1e3:9.1f} {100 * gbs / copy_gbs:6.1f}%\n"
-            )
+        for batch, ctx_len in ((64, 2048), (8, 16384)):
+            time_ms, kv_bytes = decode_timer(dev, batch, ctx_len, iters, warmup, fp8=True)
+            chosen = choose_num_splits(32768, batch, 8, num_sms)
+            configs = [
+                (keys, launch, splits, False)
+                for keys, launch, splits in itertools.product(
+                    (64, 128), launches, sorted({max(chosen // 2, 1), chosen, 2 * chosen})
+                )
+            ]
+            if chosen > 1:
+                configs.append((64, shipped[1], chosen, True))
+            times: dict[tuple, list[float]] = {c: [] for c in configs}
+            for _ in range(rounds):
+                for config in configs:
+                    keys, launch, splits, skip_reduce = config
+                    paged_attention._kv_tile_tokens = lambda head_dim, itemsize, k=keys: k
+                    paged_attention._FP8_DECODE_LAUNCH = launch
+                    if skip_reduce:
+                        paged_attention._decode_reduce_kernel = _SkippedLaunch()
+                    try:
+                        times[config].append(time_ms(splits))
+                    finally:
+                        paged_attention._decode_reduce_kernel = reduce_kernel
+            for (keys, (warps, stages), splits, skip_reduce), ms_list in times.items():
+                pcts = [100 * kv_bytes / ms / 1e6 / copy_gbs for ms in ms_list]
+                tag = f"{splits}{' no-red' if skip_reduce else ''}"
+                out.write(
+                    f"{f'{batch} x {ctx_len}':>13} {keys:>5} {warps:>5} {stages:>6} {tag:>8} "
+                    f"{statistics.median(ms_list) * 1e3:9.1f} {statistics.median(pcts):6.1f}% "
+                    f"{f'{min(pcts):.1f}-{max(pcts):.1f}':>12}\n"
+                )
     finally:
         paged_attention._kv_tile_tokens, paged_attention._FP8_DECODE_LAUNCH = shipped
+
+
+# Prefill tiles the fp8 sweep tries (BLOCK_M, BLOCK_N, num_warps, num_stages), head_dim 128.
+FP8_PREFILL_TILES = (
+    (128, 128, 8, 3),
+    (128, 128, 8, 2),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 64, 4, 3),
+    (64, 128, 4, 3),
+    (64, 64, 4, 3),
+)
+
+
+def sweep_fp8_prefill(dev: torch.device, iters: int, warmup: int, rounds: int) -> None:
+    """The fp8-cache prefill kernel's big tile at head_dim 128 (bf16 queries), in interleaved
+    rounds, beside the bf16 cache with its shipped tile."""
+    from kvfleet.kernels import paged_attention
+
+    tiles = paged_attention._PREFILL_TILE[1]
+    shipped = tiles[128]
+    workloads = (
+        ("4 x 4096 prompts", [(4096, 4096)] * 4),
+        ("chunk 2048 + 64 decodes", [(4096, 2048)] + [(2048, 1)] * 64),
+    )
+    configs = [(None, False)] + [(tile, True) for tile in FP8_PREFILL_TILES]
+    times: dict[tuple, list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for (name, seqs), (tile, fp8) in itertools.product(workloads, configs):
+                tiles[128] = tile or shipped
+                ms, _ = bench_prefill(dev, seqs, iters, warmup, fp8)
+                times.setdefault((name, tile), []).append(ms)
+    finally:
+        tiles[128] = shipped
+    out = sys.stdout
+    out.write(f"\nfp8-cache prefill tile sweep, {rounds} rounds (median, range)\n")
+    for (name, tile), ms_list in times.items():
+        label = "bf16 cache, shipped tile" if tile is None else f"fp8 {tile}"
+        out.write(
+            f"{name:>26} {label:>28} {statistics.median(ms_list) * 1e3:9.1f} us "
+            f"({min(ms_list) * 1e3:.1f}-{max(ms_list) * 1e3:.1f})\n"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,8 +778,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fp8-decode-sweep",
         action="store_true",
-        help="only sweep the fp8-cache decode kernel's tile and launch (no checks, no table)",
+        help="sweep the fp8-cache decode kernel's tile, launch and splits (no checks, no table)",
     )
+    parser.add_argument(
+        "--fp8-prefill-sweep",
+        action="store_true",
+        help="sweep the fp8-cache prefill kernel's big tile (no checks, no table)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of a sweep")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -693,8 +797,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
     torch.manual_seed(args.seed)
-    if args.fp8_decode_sweep:
-        sweep_fp8_decode(dev, args.iters, args.warmup)
+    if args.fp8_decode_sweep or args.fp8_prefill_sweep:
+        if args.fp8_decode_sweep:
+            sweep_fp8_decode(dev, args.iters, args.warmup, args.rounds)
+        if args.fp8_prefill_sweep:
+            sweep_fp8_prefill(dev, args.iters, args.warmup, args.rounds)
         return 0
     ok = True
     if not args.skip_checks:
