@@ -64,7 +64,7 @@ def _cases(fp8: bool) -> list[tuple[str, triton.JITFunction, dict, int, int]]:
     warps, stages = pa._FP8_DECODE_LAUNCH if fp8 else (4, 3)
     decode = dict(
         GROUP=GROUP, BLOCK_G=16, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, BLOCK_N=block_n,
-        NUM_SPLITS=4, NUM_PARTS=4, BLOCK_S=4, HAS_PREFIX=False, HAS_SOFT_CAP=False, DOT_DTYPE=dot,
+        NUM_SPLITS=4, NUM_PARTS=4, HAS_PREFIX=False, HAS_SOFT_CAP=False, DOT_DTYPE=dot,
         KV_FP8=fp8, PDL=True,
     )  # fmt: skip
     prefix = dict(

@@ -220,7 +220,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_PARTS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -285,8 +284,10 @@ def _decode_split_kernel(
     else:
         # Partials are [num_seqs, num_heads, NUM_PARTS] (+ [HEAD_DIM]), contiguous: the splits'
         # first, then the prefix kernel's.
-        part = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_PARTS + split
-        _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, g_ok, HEAD_DIM)
+        rows = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_PARTS
+        _store_partial(
+            part_o_ptr, part_m_ptr, part_l_ptr, rows + split, m_i, l_i, acc, g_ok, HEAD_DIM
+        )
         # The last split of this (sequence, KV head) to finish merges the partials, where a
         # second kernel would add its launch and a dependent wait to every step (3 points of
         # copy bandwidth at 8 x 16384 with an FP8 cache on an H100). The barrier and the
@@ -300,8 +301,8 @@ def _decode_split_kernel(
         if ticket == NUM_SPLITS - 1:
             tl.store(counter, 0)
             _merge_partials(
-                part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, seq, kv_head, stride_ob, stride_oh,
-                GROUP, HEAD_DIM, NUM_PARTS, BLOCK_S,
+                part_o_ptr, part_m_ptr, part_l_ptr, rows, out_ptr, seq, heads, g_ok, stride_ob,
+                stride_oh, HEAD_DIM, NUM_PARTS,
             )  # fmt: skip
 
 
@@ -398,43 +399,45 @@ def _merge_partials(
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
+    rows,
     out_ptr,
     seq,
-    kv_head,
+    heads,
+    ok,
     stride_ob,
     stride_oh,
-    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_PARTS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
-    """out[seq] for this KV head's query heads from their NUM_PARTS partials each. Empty parts
-    carry (m=_NEG_INIT, l=0, o=0): a weight <= 1 times zeros, so they drop out, and a row with
-    no key at all comes out zero. Each head's parts load as one tile, the heads unrolled, so all
-    loads are in flight at once: this runs after the slowest split, on the step's critical
-    path. Loads bypass L1 (.cg): other SMs wrote the partials during this launch, and this SM's
-    L1 may hold lines of them from an earlier merge."""
-    parts = tl.arange(0, BLOCK_S)
-    p_ok = parts < NUM_PARTS
+    """out[seq, heads] from the NUM_PARTS partials that start at `rows` (one per head). Empty
+    parts carry (m=_NEG_INIT, l=0, o=0): a weight <= 1 times zeros, so they drop out, and a row
+    with no key at all comes out zero. Loads bypass L1 (.cg): other SMs wrote the partials during
+    this launch, and this SM's L1 may hold lines of them from an earlier merge."""
     dims = tl.arange(0, HEAD_DIM)
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        rows = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + head) * NUM_PARTS + parts
-        m = tl.load(part_m_ptr + rows, mask=p_ok, other=_NEG_INIT, cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + rows, mask=p_ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(
-            part_o_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-            mask=p_ok[:, None],
+    m_max = tl.full(rows.shape, _NEG_INIT, tl.float32)
+    for p in tl.range(0, NUM_PARTS):
+        m_p = tl.load(part_m_ptr + rows + p, mask=ok, other=_NEG_INIT, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_p)
+    denom = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros([rows.shape[0], HEAD_DIM], tl.float32)
+    for p in tl.range(0, NUM_PARTS):
+        m_p = tl.load(part_m_ptr + rows + p, mask=ok, other=_NEG_INIT, cache_modifier=".cg")
+        l_p = tl.load(part_l_ptr + rows + p, mask=ok, other=0.0, cache_modifier=".cg")
+        o_p = tl.load(
+            part_o_ptr + (rows + p)[:, None] * HEAD_DIM + dims[None, :],
+            mask=ok[:, None],
             other=0.0,
             cache_modifier=".cg",
         )
-        w = tl.exp2(m - tl.max(m, 0))
-        denom = tl.sum(w * l_s, 0)
-        acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-        tl.store(
-            out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims,
-            acc.to(out_ptr.dtype.element_ty),
-        )
+        w = tl.exp2(m_p - m_max)
+        denom += w * l_p
+        acc += o_p * w[:, None]
+    acc = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=ok[:, None],
+    )
 
 
 # Arguments that change from step to step are not specialized on (Triton would otherwise compile a
@@ -776,7 +779,6 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         NUM_PARTS=num_parts,
-        BLOCK_S=triton.next_power_of_2(num_parts),
         HAS_PREFIX=prefix_len is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=_dot_dtype(query, kv_cache),
