@@ -257,35 +257,6 @@ def check_decode_graph(dev: torch.device) -> bool:
     return ok
 
 
-def check_decode_repeats(dev: torch.device, fp8: bool, launches: int = 200) -> bool:
-    """The split kernel's merge runs in whichever program finishes last, reading partials other
-    SMs wrote during the same launch: back-to-back launches with many splits per (sequence, KV
-    head) must give bit-identical outputs (a merge that read a stale or unwritten partial would
-    differ now and then), close to the reference."""
-    batch, num_heads, num_kv_heads, head_dim, dtype = 4, 32, 8, 128, torch.bfloat16
-    lens = [8192, 5000, 1, 8192]
-    ctx = paged_context(lens, num_kv_heads, head_dim, dtype, dev, fp8)
-    query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
-    seq_lens = torch.tensor(lens, device=dev)
-    scale = head_dim**-0.5
-    ok = True
-    for num_splits in (8, 32):
-        outs = torch.full((launches, *query.shape), float("nan"), device=dev, dtype=dtype)
-        for i in range(launches):
-            paged_decode_attention(
-                query, ctx.cache, ctx.tables, seq_lens, scale, out=outs[i],
-                num_splits=num_splits, **ctx.scales,
-            )  # fmt: skip
-        torch.cuda.synchronize()
-        ref = reference.paged_attention(
-            query, ctx.cache, ctx.tables, lens, list(range(batch + 1)), scale, **ctx.scales
-        )
-        name = f"decode x{launches} launches B={batch} S={num_splits}" + (" fp8-KV" if fp8 else "")
-        ok &= report(name, outs[0], ref, *ATTN_TOL[dtype])
-        ok &= report(name + " identical", outs, outs[:1].expand_as(outs), 0.0, 0.0)
-    return ok
-
-
 def check_prefill(
     dev: torch.device,
     dtype: torch.dtype,
@@ -433,8 +404,6 @@ def run_checks(dev: torch.device) -> bool:
         lambda: check_decode(dev, bf16, 64, 2048, 32, 8, 128, None, None, splits),
         lambda: check_decode(dev, bf16, 8, 16384, 32, 8, 128, None, None, [16]),
         lambda: check_decode_graph(dev),
-        lambda: check_decode_repeats(dev, fp8=False),
-        lambda: check_decode_repeats(dev, fp8=True),
         lambda: check_decode(dev, bf16, 16, 3000, 32, 8, 128, 1024, 30.0, [1, 8]),
         lambda: check_decode(dev, bf16, 16, 1000, 28, 4, 64, None, None, [1, 4]),
         lambda: check_decode(dev, bf16, 16, 1000, 16, 8, 256, 512, 50.0, [1, 4]),
@@ -686,16 +655,25 @@ def bench_cache_write(
     return median_ms(lambda: write_kv_cache(key, value, cache, slots, *scales), iters, warmup)
 
 
+class _SkippedLaunch:
+    """Stands in for a Triton kernel whose launches should not run (a sweep's 'without' row)."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
 def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int, rounds: int) -> None:
     """The fp8-cache decode kernel's tile (keys per K/V tile), launch (warps, stages) and split
     count around the shipped choice, at the bandwidth table's sizes: what the 85%-of-copy goal
     needs. Configurations are timed in `rounds` interleaved rounds (the median and the spread
-    are printed)."""
+    are printed), and the shipped configuration once more without its reduction kernel, which
+    bounds what folding the reduction into the split kernel can gain."""
     from kvfleet.kernels import paged_attention
 
     copy_gbs = copy_bandwidth(dev, iters, warmup)
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shipped = paged_attention._kv_tile_tokens, paged_attention._FP8_DECODE_LAUNCH
+    reduce_kernel = paged_attention._decode_reduce_kernel
     launches = ((2, 3), (2, 4), (2, 6), (4, 3), (4, 4))
     out = sys.stdout
     out.write(f"\nfp8-cache decode sweep (copy {copy_gbs:.0f} GB/s), {rounds} rounds\n")
@@ -707,21 +685,31 @@ def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int, rounds: int) ->
         for batch, ctx_len in ((64, 2048), (8, 16384)):
             time_ms, kv_bytes = decode_timer(dev, batch, ctx_len, iters, warmup, fp8=True)
             chosen = choose_num_splits(32768, batch, 8, num_sms)
-            configs = list(
-                itertools.product(
+            configs = [
+                (keys, launch, splits, False)
+                for keys, launch, splits in itertools.product(
                     (64, 128), launches, sorted({max(chosen // 2, 1), chosen, 2 * chosen})
                 )
-            )
+            ]
+            if chosen > 1:
+                configs.append((64, shipped[1], chosen, True))
             times: dict[tuple, list[float]] = {c: [] for c in configs}
             for _ in range(rounds):
-                for keys, launch, splits in configs:
+                for config in configs:
+                    keys, launch, splits, skip_reduce = config
                     paged_attention._kv_tile_tokens = lambda head_dim, itemsize, k=keys: k
                     paged_attention._FP8_DECODE_LAUNCH = launch
-                    times[keys, launch, splits].append(time_ms(splits))
-            for (keys, (warps, stages), splits), ms_list in times.items():
+                    if skip_reduce:
+                        paged_attention._decode_reduce_kernel = _SkippedLaunch()
+                    try:
+                        times[config].append(time_ms(splits))
+                    finally:
+                        paged_attention._decode_reduce_kernel = reduce_kernel
+            for (keys, (warps, stages), splits, skip_reduce), ms_list in times.items():
                 pcts = [100 * kv_bytes / ms / 1e6 / copy_gbs for ms in ms_list]
+                tag = f"{splits}{' no-red' if skip_reduce else ''}"
                 out.write(
-                    f"{f'{batch} x {ctx_len}':>13} {keys:>5} {warps:>5} {stages:>6} {splits:>8} "
+                    f"{f'{batch} x {ctx_len}':>13} {keys:>5} {warps:>5} {stages:>6} {tag:>8} "
                     f"{statistics.median(ms_list) * 1e3:9.1f} {statistics.median(pcts):6.1f}% "
                     f"{f'{min(pcts):.1f}-{max(pcts):.1f}':>12}\n"
                 )

@@ -1,6 +1,6 @@
 """Paged attention in Triton (twin of ``reference.paged_attention``).
 
-Two entry points:
+Two kernels:
 
 * ``paged_decode_attention``: one query token per sequence, split-KV ("flash decoding"). Grid
   ``(num_seqs, num_kv_heads, num_splits)``; one program handles every query head of one KV head
@@ -9,15 +9,12 @@ Two entry points:
   ``num_splits`` slices on the device, from its own length, so the grid depends only on the batch
   size and the caller's ``num_splits`` (CUDA-graph safe) and short and long sequences in one batch
   both spread over all splits. With several splits, per-split partials (running max, sum and
-  unnormalised output, fp32) go to scratch, and the last split of each (sequence, KV head) to
-  finish, counted on an atomic counter, merges them.
+  unnormalised output, fp32) go to scratch and a second kernel merges them.
 * Cascade decoding (``prefix_len`` given): when every sequence of a decode batch starts with the
   same physical blocks (a shared system prompt served from the prefix cache), a third kernel
   attends all the batch's queries to that shared prefix at once, as the rows of one tile, so each
   prefix K/V tile is read once per step instead of once per sequence; the split kernel then covers
   only each sequence's own suffix, and the merge takes the prefix's partials beside the splits'.
-  It runs as its own kernel before the split kernel, so its partials are complete when a merge
-  reads them.
   The prefix length is read on the device, so a CUDA graph captured with the cascade serves any
   prefix, including none (0).
 * ``paged_prefill_attention``: flash attention over variable-length query chunks, each chunk the
@@ -197,7 +194,6 @@ def _decode_split_kernel(
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
-    counters_ptr,
     prefix_len_ptr,
     k_scale_ptr,
     v_scale_ptr,
@@ -284,26 +280,8 @@ def _decode_split_kernel(
     else:
         # Partials are [num_seqs, num_heads, NUM_PARTS] (+ [HEAD_DIM]), contiguous: the splits'
         # first, then the prefix kernel's.
-        rows = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_PARTS
-        _store_partial(
-            part_o_ptr, part_m_ptr, part_l_ptr, rows + split, m_i, l_i, acc, g_ok, HEAD_DIM
-        )
-        # The last split of this (sequence, KV head) to finish merges the partials, where a
-        # second kernel would add its launch and a dependent wait to every step (3 points of
-        # copy bandwidth at 8 x 16384 with an FP8 cache on an H100). The barrier and the
-        # ticket's release make every thread's partials visible to whichever program takes
-        # the last ticket; its acquire, to that program's reads. The prefix kernel's partials
-        # are complete already: it ran before this kernel, which waited for it (or for the
-        # stream). The merger puts the counter back to 0 for the next launch.
-        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
-            tl.store(counter, 0)
-            _merge_partials(
-                part_o_ptr, part_m_ptr, part_l_ptr, rows, out_ptr, seq, heads, g_ok, stride_ob,
-                stride_oh, HEAD_DIM, NUM_PARTS,
-            )  # fmt: skip
+        part = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_PARTS + split
+        _store_partial(part_o_ptr, part_m_ptr, part_l_ptr, part, m_i, l_i, acc, g_ok, HEAD_DIM)
 
 
 @triton.jit
@@ -395,48 +373,38 @@ def _decode_prefix_kernel(
 
 
 @triton.jit
-def _merge_partials(
+def _decode_reduce_kernel(
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
-    rows,
     out_ptr,
-    seq,
-    heads,
-    ok,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     NUM_PARTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """out[seq, heads] from the NUM_PARTS partials that start at `rows` (one per head). Empty
-    parts carry (m=_NEG_INIT, l=0, o=0): a weight <= 1 times zeros, so they drop out, and a row
-    with no key at all comes out zero. Loads bypass L1 (.cg): other SMs wrote the partials during
-    this launch, and this SM's L1 may hold lines of them from an earlier merge."""
+    enter(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
-    m_max = tl.full(rows.shape, _NEG_INIT, tl.float32)
-    for p in tl.range(0, NUM_PARTS):
-        m_p = tl.load(part_m_ptr + rows + p, mask=ok, other=_NEG_INIT, cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_p)
-    denom = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], HEAD_DIM], tl.float32)
-    for p in tl.range(0, NUM_PARTS):
-        m_p = tl.load(part_m_ptr + rows + p, mask=ok, other=_NEG_INIT, cache_modifier=".cg")
-        l_p = tl.load(part_l_ptr + rows + p, mask=ok, other=0.0, cache_modifier=".cg")
-        o_p = tl.load(
-            part_o_ptr + (rows + p)[:, None] * HEAD_DIM + dims[None, :],
-            mask=ok[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        w = tl.exp2(m_p - m_max)
-        denom += w * l_p
-        acc += o_p * w[:, None]
-    acc = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    s_ok = splits < NUM_PARTS
+    base = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_PARTS + splits
+    m = tl.load(part_m_ptr + base, mask=s_ok, other=_NEG_INIT)
+    l_s = tl.load(part_l_ptr + base, mask=s_ok, other=0.0)
+    o = tl.load(
+        part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=s_ok[:, None], other=0.0
+    )
+    # Empty splits carry (m=_NEG_INIT, l=0, o=0): weight <= 1 times zeros, so they drop out.
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.sum(o * w[:, None], 0)
+    acc = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(
-        out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims,
         acc.to(out_ptr.dtype.element_ty),
-        mask=ok[:, None],
     )
 
 
@@ -581,29 +549,6 @@ def choose_num_splits(
     return max(1, min(want, cap))
 
 
-# Per device, the split kernel's arrival counters: one int32 per (sequence, KV head), zero
-# between launches, since each launch's merging programs put theirs back. Never freed: a CUDA
-# graph replays with the address it captured.
-_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_SPLIT_COUNTERS = 1 << 16  # 1,024 sequences x 64 KV heads
-
-
-def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least `count` zeroed arrival counters on `device`, the same buffer from call to call."""
-    buffers = _SPLIT_COUNTERS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= count:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # A buffer allocated during capture is zeroed only when the graph replays, so eager
-        # launches before that would read garbage.
-        raise RuntimeError(
-            f"paged_decode_attention needs {count} split counters, more than any launch before "
-            "this CUDA-graph capture: run the largest batch eagerly first"
-        )
-    buffers.append(torch.zeros(max(count, _MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def choose_prefix_splits(
     max_model_len: int, batch_size: int, num_heads: int, num_kv_heads: int, num_sms: int = 132
 ) -> int:
@@ -709,9 +654,8 @@ def paged_decode_attention(
             (num_seqs, num_heads, num_parts), dtype=torch.float32, device=query.device
         )
         part_l = torch.empty_like(part_m)
-        counters = split_counters(query.device, num_seqs * num_kv_heads)
     else:
-        part_o = part_m = part_l = counters = out  # unused: the split kernel writes `out`
+        part_o = part_m = part_l = out  # unused: the split kernel writes `out` directly
     if prefix_len is not None:
         block_m = _PREFIX_BLOCK_M if head_dim <= 128 else _PREFIX_BLOCK_M // 2
         grid = (triton.cdiv(num_seqs * group, block_m), num_kv_heads, prefix_splits)
@@ -757,7 +701,6 @@ def paged_decode_attention(
         part_o,
         part_m,
         part_l,
-        counters,
         seq_lens if prefix_len is None else prefix_len,  # read only with HAS_PREFIX
         *scales,
         scale,
@@ -787,6 +730,20 @@ def paged_decode_attention(
         num_stages=num_stages,
         **pdl_args(query.device),
     )
+    if num_parts > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_o,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_PARTS=num_parts,
+            BLOCK_S=triton.next_power_of_2(num_parts),
+            num_warps=4,
+            **pdl_args(query.device),
+        )
     return out
 
 
