@@ -597,15 +597,16 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
         f"{'batch x ctx':>13} {'cache':>5} {'splits':>12} {'us':>9} {'KV GB/s':>9} {'% copy':>7}\n"
     )
     for batch, ctx_len in ((64, 2048), (8, 16384)):
-        chosen = choose_num_splits(32768, batch, 8, num_sms)
-        for fp8, splits in itertools.product((False, True), sorted({chosen, *extra_splits})):
-            ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, fp8=fp8)
-            tag = f"{splits}{' (chosen)' if splits == chosen else ''}"
-            pct = 100 * gbs / copy_gbs
-            out.write(
-                f"{f'{batch} x {ctx_len}':>13} {'fp8' if fp8 else 'bf16':>5} {tag:>12} "
-                f"{ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
-            )
+        for fp8 in (False, True):
+            chosen = choose_num_splits(32768, batch, 8, num_sms, fp8)
+            for splits in sorted({chosen, *extra_splits}):
+                ms, gbs = bench_decode(dev, batch, ctx_len, splits, iters, warmup, fp8=fp8)
+                tag = f"{splits}{' (chosen)' if splits == chosen else ''}"
+                pct = 100 * gbs / copy_gbs
+                out.write(
+                    f"{f'{batch} x {ctx_len}':>13} {'fp8' if fp8 else 'bf16':>5} {tag:>12} "
+                    f"{ms * 1e3:9.1f} {gbs:9.0f} {pct:6.1f}%\n"
+                )
     out.write("\ndecode, Llama-2-13B heads (40 q / 40 kv), chosen splits\n")
     for batch, ctx_len, shared, cascade in (
         (96, 640, 0, False),
@@ -684,7 +685,7 @@ def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int, rounds: int) ->
     try:
         for batch, ctx_len in ((64, 2048), (8, 16384)):
             time_ms, kv_bytes = decode_timer(dev, batch, ctx_len, iters, warmup, fp8=True)
-            chosen = choose_num_splits(32768, batch, 8, num_sms)
+            chosen = choose_num_splits(32768, batch, 8, num_sms, kv_fp8=True)
             configs = [
                 (keys, launch, splits, False)
                 for keys, launch, splits in itertools.product(

@@ -16,6 +16,7 @@ from kvfleet.kernels.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from kvfleet.kernels.reference import is_fp8
 
 # H100 SXM; used when no CUDA device is visible (the interpreter, tests).
 _DEFAULT_NUM_SMS = 132
@@ -34,10 +35,12 @@ class TritonAttentionBackend:
             )
         self.num_sms = num_sms
 
-    def num_splits(self, batch_size: int, num_kv_heads: int) -> int:
+    def num_splits(self, batch_size: int, kv_cache: torch.Tensor) -> int:
         """Decode splits for one batch shape: fixed by static sizes only, so a CUDA graph
         captured for a batch size keeps its grid on replay."""
-        return choose_num_splits(self.max_model_len, batch_size, num_kv_heads, self.num_sms)
+        return choose_num_splits(
+            self.max_model_len, batch_size, kv_cache.shape[3], self.num_sms, is_fp8(kv_cache)
+        )
 
     def write_kv(
         self,
@@ -72,7 +75,7 @@ class TritonAttentionBackend:
                 scale,
                 sliding_window,
                 logits_soft_cap,
-                num_splits=self.num_splits(batch, num_kv_heads),
+                num_splits=self.num_splits(batch, kv_cache),
                 prefix_len=prefix,
                 prefix_splits=1
                 if prefix is None

@@ -209,6 +209,16 @@ def test_choose_num_splits() -> None:
     # Never shorter than the minimum split length at max_model_len.
     assert choose_num_splits(2048, 1, 8) == 8
     assert choose_num_splits(100, 1, 8) == 1
+    # An FP8 cache aims at one program per SM, not two: half the bytes per key make a split's
+    # fixed costs weigh double.
+    assert choose_num_splits(32768, 8, 8, kv_fp8=True) == 4
+    assert choose_num_splits(32768, 1, 8, kv_fp8=True) == 32
+    assert choose_num_splits(32768, 64, 8, kv_fp8=True) == 1
+    # The engine's backend asks with its cache's dtype.
+    backend = TritonAttentionBackend(max_model_len=32768, num_sms=132)
+    cache = torch.zeros(2, 1, 16, 8, 16)
+    assert backend.num_splits(8, cache) == 8
+    assert backend.num_splits(8, cache.to(reference.FP8_KV_DTYPE)) == 4
 
 
 # -- prefill ---------------------------------------------------------------------------------
