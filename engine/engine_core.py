@@ -124,8 +124,14 @@ class EngineCore:
         return None if self.workers is None else self.workers.failure()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        """Stop the tensor-parallel workers (nothing to do with one rank). The runner is
+        released first: NCCL does not destroy a communicator while a CUDA graph that captured
+        its collectives lives (its teardown waits for them), and without the workers no step
+        can run anyway."""
         if self.workers is not None:
+            runner = getattr(self, "runner", None)  # absent when the model failed to load
+            if runner is not None:
+                runner.release()
             self.workers.shutdown()
 
     def close(self) -> None:

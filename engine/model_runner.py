@@ -4,6 +4,7 @@ rank runs the same plan through its shard of the model, and rank 0 samples."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -363,6 +364,9 @@ class ModelRunner:
         self.kv_caches = []
         self.graphs = None
         self.model = None  # type: ignore[assignment]
+        # Now rather than whenever the collector runs: a tensor-parallel teardown waits for
+        # every CUDA graph that captured a collective to be destroyed.
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -70,6 +70,8 @@ def _worker_main(
         if msg == _STOP:
             break
         runner.forward(pickle.loads(msg))
+    # The CUDA graphs first: NCCL's teardown waits until no graph holds its communicator.
+    runner.release()
     dist.destroy_process_group()
     # A spawned worker would otherwise exit through interpreter finalization, where c10d's
     # static objects are destroyed with their threads still joinable (std::terminate, SIGABRT,

@@ -160,3 +160,26 @@ def test_a_worker_that_cannot_load_its_shard_is_reported_not_waited_for(model_di
                               skip_tokenizer_init=True))  # fmt: skip
     assert not dist.is_initialized()
     assert not mp.active_children()
+
+
+def test_the_runner_is_released_before_the_process_group_is_destroyed(model_dirs, monkeypatch):
+    """NCCL does not destroy a communicator while a CUDA graph that captured its collectives
+    lives: on two GPUs, destroying the group under live graphs hung for its 10 s limit, the
+    worker was killed, and the next engine's communicator was aborted. So rank 0 gives back its
+    runner (graphs, cache, weights) before the group's teardown starts."""
+    core = EngineCore(EngineArgs(model=str(model_dirs["llama"]), tensor_parallel_size=2,
+                                 device="cpu", skip_tokenizer_init=True))  # fmt: skip
+    workers = core.workers
+    assert workers is not None
+    teardown = workers.shutdown
+    at_teardown = []
+
+    def shutdown() -> None:
+        at_teardown.append((core.runner.model, core.runner.graphs, core.runner.kv_caches))
+        teardown()
+
+    monkeypatch.setattr(workers, "shutdown", shutdown)
+    core.close()
+    assert at_teardown == [(None, None, [])]
+    assert [p.exitcode for p in workers._procs] == [0]
+    assert not dist.is_initialized()
