@@ -62,8 +62,9 @@ _PREFIX_BLOCK_M = 64
 # num_warps, num_stages). 16-bit: the fastest of a small sweep on an H200 (bf16, 32/8 heads,
 # 4 x 4096 prompts and a chunk beside 64 decodes); up to ~220 KB of shared memory, Hopper-sized.
 # 1: 16-bit queries over an FP8 cache; at head_dim 128 the fastest of a sweep on an H100 (the
-# same workloads): 21% faster than the 16-bit tile on 4 x 4096 prompts and 10% on the chunk,
-# whose 128 keys of V by dimension are staged 8 pages to a bank (bench/kernel_sass.py). fp32
+# same workloads): 21% faster than the 16-bit tile on 4 x 4096 prompts and 10% on the chunk.
+# The 16-bit tile's 128 keys of V by dimension sit in shared memory with 8 pages on the same
+# banks (bench/kernel_sass.py, bench/RESULTS.md); a 64-key tile has 4 such pages. fp32
 # (ieee products, a correctness path) gets tiles that fit the same memory.
 _PREFILL_TILE = {
     1: {64: (128, 64, 4, 2), 128: (128, 64, 4, 3), 256: (128, 64, 8, 2)},
@@ -548,9 +549,9 @@ def choose_num_splits(
     heads, head_dim 128; H100 and H200 alike): batch 64 x 2048 is fastest at 1-4 splits, batch
     8 x 16384 at 8-16, batch 1 x 32768 at 32; extra splits cost a few percent (partials written
     and merged). An FP8 split reads half the bytes for the same keys, so those fixed costs weigh
-    twice as much: on an H100, 8 x 16384 read 85.8-86.3% of copy bandwidth at 4 splits and
-    82.7-84.8% at 8, in three calls. A pure function of static sizes, so CUDA graphs can capture
-    the result."""
+    twice as much: on H100s, 8 x 16384 read 84.0-86.3% of copy bandwidth at 4 splits (four
+    calls) and 82.7-84.8% at 8 (three). A pure function of static sizes, so CUDA graphs can
+    capture the result."""
     programs = (1 if kv_fp8 else 2) * num_sms
     want = triton.next_power_of_2(triton.cdiv(programs, max(batch_size * num_kv_heads, 1)))
     cap = triton.cdiv(max_model_len, _MIN_TOKENS_PER_SPLIT)
