@@ -26,6 +26,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -540,15 +541,11 @@ def bench_decode(
     splits: int,
     iters: int,
     warmup: int,
-    heads: tuple[int, int] = (32, 8),
-    shared_prefix: int = 0,
-    cascade: bool = False,
-    fp8: bool = False,
+    **case: Any,
 ) -> tuple[float, float]:
-    """Time (ms) and logical KV bandwidth (GB/s) of one decode batch (see decode_timer)."""
-    time_ms, kv_bytes = decode_timer(
-        dev, batch, ctx_len, iters, warmup, heads, shared_prefix, cascade, fp8
-    )
+    """Time (ms) and logical KV bandwidth (GB/s) of one decode batch; `case`: decode_timer's
+    heads, shared_prefix, cascade and fp8."""
+    time_ms, kv_bytes = decode_timer(dev, batch, ctx_len, iters, warmup, **case)
     ms = time_ms(splits)
     return ms, kv_bytes / ms / 1e6
 
@@ -617,7 +614,15 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
     ):
         splits = choose_num_splits(4096, batch, 40, num_sms)
         ms, gbs = bench_decode(
-            dev, batch, ctx_len, splits, iters, warmup, (40, 40), shared, cascade
+            dev,
+            batch,
+            ctx_len,
+            splits,
+            iters,
+            warmup,
+            heads=(40, 40),
+            shared_prefix=shared,
+            cascade=cascade,
         )
         out.write(
             f"{batch} x {ctx_len}, {shared} shared{', cascade' if cascade else ''}: "

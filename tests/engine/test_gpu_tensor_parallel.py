@@ -60,47 +60,40 @@ def test_two_gpus_greedy_equals_one_gpu_and_hf_in_fp32(arch, model_dirs, prompts
     assert outs[2] == outs[1] == hf_reference[arch]
 
 
-def test_two_gpus_bf16_logprobs_close_to_one_gpu_on_a_real_size_model():
-    """Qwen3-0.6B architecture, dummy weights (the same model at any TP size), bf16: the first
-    token's top-20 logprobs with N=2 against N=1; the sums inside the all-reduce round
-    differently, so equality is not expected, closeness is."""
+def _first_token_gaps_two_gpus_against_one(**engine_args: Any) -> list[tuple[int, float]]:
+    """Qwen3-0.6B architecture, dummy weights (the same model at any TP size): the first token's
+    top-20 logprobs with N=2 against N=1 (first_token_logprob_gaps)."""
     common = dict(
         load_format="dummy",
         dtype="bfloat16",
         skip_tokenizer_init=True,
         max_model_len=2048,
         max_num_seqs=16,
+        **engine_args,
     )
     prompts = long_random_prompts()
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=20, ignore_eos=True)
     model = str(BENCH_MODELS / "Qwen3-0.6B")
     outs = {tp: _generate(model, tp, prompts, sp, **common) for tp in (1, 2)}
-    gaps = first_token_logprob_gaps(outs[2], outs[1])
+    return first_token_logprob_gaps(outs[2], outs[1])
+
+
+def test_two_gpus_bf16_logprobs_close_to_one_gpu_on_a_real_size_model():
+    """bf16: the sums inside the all-reduce round differently, so equality is not expected,
+    closeness is."""
+    gaps = _first_token_gaps_two_gpus_against_one()
     assert all(shared for shared, _ in gaps)
     worst = max(gap for _, gap in gaps)
     assert worst < 0.05, worst
 
 
 def test_two_gpus_fp8_weights_and_cache_close_to_one_gpu():
-    """--quantization fp8 with an fp8 KV cache, N=2 against N=1 (Qwen3-0.6B architecture, dummy
-    weights, CUDA graphs, and on Hopper dependent launches on both ranks): each rank quantizes
-    its own shards (a row-parallel layer's weights and inputs over half a row) and calibrates
-    its own heads' cache scales, so the two round differently; within the 0.1 nats the fp8
-    paths keep to bf16 on one GPU (the printout gives the gaps)."""
-    common = dict(
-        load_format="dummy",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_model_len=2048,
-        max_num_seqs=16,
-        quantization="fp8",
-        kv_cache_dtype="fp8",
-    )
-    prompts = long_random_prompts()
-    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=20, ignore_eos=True)
-    model = str(BENCH_MODELS / "Qwen3-0.6B")
-    outs = {tp: _generate(model, tp, prompts, sp, **common) for tp in (1, 2)}
-    gaps = first_token_logprob_gaps(outs[2], outs[1])
+    """--quantization fp8 with an fp8 KV cache (CUDA graphs, and on Hopper dependent launches,
+    on both ranks): each rank quantizes its own shards (a row-parallel layer's weights and
+    inputs over half a row) and calibrates its own heads' cache scales, so the two round
+    differently; within the 0.1 nats the fp8 paths keep to bf16 on one GPU (the printout gives
+    the gaps)."""
+    gaps = _first_token_gaps_two_gpus_against_one(quantization="fp8", kv_cache_dtype="fp8")
     print(f"fp8 weights and KV cache, N=2 vs N=1 first-token top-20 logprobs: {gaps}")
     assert min(shared for shared, _ in gaps) >= 10, gaps
     assert max(gap for _, gap in gaps) < 0.1, gaps
