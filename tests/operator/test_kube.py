@@ -248,7 +248,9 @@ def test_run_without_a_cluster_says_what_it_tried(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(missing))
     with caplog.at_level(logging.ERROR, logger="kvfleet.operator"):
-        assert operator_main.main(["run", "--health-address", "127.0.0.1:0"]) == 1
+        # Port 0 for both servers: a fixed port is taken whenever another suite runs beside.
+        args = ["run", "--health-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"]
+        assert operator_main.main(args) == 1
     (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert "KUBERNETES_SERVICE_HOST unset" in record.getMessage()
     assert str(missing) in record.getMessage()
