@@ -267,7 +267,8 @@ for step in "$@"; do
         done
         ;;
     tp-tests)
-        # Two GPUs: N=2 against N=1 (fp32 greedy, bf16 logprobs), and the too-big refusal.
+        # Two GPUs: N=2 against N=1 (fp32 greedy; bf16, and fp8 weights with an fp8 KV cache,
+        # logprobs), and the too-big refusal.
         timeout 540 $py -m pytest -q -p no:cacheprovider tests/engine/test_gpu_tensor_parallel.py 2>&1 |
             tee "$out/tp_tests.txt"
         ;;
