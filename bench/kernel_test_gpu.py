@@ -581,6 +581,27 @@ def bench_prefill(
     return ms, 4 * pairs * num_heads * head_dim / ms / 1e9
 
 
+# Prefill batches of the table, (name, [(context length, query length)]); the fp8 tile sweep
+# times the first two.
+PREFILL_WORKLOADS = (
+    ("4 x 4096 prompts", [(4096, 4096)] * 4),
+    ("chunk 2048 after 2048 + 64 decodes @ 2048", [(4096, 2048)] + [(2048, 1)] * 64),
+    ("8192 prompt + 63 chunks of 16 @ 1000", [(8192, 8192)] + [(1000, 16)] * 63),
+)
+
+
+def interleaved_rounds(
+    configs: list, rounds: int, time_ms: Callable[[Any], float]
+) -> dict[Any, list[float]]:
+    """Each configuration's times (ms) over `rounds` rounds, every round timing all of them in
+    turn: a drift of the card's clocks then spreads over all configurations alike."""
+    times: dict[Any, list[float]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for config in configs:
+            times[config].append(time_ms(config))
+    return times
+
+
 def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int]) -> None:
     copy_gbs = copy_bandwidth(dev, iters, warmup)
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -632,14 +653,7 @@ def run_bench(dev: torch.device, iters: int, warmup: int, extra_splits: list[int
     out.write(
         f"\nprefill (causal FLOPs / time)\n{'batch':>42} {'cache':>5} {'us':>9} {'TFLOP/s':>9}\n"
     )
-    for (name, seqs), fp8 in itertools.product(
-        (
-            ("4 x 4096 prompts", [(4096, 4096)] * 4),
-            ("chunk 2048 after 2048 + 64 decodes @ 2048", [(4096, 2048)] + [(2048, 1)] * 64),
-            ("8192 prompt + 63 chunks of 16 @ 1000", [(8192, 8192)] + [(1000, 16)] * 63),
-        ),
-        (False, True),
-    ):
+    for (name, seqs), fp8 in itertools.product(PREFILL_WORKLOADS, (False, True)):
         ms, tflops = bench_prefill(dev, seqs, iters, warmup, fp8)
         out.write(f"{name:>42} {'fp8' if fp8 else 'bf16':>5} {ms * 1e3:9.1f} {tflops:9.0f}\n")
     out.write("\nKV cache write, 8 kv heads x 128, contiguous slots\n")
@@ -699,18 +713,19 @@ def sweep_fp8_decode(dev: torch.device, iters: int, warmup: int, rounds: int) ->
             ]
             if chosen > 1:
                 configs.append((64, shipped[1], chosen, True))
-            times: dict[tuple, list[float]] = {c: [] for c in configs}
-            for _ in range(rounds):
-                for config in configs:
-                    keys, launch, splits, skip_reduce = config
-                    paged_attention._kv_tile_tokens = lambda head_dim, itemsize, k=keys: k
-                    paged_attention._FP8_DECODE_LAUNCH = launch
-                    if skip_reduce:
-                        paged_attention._decode_reduce_kernel = _SkippedLaunch()
-                    try:
-                        times[config].append(time_ms(splits))
-                    finally:
-                        paged_attention._decode_reduce_kernel = reduce_kernel
+
+            def run(config: tuple, time_ms: Callable[[int], float] = time_ms) -> float:
+                keys, launch, splits, skip_reduce = config
+                paged_attention._kv_tile_tokens = lambda head_dim, itemsize: keys
+                paged_attention._FP8_DECODE_LAUNCH = launch
+                if skip_reduce:
+                    paged_attention._decode_reduce_kernel = _SkippedLaunch()
+                try:
+                    return time_ms(splits)
+                finally:
+                    paged_attention._decode_reduce_kernel = reduce_kernel
+
+            times = interleaved_rounds(configs, rounds, run)
             for (keys, (warps, stages), splits, skip_reduce), ms_list in times.items():
                 pcts = [100 * kv_bytes / ms / 1e6 / copy_gbs for ms in ms_list]
                 tag = f"{splits}{' no-red' if skip_reduce else ''}"
@@ -742,18 +757,16 @@ def sweep_fp8_prefill(dev: torch.device, iters: int, warmup: int, rounds: int) -
 
     tiles = paged_attention._PREFILL_TILE[1]
     shipped = tiles[128]
-    workloads = (
-        ("4 x 4096 prompts", [(4096, 4096)] * 4),
-        ("chunk 2048 + 64 decodes", [(4096, 2048)] + [(2048, 1)] * 64),
-    )
-    configs = [(None, False)] + [(tile, True) for tile in FP8_PREFILL_TILES]
-    times: dict[tuple, list[float]] = {}
+    workloads = dict(PREFILL_WORKLOADS[:2])
+
+    def run(config: tuple) -> float:
+        name, tile = config  # tile None: the bf16 cache with its own tile
+        tiles[128] = tile or shipped
+        return bench_prefill(dev, workloads[name], iters, warmup, fp8=tile is not None)[0]
+
     try:
-        for _ in range(rounds):
-            for (name, seqs), (tile, fp8) in itertools.product(workloads, configs):
-                tiles[128] = tile or shipped
-                ms, _ = bench_prefill(dev, seqs, iters, warmup, fp8)
-                times.setdefault((name, tile), []).append(ms)
+        configs = list(itertools.product(workloads, (None, *FP8_PREFILL_TILES)))
+        times = interleaved_rounds(configs, rounds, run)
     finally:
         tiles[128] = shipped
     out = sys.stdout
@@ -761,7 +774,7 @@ def sweep_fp8_prefill(dev: torch.device, iters: int, warmup: int, rounds: int) -
     for (name, tile), ms_list in times.items():
         label = "bf16 cache, shipped tile" if tile is None else f"fp8 {tile}"
         out.write(
-            f"{name:>26} {label:>28} {statistics.median(ms_list) * 1e3:9.1f} us "
+            f"{name:>42} {label:>28} {statistics.median(ms_list) * 1e3:9.1f} us "
             f"({min(ms_list) * 1e3:.1f}-{max(ms_list) * 1e3:.1f})\n"
         )
 

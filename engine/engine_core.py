@@ -124,25 +124,21 @@ class EngineCore:
         return None if self.workers is None else self.workers.failure()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one rank). The runner is
-        released first: NCCL does not destroy a communicator while a CUDA graph that captured
-        its collectives lives (its teardown waits for them), and without the workers no step
-        can run anyway."""
+        """Stop the tensor-parallel workers (nothing to do with one rank)."""
         if self.workers is not None:
-            runner = getattr(self, "runner", None)  # absent when the model failed to load
-            if runner is not None:
-                runner.release()
             self.workers.shutdown()
 
     def close(self) -> None:
-        """shutdown(), and give back the runner's memory (KV cache, CUDA graphs, weights):
-        what the engine's owner calls when it is done with it; no step runs after this."""
-        self.shutdown()
+        """Give back the runner's memory (KV cache, CUDA graphs, weights), then shutdown():
+        what the engine's owner calls when it is done with it; no step runs after this. The
+        runner goes first: NCCL does not destroy a communicator while a CUDA graph that captured
+        its collectives lives (its teardown waits for them)."""
         # Their logits, tokens' device and pinned memory go with the rest.
         self._launched = self._in_flight = None
         runner = getattr(self, "runner", None)  # absent when the model failed to load
         if runner is not None:
             runner.release()
+        self.shutdown()
 
     # -- requests --------------------------------------------------------------------------
     def admit(

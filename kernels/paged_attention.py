@@ -579,9 +579,9 @@ def _kv_tile_tokens(head_dim: int, itemsize: int) -> int:
 # The decode split kernel's (num_warps, num_stages) for an FP8 cache: the fastest of a sweep on an
 # H100 (32/8 heads, head_dim 128, 64 x 2048 and 8 x 16384) with the token-major V of before,
 # against 51-54% of copy bandwidth with the bf16 cache's (4, 3). Fewer warps per program leave
-# room for more programs per SM and deeper pipelines of the half-size tiles. With V by dimension
-# it reads 86.1% and 81.8% of copy bandwidth at those sizes; single timings of (2, 3), (2, 4) and
-# (4, 4) fell within 84-86% and 79-85%, too close to choose another without repeated rounds.
+# room for more programs per SM and deeper pipelines of the half-size tiles. With V by dimension,
+# three interleaved rounds of (2 or 4 warps) x (3, 4 or 6 stages) x (64 or 128 keys) on an H100
+# kept it: 86.6% at 64 x 2048 and 85.8% at 8 x 16384 (4 splits), no other launch faster at both.
 _FP8_DECODE_LAUNCH = (2, 6)
 
 
