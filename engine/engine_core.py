@@ -69,16 +69,34 @@ class EngineCore:
         self.workers: TensorParallelWorkers | None = None
         if args.tensor_parallel_size > 1:
             self.workers = TensorParallelWorkers(args)
+        # Whatever fails from here on (the runner's load, the grammar compiler's tokenizer)
+        # must not leave the workers, the weights or the KV cache behind on the GPUs.
         try:
-            self.runner = ModelRunner(
-                args,
-                self.model_config,
-                self.device,
-                on_loaded=self.workers.wait_loaded if self.workers is not None else None,
-            )
+            self._build(args)
         except BaseException:
-            self.shutdown()
+            self.close()
             raise
+        logger.info(
+            "engine ready: %s (%s) on %s x%d, %s, max_model_len=%d, max_num_seqs=%d, "
+            "prefix caching %s",
+            self.model_config.path,
+            self.model_config.architecture,
+            self.device,
+            args.tensor_parallel_size,
+            self.model_config.dtype,
+            self.model_config.max_model_len,
+            args.max_num_seqs,
+            "on" if args.enable_prefix_caching else "off",
+        )
+
+    def _build(self, args: EngineArgs) -> None:
+        """The runner and what reads it, apart so that __init__ can undo a partial build."""
+        self.runner = ModelRunner(
+            args,
+            self.model_config,
+            self.device,
+            on_loaded=self.workers.wait_loaded if self.workers is not None else None,
+        )
         if self.workers is not None:
             self.runner.before_forward = self.workers.send
         self.kv_cache_manager = KVCacheManager(
@@ -106,18 +124,6 @@ class EngineCore:
         if self.tokenizer is not None:
             self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self.runner.structured = self.structured
-        logger.info(
-            "engine ready: %s (%s) on %s x%d, %s, max_model_len=%d, max_num_seqs=%d, "
-            "prefix caching %s",
-            self.model_config.path,
-            self.model_config.architecture,
-            self.device,
-            args.tensor_parallel_size,
-            self.model_config.dtype,
-            self.model_config.max_model_len,
-            args.max_num_seqs,
-            "on" if args.enable_prefix_caching else "off",
-        )
 
     def worker_failure(self) -> str | None:
         """Why a tensor-parallel worker can no longer run steps, or None."""

@@ -162,6 +162,26 @@ def test_a_worker_that_cannot_load_its_shard_is_reported_not_waited_for(model_di
     assert not mp.active_children()
 
 
+def test_an_engine_that_fails_after_its_workers_start_stops_them(model_dirs, monkeypatch):
+    """A failure after the shards are loaded (here the grammar compiler's tokenizer; on two GPUs,
+    llguidance refusing the EOS ids) must not leave the workers running and holding their
+    memory: the next engine on those GPUs found no room for a KV cache."""
+    import kvfleet.engine.engine_core as engine_core
+
+    def refuse(*args, **kwargs):
+        raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+
+    monkeypatch.setattr(engine_core, "StructuredOutputs", refuse)
+    released = []
+    monkeypatch.setattr(engine_core.ModelRunner, "release", lambda runner: released.append(runner))
+    with pytest.raises(TypeError, match="eos_token"):
+        EngineCore(EngineArgs(model=str(model_dirs["llama"]), tensor_parallel_size=2,
+                              device="cpu"))  # fmt: skip
+    assert len(released) == 1
+    assert not dist.is_initialized()
+    assert not mp.active_children()
+
+
 def test_the_runner_is_released_before_the_process_group_is_destroyed(model_dirs, monkeypatch):
     """NCCL does not destroy a communicator while a CUDA graph that captured its collectives
     lives: on two GPUs, destroying the group under live graphs hung for its 10 s limit, the
