@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import init_tensor_parallel, rank_device
@@ -47,6 +48,10 @@ def _worker_main(
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
     )
+    # tqdm's default lock is a multiprocessing semaphore, which os._exit below never unlinks
+    # (the resource tracker then warns of a leak at the engine's exit); a worker's progress
+    # bars, all disabled, need no lock across processes.
+    tqdm.set_lock(threading.RLock())
     conn.send_bytes(_HELLO)
     args = EngineArgs.model_validate_json(args_json)
     device = rank_device(args.resolved_device(), rank)

@@ -8,6 +8,8 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,6 +182,25 @@ def test_an_engine_that_fails_after_its_workers_start_stops_them(model_dirs, mon
     assert len(released) == 1
     assert not dist.is_initialized()
     assert not mp.active_children()
+
+
+def test_an_engine_process_with_workers_exits_cleanly(model_dirs):
+    """What the engine's own process says when it ends: an exit code of 0 and no warning of
+    leaked semaphores (a worker's tqdm lock, which its os._exit never unlinked) or of a worker
+    that had to be killed."""
+    code = (
+        "import sys\n"
+        "from kvfleet.engine.llm import LLM\n"
+        "from kvfleet.engine.sampling_params import SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(sys.argv[1], tensor_parallel_size=2, device='cpu')\n"
+        "    llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=2))\n"
+        "    llm.shutdown()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(model_dirs["llama"])],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "leaked" not in proc.stderr and "did not stop" not in proc.stderr, proc.stderr
 
 
 def test_the_runner_is_released_before_the_process_group_is_destroyed(model_dirs, monkeypatch):
