@@ -72,7 +72,7 @@ def _cases(fp8: bool) -> list[tuple[str, triton.JITFunction, dict, int, int]]:
         BLOCK_N=block_n, NUM_SPLITS=4, PREFIX_SPLITS=4, HAS_SOFT_CAP=False, DOT_DTYPE=dot,
         KV_FP8=fp8, PDL=True,
     )  # fmt: skip
-    block_m, big_n, big_warps, big_stages = pa._PREFILL_TILE[1 if fp8 else 2][HEAD_DIM]
+    block_m, big_n, big_warps, big_stages = pa.prefill_tile(2, fp8, HEAD_DIM)
     prefill = dict(
         GROUP=GROUP, GROUP_PAD=GROUP, BLOCK_M=block_m, BLOCK_N=big_n, HEAD_DIM=HEAD_DIM,
         PAGE_SIZE=PAGE_SIZE, HAS_SOFT_CAP=False, DOT_DTYPE=dot, BLOCK_SEQS=128, KV_FP8=fp8,
