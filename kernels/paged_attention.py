@@ -557,8 +557,8 @@ def choose_num_splits(
     8 x 16384 at 8-16, batch 1 x 32768 at 32; extra splits cost a few percent (partials written
     and merged). An FP8 split reads half the bytes for the same keys, so those fixed costs weigh
     twice as much: on H100s, 8 x 16384 read 83.4-86.3% of copy bandwidth at 4 splits (seven
-    measurements, median 85.8%) and 82.7-84.8% at 8 (three). A pure function of static sizes, so CUDA graphs can
-    capture the result."""
+    measurements, median 85.8%) and 82.7-84.8% at 8 (three). A pure function of static sizes,
+    so CUDA graphs can capture the result."""
     programs = (1 if kv_fp8 else 2) * num_sms
     want = triton.next_power_of_2(triton.cdiv(programs, max(batch_size * num_kv_heads, 1)))
     cap = triton.cdiv(max_model_len, _MIN_TOKENS_PER_SPLIT)
