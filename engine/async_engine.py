@@ -32,7 +32,12 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone (its sampling, detokenization, ...); its blocks are
-    freed and the engine goes on. The message says which stage failed, without a traceback."""
+    freed and the engine goes on. The message says which stage failed, without a traceback;
+    `param` names the request's parameter when the request itself was at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestAbortedError(RuntimeError):
@@ -215,7 +220,9 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out if out.error is None else RequestFailedError(out.error))
+                stream.put_nowait(
+                    out if out.error is None else RequestFailedError(out.error, out.error_param)
+                )
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)

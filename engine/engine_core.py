@@ -119,11 +119,23 @@ class EngineCore:
         # The last step found nothing to run and nothing on the device: every request waits
         # for its grammar to compile, and the loop may sleep until one is done.
         self.idle = False
-        # Structured outputs need the tokenizer's text of every token id.
+        # Structured outputs need the tokenizer's text of every token id, read by the grammar
+        # library; a tokenizer it cannot read turns them off, not the engine.
         self.structured: StructuredOutputs | None = None
+        self.structured_unavailable: str | None = "the engine runs without a tokenizer"
         if self.tokenizer is not None:
-            self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            self.runner.structured = self.structured
+            try:
+                self.structured = StructuredOutputs(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+            except ValueError as e:
+                self.structured_unavailable = (
+                    f"the grammar library cannot read this model's tokenizer ({e})"
+                )
+                logger.warning("structured outputs are off: %s", self.structured_unavailable)
+            else:
+                self.structured_unavailable = None
+                self.runner.structured = self.structured
 
     def worker_failure(self) -> str | None:
         """Why a tensor-parallel worker can no longer run steps, or None."""
@@ -144,6 +156,9 @@ class EngineCore:
         runner = getattr(self, "runner", None)  # absent when the model failed to load
         if runner is not None:
             runner.release()
+        structured = getattr(self, "structured", None)
+        if structured is not None:
+            structured.close()
         self.shutdown()
 
     # -- requests --------------------------------------------------------------------------
@@ -197,7 +212,7 @@ class EngineCore:
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise InvalidRequestError(
-                    "structured_outputs needs a tokenizer (the engine runs without one)",
+                    f"structured outputs are not available: {self.structured_unavailable}",
                     "structured_outputs",
                 )
             if grammar is None:

@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.outputs import EngineStats, RequestOutput
+from kvfleet.engine.structured_output import GrammarStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -82,6 +83,50 @@ class _EngineStateCollector(Collector):
         yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("vllm:num_preemptions", "Requests preempted.", s.num_preemptions)
+
+
+class _GrammarCollector(Collector):
+    """Structured outputs: whether the engine has them (and why not), and its grammar cache,
+    read at scrape time."""
+
+    def __init__(
+        self, stats: Callable[[], GrammarStats] | None, unavailable: str | None, model_name: str
+    ) -> None:
+        self.stats = stats
+        self.unavailable = unavailable
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        label = [self.model_name]
+        available = GaugeMetricFamily(
+            "kvfleet_engine_structured_outputs_available",
+            "1 when the engine serves structured outputs; 0 with the reason why not.",
+            labels=["model_name", "reason"],
+        )
+        available.add_metric([*label, self.unavailable or ""], 0.0 if self.unavailable else 1.0)
+        yield available
+        if self.stats is None:
+            return
+        s = self.stats()
+        for name, doc, value in (
+            ("kvfleet_engine_grammar_cache_entries", "Compiled grammars cached.", s.cache_entries),
+            ("kvfleet_engine_grammar_cache_bytes",
+             "Bytes the cached grammars hold, as the grammar sandbox measured them.",
+             s.cache_bytes),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        for name, doc, value in (
+            ("kvfleet_engine_grammar_compiles", "Constraints compiled (grammar cache misses).",
+             s.compiles),
+            ("kvfleet_engine_grammar_compiler_crashes",
+             "Constraints that crashed or overran a grammar sandbox worker (each one a 400).",
+             s.crashes),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
 
 
 class EngineMetrics:
@@ -155,6 +200,12 @@ class EngineMetrics:
     def collect_state(self, stats: Callable[[], EngineStats]) -> None:
         """Export the engine's state, as `stats` returns it, at every scrape."""
         self.registry.register(_EngineStateCollector(stats, self.args, self.model_name))
+
+    def collect_grammar(
+        self, stats: Callable[[], GrammarStats] | None, unavailable: str | None
+    ) -> None:
+        """Export structured outputs' availability and, when available, the grammar cache."""
+        self.registry.register(_GrammarCollector(stats, unavailable, self.model_name))
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvfleet.engine.request import EngineRequest, Request, RequestStatus
+from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
 from kvfleet.engine.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,11 @@ class OutputProcessor:
             return  # already failed through a sibling
         parent = entry[0]
         message = f"{stage} failed: {str(error) or type(error).__name__}"
-        logger.error("request %s: %s", parent.request_id, message, exc_info=error)
+        own = error.param if isinstance(error, InvalidRequestError) else None
+        if own is None:
+            logger.error("request %s: %s", parent.request_id, message, exc_info=error)
+        else:  # the request's own doing, not the engine's: no traceback
+            logger.warning("request %s: %s", parent.request_id, message)
         step.to_finish.extend((child, RequestStatus.FINISHED_ERROR) for child in parent.children)
         self._forget(parent)
         step.outputs[parent.request_id] = RequestOutput(
@@ -210,4 +214,5 @@ class OutputProcessor:
             finished=True,
             prompt=parent.request.prompt,
             error=message,
+            error_param=own,
         )

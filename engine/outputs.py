@@ -51,8 +51,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     metrics: RequestMetrics | None = None
-    # Set, with finished, when the engine failed this request alone: which stage failed and why.
+    # Set, with finished, when the engine failed this request alone: which stage failed and why;
+    # error_param names the request's parameter when the failure was its own (a constraint too
+    # costly to follow, say), which makes it the client's error rather than the server's.
     error: str | None = None
+    error_param: str | None = None
     # With SamplingParams.prompt_logprobs, per prompt token: {token id: logprob} holding the
     # prompt's token and the top N given the tokens before it; None for the first token, which
     # nothing predicts. Arrives with the first generated token.
@@ -64,6 +67,7 @@ class RequestOutput:
             self.outputs[d.index].add(d)
         self.finished = delta.finished
         self.error = delta.error
+        self.error_param = delta.error_param
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs

@@ -9,11 +9,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvfleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    # Annotations only: the grammar sandbox's worker imports this module without torch.
+    import torch
+
     from kvfleet.engine.structured_output import CompiledGrammar, GrammarMatcher
 
 

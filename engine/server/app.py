@@ -322,6 +322,10 @@ def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngi
         on_abort=metrics.on_abort,
     )
     metrics.collect_state(engine.stats)
+    structured = core.structured
+    metrics.collect_grammar(
+        structured.stats if structured is not None else None, core.structured_unavailable
+    )
     return engine, metrics
 
 

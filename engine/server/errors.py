@@ -68,6 +68,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def engine_error(e: Exception) -> APIError:
     """The HTTP error for a request the engine could not finish (one of ENGINE_ERRORS)."""
     if isinstance(e, RequestFailedError):
+        if e.param is not None:  # the request's own fault, found as it ran
+            return APIError(400, str(e), param=e.param)
         return APIError(500, str(e), "server_error", code="request_failed")
     if isinstance(e, RequestAbortedError):
         # Aborted by a shutting-down server; a non-streamed one sent nothing to the client yet,

@@ -16,13 +16,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.grammar import GrammarError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.request import InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
-from kvfleet.engine.structured_output import GrammarError, GrammarJob
+from kvfleet.engine.structured_output import GrammarJob
 from kvfleet.telemetry.genai import GenAISpan
 from kvfleet.telemetry.http import SPAN
 

@@ -13,8 +13,9 @@ import pytest
 from pydantic import ValidationError
 
 from kvfleet.engine.engine_core import load_tokenizer
+from kvfleet.engine.grammar import GrammarError
 from kvfleet.engine.sampling_params import StructuredOutputsParams
-from kvfleet.engine.structured_output import GrammarError, GrammarMatcher, StructuredOutputs
+from kvfleet.engine.structured_output import GrammarMatcher, StructuredOutputs
 
 WEATHER = {
     "type": "object",

@@ -21,15 +21,11 @@ from transformers import AutoTokenizer
 
 from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.grammar import GrammarError, grammar_spec
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
-from kvfleet.engine.structured_output import (
-    GrammarError,
-    StructuredOutputs,
-    apply_bitmask,
-    grammar_spec,
-)
+from kvfleet.engine.structured_output import StructuredOutputs, apply_bitmask
 from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.engine import assert_no_leak
 

@@ -16,7 +16,7 @@ from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
 from tests.support.net import http_call
-from tests.support.servers import assert_engine_idle, default_model_server, openai_client
+from tests.support.servers import assert_engine_idle, default_model_server, metric, openai_client
 
 MODEL = "smollm2"
 CHOICES = ["red", "green", "blue"]
@@ -286,3 +286,76 @@ def test_a_schema_that_fails_after_its_request_is_queued_is_a_400(server, monkey
     error = json.loads(raw)["error"]
     assert error["param"] == "response_format" and "unsupported" in error["message"], error
     assert_engine_idle(server)
+
+
+def _lark_chain(n: int) -> str:
+    return "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(n)] + [f'r{n}: "a"'])
+
+
+def _ref_chain(n: int) -> dict:
+    """Objects whose $refs chain through n definitions: 63 KB at 1,150, inside the schema
+    size and depth bounds, and enough to overflow the compiler's stack."""
+    defs = {str(i): {"properties": {"x": {"$ref": f"#/$defs/{i + 1}"}}} for i in range(n)}
+    defs[str(n)] = {"type": "string"}
+    return {"$ref": "#/$defs/0", "$defs": defs}
+
+
+# Each crashed an engine (SIGSEGV in the grammar compiler) or failed as a 500 at its first token.
+NATIVE_HAZARDS = [
+    ({"structured_outputs": {"grammar": _lark_chain(3000)}}, "structured_outputs", "deep"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "chain", "schema": _ref_chain(1150)},
+            }
+        },
+        "response_format",
+        r"\$refs followed",
+    ),
+    ({"structured_outputs": {"json": _ref_chain(1150)}}, "structured_outputs", "refs followed"),
+    ({"structured_outputs": {"regex": "a{1000000000}"}}, "structured_outputs", "repeats"),
+    (
+        {
+            "structured_outputs": {
+                "grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(6000))
+            }
+        },
+        "structured_outputs",
+        "alternatives",
+    ),
+    (
+        {"structured_outputs": {"json": {"type": "string", "pattern": "^(a{1000}){1000}$"}}},
+        "structured_outputs",
+        "pattern repeats",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, param, message", NATIVE_HAZARDS)
+def test_what_would_crash_the_grammar_compiler_is_a_400(server, extra, param, message) -> None:
+    started = time.monotonic()
+    status, _, raw = http_call(
+        server.url + "/v1/chat/completions",
+        {"model": MODEL, "messages": _user("Hi"), "max_tokens": 4, **extra},
+    )
+    assert status == 400, raw[:500]
+    error = json.loads(raw)["error"]
+    assert re.search(message, error["message"]) and error["param"] == param, error
+    assert time.monotonic() - started < 10
+    status, _, _ = http_call(server.url + "/health", method="GET")
+    assert status == 200
+    assert metric(server, "kvfleet_engine_grammar_compiler_crashes_total") == 0
+
+
+def test_the_grammar_cache_and_structured_outputs_are_in_the_metrics(server, client) -> None:
+    client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Say yes or no."),
+        max_tokens=4,
+        extra_body={"structured_outputs": {"regex": "(yes|no){1,3}"}},
+    )
+    assert metric(server, "kvfleet_engine_structured_outputs_available") == 1
+    assert metric(server, "kvfleet_engine_grammar_cache_entries") >= 1
+    assert metric(server, "kvfleet_engine_grammar_cache_bytes") > 0
+    assert metric(server, "kvfleet_engine_grammar_compiles_total") >= 1
