@@ -13,7 +13,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,12 +183,29 @@ def start_process(cmd: Sequence[str], log: Path) -> Proc:
         return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT)
 
 
+def engine_cmd(model: str | Path, port: int, *extra: str, served_name: str) -> list[str]:
+    """``kvfleet-engine serve`` on 127.0.0.1:``port``."""
+    return python_cmd("-m", "kvfleet.engine.cli", "serve", "--model", str(model), "--host",
+                      "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+                      *extra)  # fmt: skip
+
+
 def start_engine(model: str | Path, port: int, log: Path, *extra: str, served_name: str) -> Proc:
     """``kvfleet-engine serve`` on 127.0.0.1:``port``, output to ``log``."""
-    cmd = python_cmd("-m", "kvfleet.engine.cli", "serve", "--model", str(model), "--host",
-                     "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
-                     *extra)  # fmt: skip
-    return start_process(cmd, log)
+    return start_process(engine_cmd(model, port, *extra, served_name=served_name), log)
+
+
+def router_cmd(endpoints: Sequence[str], port: int, *extra: str) -> list[str]:
+    """``kvfleet-router`` on 127.0.0.1:``port`` in front of ``endpoints`` (host:port): its
+    module's main, which the console script calls (the GPU machines put kvfleet on the path
+    only, without the scripts)."""
+    return python_cmd("-m", "kvfleet.router.main", "--host", "127.0.0.1", "--port", str(port),
+                      "--endpoints", ",".join(endpoints), *extra)  # fmt: skip
+
+
+def start_router(endpoints: Sequence[str], port: int, log: Path, *extra: str) -> Proc:
+    """``kvfleet-router`` on 127.0.0.1:``port``, output to ``log``."""
+    return start_process(router_cmd(endpoints, port, *extra), log)
 
 
 def wait_ready(
@@ -212,13 +230,38 @@ def wait_ready(
             time.sleep(0.2)
 
 
-def stop(procs: Sequence[Proc]) -> None:
+def exited(procs: Sequence[Proc]) -> list[str]:
+    """Each of ``procs`` that has exited, said with its command and exit status."""
+    return [f"{' '.join(map(str, p.args[:5]))} exited with status {p.returncode}"
+            for p in procs if p.poll() is not None]  # fmt: skip
+
+
+@contextmanager
+def watched(procs: Sequence[Proc]) -> Iterator[None]:
+    """Fails naming the process that exited, if one of ``procs`` did, when the body fails or
+    ends: a benchmark whose server died must say so, not report connection errors or numbers
+    measured against nothing."""
+    try:
+        yield
+    except Exception as e:
+        if dead := exited(procs):
+            raise RuntimeError(f"{dead[0]} while the benchmark ran") from e
+        raise
+    if dead := exited(procs):
+        raise RuntimeError(f"{dead[0]} while the benchmark ran")
+
+
+def stop(procs: Sequence[Proc]) -> list[Proc]:
+    """SIGTERM, then SIGKILL after 15 s; the processes that needed the SIGKILL."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
+    killed = []
     for p in procs:
         try:
             p.wait(15)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            killed.append(p)
+    return killed

@@ -5,14 +5,18 @@ from here.
 A case starts from a valid request to one of the OpenAI endpoints and breaks it: fields set to
 extreme or wrongly typed values, text with lone surrogates and control characters, deep nesting,
 numbers too long to parse, bodies that are not JSON or not UTF-8, odd Content-Type and
-Content-Encoding headers, Authorization values that are not UTF-8. Whatever is sent, the server
-must answer with a status below 500 and, for errors, OpenAI's JSON error shape without a trace.
+Content-Encoding headers, Authorization values that are not UTF-8. Heavy cases (heavy_case) stay
+within every size bound and put the cost in a constraint's or a message's structure instead:
+chains of grammar rules and of $refs, JSON nested deep inside strings, huge repetition counts,
+megabytes of tool-call arguments. Whatever is sent, the server must answer with a status below
+500 and, for errors, OpenAI's JSON error shape without a trace.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +69,12 @@ _BASES: dict[str, dict[str, Any]] = {
     "/tokenize": {"model": MODEL, "prompt": "Hello there"},
     "/detokenize": {"model": MODEL, "tokens": [5, 6, 7]},
 }
+
+
+GOOD_HEADERS = [
+    ("Authorization", f"Bearer {API_KEY}".encode()),
+    ("Content-Type", b"application/json"),
+]
 
 
 @dataclass
@@ -202,8 +212,7 @@ def json_case(draw: st.DrawFn) -> Case:
     raw = json.dumps(body, allow_nan=True)  # NaN/Infinity are not JSON: the server must say so
     raw = raw.replace(json.dumps(_BIG_INT), "9" * draw(st.sampled_from([20, 400, 5000, 50_000])))
     data = raw.encode("utf-8", "surrogatepass")
-    good = st.just([("Authorization", f"Bearer {API_KEY}".encode()),
-                    ("Content-Type", b"application/json")])  # fmt: skip
+    good = st.just(GOOD_HEADERS)
     return Case("POST", path, draw(st.one_of(good, good, good, headers())), data, "json")
 
 
@@ -256,6 +265,209 @@ def raw_case(draw: st.DrawFn) -> Case:
         size = draw(st.sampled_from([10_000, 70_000, 2_000_000]))
         body = base[:-1] + b', "user": "' + b"x" * size + b'"}'
     return Case("POST", path, draw(headers()), body, kind)
+
+
+# --------------------------------------------------------------------------------------------
+# Heavy cases: bodies within every size bound whose constraints or messages are costly by
+# their structure. Each kind is a strategy of (path, body); the sizes are those of issue 35.
+# --------------------------------------------------------------------------------------------
+
+_CONSTRAINED = ["/v1/chat/completions", "/v1/completions"]
+_WITH_MESSAGES = ["/v1/chat/completions", "/tokenize"]
+
+
+def nested_json(depth: int) -> str:
+    """JSON text nested `depth` levels deep, objects and lists in turn."""
+    return '{"a":[' * (depth // 2) + "1" + "]}" * (depth // 2)
+
+
+def lark_chain(rules: int) -> str:
+    """A Lark grammar whose start rule reaches its one terminal through `rules` rules, each
+    naming the next."""
+    chain = [f"r{i}: r{i + 1}" for i in range(rules - 1)]
+    return "\n".join(["start: r0", *chain, f'r{rules - 1}: "a"'])
+
+
+def gbnf_alternatives(count: int) -> str:
+    """A GBNF grammar whose root is one rule of `count` alternatives."""
+    return "root ::= " + " | ".join(f'"a{i}"' for i in range(count))
+
+
+def defs_chain(defs: int) -> dict[str, Any]:
+    """A JSON schema whose $ref resolves through `defs` definitions, each a $ref to the next."""
+    chain: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(defs - 1)}
+    chain[f"d{defs - 1}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": chain}
+
+
+@st.composite
+def _constrained(draw: st.DrawFn, constraint: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A chat or completion request under `constraint` (structured_outputs); a JSON schema
+    goes as an object, as its JSON text, or as response_format."""
+    path = draw(st.sampled_from(_CONSTRAINED))
+    body = {**_BASES[path], "stream": draw(st.booleans())}
+    schema = constraint.get("json")
+    how = draw(st.sampled_from(["object", "text", "response_format"]))
+    if isinstance(schema, dict) and how == "text":
+        constraint = {**constraint, "json": json.dumps(schema)}
+    if isinstance(schema, dict) and how == "response_format":
+        body["response_format"] = {
+            "type": "json_schema", "json_schema": {"name": "heavy", "schema": schema}
+        }  # fmt: skip
+    else:
+        body["structured_outputs"] = constraint
+    return path, body
+
+
+def _schema_in_place(schema: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    """The schema itself, or as the one property of an object."""
+    wrapped = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    return st.sampled_from([schema, wrapped])
+
+
+def _assistant_call(arguments: str) -> list[dict[str, Any]]:
+    """A conversation whose assistant turn made one tool call with `arguments`."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+
+
+@st.composite
+def _lark_rule_chain(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    rules = draw(st.sampled_from([3300, 4500]))  # about 40 and 56 KB
+    return draw(_constrained({"grammar": lark_chain(rules)}))
+
+
+@st.composite
+def _gbnf_alternatives(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    return draw(_constrained({"grammar": gbnf_alternatives(draw(st.sampled_from([6000, 500])))}))
+
+
+@st.composite
+def _ref_chain(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    schema = defs_chain(draw(st.sampled_from([1300, 1500])))
+    return draw(_constrained({"json": schema}))
+
+
+@st.composite
+def _regex_repetition(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    regex = draw(st.sampled_from(["a{1000000000}", "(a{1000}){1000}", "[ab]{0,4294967296}"]))
+    return draw(_constrained({"regex": regex}))
+
+
+@st.composite
+def _pattern_repetition(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    pattern = draw(st.sampled_from(["^(a{1000}){1000}$", "^a{1000000000}$"]))
+    schema = draw(_schema_in_place({"type": "string", "pattern": pattern}))
+    return draw(_constrained({"json": schema}))
+
+
+@st.composite
+def _bad_multiple_of(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    kind = draw(st.sampled_from(["number", "integer"]))
+    # Negative and zero steps are no valid schema; 1e-300 is a step no float counts in.
+    step = draw(st.sampled_from([-1, -0.5, 0, 1e-300]))
+    schema = draw(_schema_in_place({"type": kind, "multipleOf": step}))
+    return draw(_constrained({"json": schema}))
+
+
+@st.composite
+def _deep_schema_text(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(_CONSTRAINED))
+    depth = draw(st.sampled_from([1000, 3000]))
+    return path, {**_BASES[path], "structured_outputs": {"json": nested_json(depth)}}
+
+
+@st.composite
+def _deep_structural_tag_text(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(_CONSTRAINED))
+    deep = nested_json(draw(st.sampled_from([1000, 3000])))
+    if draw(st.booleans()):
+        text = deep  # the tag itself
+    else:
+        text = (
+            '{"type": "structural_tag", "triggers": ["<f>"], '
+            f'"structures": [{{"begin": "<f>", "schema": {deep}, "end": "</f>"}}]}}'
+        )
+    return path, {**_BASES[path], "structured_outputs": {"structural_tag": text}}
+
+
+def _with_messages(path: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, **({"max_tokens": 4} if "chat" in path else {})}
+
+
+@st.composite
+def _deep_tool_arguments(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(_WITH_MESSAGES))
+    arguments = nested_json(draw(st.sampled_from([1000, 3000])))
+    return path, _with_messages(path, _assistant_call(arguments))
+
+
+@st.composite
+def _big_tool_arguments(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(_WITH_MESSAGES))
+    size = draw(st.sampled_from([1 << 20, 3 << 20, 6 << 20]))
+    arguments = json.dumps({"text": "word " * (size // 5)})
+    return path, _with_messages(path, _assistant_call(arguments))
+
+
+@st.composite
+def _required_tools_with_refs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    item = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "next": {"$ref": "#/$defs/Item"}},
+        "required": ["name"],
+    }
+    defs = draw(
+        st.sampled_from(
+            [
+                {"Item": {"type": "object", "properties": {"name": {"type": "string"}}}},
+                {"Item": item},  # recursive
+                defs_chain(1300)["$defs"] | {"Item": {"$ref": "#/$defs/d0"}},
+            ]
+        )
+    )
+    parameters = {
+        "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}},
+        "required": ["item"],
+        "$defs": defs,
+    }
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": parameters}}
+        for name in draw(st.sampled_from([["f"], ["f", "g"]]))
+    ]
+    choice = draw(st.sampled_from(["required", {"type": "function", "function": {"name": "f"}}]))
+    path = "/v1/chat/completions"
+    body = {**_BASES[path], "tools": tools, "tool_choice": choice, "stream": draw(st.booleans())}
+    return path, body
+
+
+HEAVY_KINDS: dict[str, Callable[[], st.SearchStrategy[tuple[str, dict[str, Any]]]]] = {
+    "lark_rule_chain": _lark_rule_chain,
+    "gbnf_alternatives": _gbnf_alternatives,
+    "ref_chain": _ref_chain,
+    "regex_repetition": _regex_repetition,
+    "pattern_repetition": _pattern_repetition,
+    "bad_multiple_of": _bad_multiple_of,
+    "deep_schema_text": _deep_schema_text,
+    "deep_structural_tag_text": _deep_structural_tag_text,
+    "deep_tool_arguments": _deep_tool_arguments,
+    "big_tool_arguments": _big_tool_arguments,
+    "required_tools_with_refs": _required_tools_with_refs,
+}
+
+
+@st.composite
+def heavy_case(draw: st.DrawFn, kinds: Sequence[str] = tuple(HEAVY_KINDS)) -> Case:
+    """One of the heavy `kinds`, sent well formed (auth, JSON), so that it reaches the code
+    its structure is meant to load."""
+    kind = draw(st.sampled_from(list(kinds)))
+    path, body = draw(HEAVY_KINDS[kind]())
+    return Case("POST", path, GOOD_HEADERS, json.dumps(body).encode(), kind)
 
 
 def _header_bytes() -> st.SearchStrategy[bytes]:
@@ -322,7 +534,9 @@ def other_case(draw: st.DrawFn) -> Case:
 
 
 def hostile_case() -> st.SearchStrategy[Case]:
-    return st.one_of(json_case(), json_case(), json_case(), json_case(), raw_case(), other_case())
+    return st.one_of(
+        json_case(), json_case(), json_case(), json_case(), raw_case(), other_case(), heavy_case()
+    )
 
 
 def send(host: str, port: int, case: Case, timeout: float = 60.0) -> Reply:

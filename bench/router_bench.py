@@ -37,7 +37,16 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Proc, free_port, python_cmd, start_engine, start_process, stop, wait_ready
+from common import (
+    Proc,
+    free_port,
+    python_cmd,
+    start_engine,
+    start_router,
+    stop,
+    wait_ready,
+    watched,
+)
 
 logger = logging.getLogger("kvfleet.bench.router")
 
@@ -206,12 +215,6 @@ def round_robin(urls: Sequence[str]) -> Target:
 # --------------------------------------------------------------------------------------------
 
 
-def start_router(endpoints: Sequence[str], port: int, log: Path, *extra: str) -> Proc:
-    cmd = python_cmd("-m", "kvfleet.router.proxy", "--host", "127.0.0.1", "--port", str(port),
-                     "--endpoints", ",".join(endpoints), *extra)  # fmt: skip
-    return start_process(cmd, log)
-
-
 @contextlib.contextmanager
 def engines(n: int, model: Path, log_dir: Path, *extra: str) -> Iterator[list[tuple[Proc, str]]]:
     """n engine processes serving ``model`` (built beforehand: n processes would race to build
@@ -341,7 +344,8 @@ def print_tables(affinity: list[AffinityResult], latency: list[LatencyResult]) -
     print("|---|---|---|---|---|---|---|---|")
     for r in affinity:
         spilled = "" if r.spilled is None else r.spilled
-        print(f"| {r.policy} | {r.requests} | {r.hit_rate:.1%} | {r.hit_rate / rr.hit_rate:.2f}x "
+        ratio = f"{r.hit_rate / rr.hit_rate:.2f}x" if rr.hit_rate else "-"
+        print(f"| {r.policy} | {r.requests} | {r.hit_rate:.1%} | {ratio} "
               f"| {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | {r.seconds:.1f} "
               f"| {spilled} |")  # fmt: skip
     print()
@@ -353,8 +357,9 @@ def print_tables(affinity: list[AffinityResult], latency: list[LatencyResult]) -
 
 
 async def affinity_runs(
-    ns: argparse.Namespace, urls: list[str], tokenizer: str, log_dir: Path
+    ns: argparse.Namespace, engine_procs: list[tuple[Proc, str]], tokenizer: str, log_dir: Path
 ) -> list[AffinityResult]:
+    urls = [u for _, u in engine_procs]
     hosts = [u.removeprefix("http://") for u in urls]
     session_port, prefix_port = free_port(), free_port()
     routers = [
@@ -366,31 +371,37 @@ async def affinity_runs(
     ]  # fmt: skip
     try:
         session_url, prefix_url = (f"http://127.0.0.1:{p}" for p in (session_port, prefix_port))
-        wait_ready([session_url, prefix_url], "/health")
-
-        def workload(seed: int) -> list[Conversation]:
-            return make_conversations(ns.conversations, ns.turns, ns.system_prompts,
-                                      ns.system_words, ns.user_words, seed)  # fmt: skip
-
-        # Warm-up: the first requests of a process pay one-off costs (allocator, lazy imports).
-        await run_conversations(workload(99)[: ns.engines * 2], round_robin(urls), 4)
-        runs: list[tuple[str, Target, str | None]] = [
-            ("round robin", round_robin(urls), None),
-            ("router, session header",
-             lambda i: (session_url, {"x-session-id": f"conv-{i}"}), session_url),
-            (f"router, prefix key ({ns.prefix_length} tokens)",
-             lambda _i: (prefix_url, {}), prefix_url),
-        ]  # fmt: skip
-        results = []
-        for seed, (policy, target, router_url) in enumerate(runs):
-            r = await measure_affinity(
-                policy, urls, target, workload(seed), ns.max_tokens, ns.think_time, router_url
-            )
-            logger.info("%s", r)
-            results.append(r)
-        return results
+        wait_ready([session_url, prefix_url], "/health", procs=routers)
+        with watched([*routers, *(p for p, _ in engine_procs)]):
+            return await _affinity(ns, urls, session_url, prefix_url)
     finally:
         stop(routers)
+
+
+async def _affinity(
+    ns: argparse.Namespace, urls: list[str], session_url: str, prefix_url: str
+) -> list[AffinityResult]:
+    def workload(seed: int) -> list[Conversation]:
+        return make_conversations(ns.conversations, ns.turns, ns.system_prompts,
+                                  ns.system_words, ns.user_words, seed)  # fmt: skip
+
+    # Warm-up: the first requests of a process pay one-off costs (allocator, lazy imports).
+    await run_conversations(workload(99)[: ns.engines * 2], round_robin(urls), 4)
+    runs: list[tuple[str, Target, str | None]] = [
+        ("round robin", round_robin(urls), None),
+        ("router, session header",
+         lambda i: (session_url, {"x-session-id": f"conv-{i}"}), session_url),
+        (f"router, prefix key ({ns.prefix_length} tokens)",
+         lambda _i: (prefix_url, {}), prefix_url),
+    ]  # fmt: skip
+    results = []
+    for seed, (policy, target, router_url) in enumerate(runs):
+        r = await measure_affinity(
+            policy, urls, target, workload(seed), ns.max_tokens, ns.think_time, router_url
+        )
+        logger.info("%s", r)
+        results.append(r)
+    return results
 
 
 async def latency_runs(ns: argparse.Namespace, log_dir: Path) -> list[LatencyResult]:
@@ -399,12 +410,13 @@ async def latency_runs(ns: argparse.Namespace, log_dir: Path) -> list[LatencyRes
     router = start_router([f"127.0.0.1:{stub_port}"], router_port, log_dir / "router-stub.log")
     try:
         direct, routed = (f"http://127.0.0.1:{p}" for p in (stub_port, router_port))
-        wait_ready([direct, routed], "/health")
+        wait_ready([direct, routed], "/health", procs=[stub, router])
         out = []
-        for path, url in [("direct", direct), ("router", routed)] * 2:
-            ttfb, total = await fixed_rate(url, ns.rate, ns.latency_requests)
-            out.append(latency_result(path, ns.rate, ttfb, total))
-            logger.info("%s", out[-1])
+        with watched([stub, router]):
+            for path, url in [("direct", direct), ("router", routed)] * 2:
+                ttfb, total = await fixed_rate(url, ns.rate, ns.latency_requests)
+                out.append(latency_result(path, ns.rate, ttfb, total))
+                logger.info("%s", out[-1])
         # The first pair warms both paths up; report the second.
         return out[2:]
     finally:
@@ -422,8 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = bench_model(ns.cache_dir or log_dir, ns.hidden_size, ns.layers)
         blocks = ("--num-gpu-blocks-override", str(ns.kv_blocks)) if ns.kv_blocks else ()
         with engines(ns.engines, model, log_dir, *blocks) as procs:
-            urls = [u for _, u in procs]
-            affinity = asyncio.run(affinity_runs(ns, urls, str(model), log_dir))
+            affinity = asyncio.run(affinity_runs(ns, procs, str(model), log_dir))
         latency = asyncio.run(latency_runs(ns, log_dir))
     print_tables(affinity, latency)
     if ns.result_json:
