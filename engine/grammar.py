@@ -21,7 +21,7 @@ from kvfleet.engine.sampling_params import StructuredOutputsParams, TagStructure
 # llguidance's defaults, tightened where a hostile request could make one step slow: the mask
 # of one step (step_lexer_fuel, step_max_items) must stay far below a decode step's time.
 _LIMITS = dict(
-    max_items_in_row=2000,
+    max_items_in_row=grammar_bounds.MAX_RULE_ALTERNATIVES,
     initial_lexer_fuel=1_000_000,
     step_lexer_fuel=200_000,
     step_max_items=50_000,

@@ -18,8 +18,9 @@ from typing import Any
 # Rules (or terminals) that reach one another in a chain; a cycle counts as deep as its size.
 # The native compiler overflowed a 4 MiB stack between 1,200 and 2,000 chained Lark rules.
 MAX_GRAMMAR_RULE_DEPTH = 256
-# Alternatives in one rule's body.
-MAX_RULE_ALTERNATIVES = 4096
+# Alternatives in one rule's body (or values of one enum): what llguidance's parser holds in one
+# row (its max_items_in_row limit, which `grammar` sets to this); more fail at a later token.
+MAX_RULE_ALTERNATIVES = 2000
 # Schema objects and arrays on the deepest path, `$ref`s followed (a cycle counts as its size).
 # A chain of 800 referenced object definitions (2,400 such nodes) overflowed a 4 MiB stack.
 MAX_SCHEMA_REF_DEPTH = 256

@@ -76,7 +76,7 @@ def test_recursion_in_a_grammar_counts_once_per_rule():
 
 def test_alternatives_per_rule():
     many = "start: " + " | ".join(f'"w{i}"' for i in range(6000))
-    with pytest.raises(GrammarBoundError, match="more than 4,096 alternatives"):
+    with pytest.raises(GrammarBoundError, match="more than 2,000 alternatives"):
         gb.check_lark(many)
     # Alternatives on continuation lines count for the rule they continue.
     gb.check_lark("start: " + "\n  | ".join(f'"w{i}"' for i in range(100)))
@@ -122,9 +122,9 @@ def test_schema_patterns_and_enums_are_bounded():
         gb.check_schema({"type": "string", "pattern": "^(a{1000}){1000}$"})
     with pytest.raises(GrammarBoundError, match="patternProperties"):
         gb.check_schema({"type": "object", "patternProperties": {"^x{200000}$": {}}})
-    with pytest.raises(GrammarBoundError, match="enum of 5,000 values"):
+    with pytest.raises(GrammarBoundError, match="enum of 5,000 values, more than 2,000"):
         gb.check_schema({"enum": list(range(5000))})
-    gb.check_schema({"enum": list(range(4000)), "pattern": "^[a-z]{1,64}$"})
+    gb.check_schema({"enum": list(range(2000)), "pattern": "^[a-z]{1,64}$"})
 
 
 def test_longest_chain_counts_a_component_by_its_size():
