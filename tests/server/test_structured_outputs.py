@@ -359,3 +359,41 @@ def test_the_grammar_cache_and_structured_outputs_are_in_the_metrics(server, cli
     assert metric(server, "kvfleet_engine_grammar_cache_entries") >= 1
     assert metric(server, "kvfleet_engine_grammar_cache_bytes") > 0
     assert metric(server, "kvfleet_engine_grammar_compiles_total") >= 1
+
+
+def test_a_constraint_that_fails_as_it_runs_is_the_requests_400(server, monkeypatch) -> None:
+    """A grammar that runs out of the parser's limits at a later token (a row of more items
+    than it holds, say) is the constraint's fault: a 400, or an error event and [DONE] in a
+    stream, and the engine serves on."""
+    from kvfleet.engine.grammar import GrammarError
+
+    structured = server.srv.engine.core.structured
+    real = structured.masks
+
+    def failing(reqs):
+        masks = real(reqs)
+        if masks is not None:
+            for i, req in enumerate(reqs):
+                if req.grammar is not None and req.output_token_ids:
+                    masks.failed[i] = GrammarError("row too long", "structured_outputs")
+        return masks
+
+    monkeypatch.setattr(structured, "masks", failing)
+    body = {
+        "model": MODEL,
+        "messages": _user("Count."),
+        "max_tokens": 8,
+        "structured_outputs": {"regex": "[0-9]{8}"},
+    }
+    status, _, raw = http_call(server.url + "/v1/chat/completions", body)
+    assert status == 400, raw
+    error = json.loads(raw)["error"]
+    assert "row too long" in error["message"] and error["param"] == "structured_outputs", error
+    status, _, raw = http_call(server.url + "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200
+    events = [e for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    failure = json.loads(events[-2][len("data: ") :])["error"]
+    assert "row too long" in failure["message"], failure
+    assert failure["type"] == "invalid_request_error" and failure["param"] == "structured_outputs"
+    assert_engine_idle(server)
