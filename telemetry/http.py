@@ -122,15 +122,15 @@ class _JsonErrorsHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        text, err_type, code = protocol_error(status, exc)
         if status >= 500:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         else:
             # The client's mistake, not the server's: one line, no traceback.
-            self.logger.info("malformed request from %s: %s", request.remote, exc)
+            self.logger.info("%s from %s", text, request.remote)
         if request.writer.output_size > 0:
             # A response began already: the connection can only be cut (aiohttp does so).
             raise ConnectionError("a response was already sent; no error response can follow")
-        text, err_type, code = protocol_error(status, exc)
         response = openai_error(status, text, err_type, code)
         response.force_close()
         return response
