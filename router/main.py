@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keepalive-timeout", type=float, default=15.0,
                    help="seconds an idle connection stays open; also the time to send a "
                         "request head" + d)  # fmt: skip
+    p.add_argument("--upstream-first-byte-timeout", type=float,
+                   default=RouterSettings.first_byte_timeout_s,
+                   help="seconds an engine has to begin its answer once the request is sent; a "
+                        "non-streamed answer begins when its generation ends" + d)  # fmt: skip
+    p.add_argument("--upstream-idle-timeout", type=float, default=RouterSettings.idle_timeout_s,
+                   help="seconds an engine may send nothing once its answer began, and before a "
+                        "stream's headers; covers a queued request's wait and its prefill"
+                        + d)  # fmt: skip
     p.add_argument("--breaker-failures", type=int, default=BreakerPolicy.failures,
                    help="consecutive failures that eject an engine" + d)  # fmt: skip
     p.add_argument("--breaker-backoff", type=float, default=BreakerPolicy.backoff_s,
@@ -89,6 +97,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("need --max-body-bytes >= 1024, --max-json-depth >= 8")
     if ns.body_timeout <= 0 or ns.keepalive_timeout <= 0:
         p.error("need --body-timeout > 0, --keepalive-timeout > 0")
+    timeouts = (ns.upstream_first_byte_timeout, ns.upstream_idle_timeout)
+    if not all(math.isfinite(t) and t > 0 for t in timeouts):
+        p.error("need --upstream-first-byte-timeout > 0, --upstream-idle-timeout > 0 seconds")
     if not (math.isfinite(ns.engine_load_interval) and ns.engine_load_interval >= 0):
         p.error("need --engine-load-interval >= 0 seconds (0 turns it off)")
     try:
@@ -113,6 +124,8 @@ def settings_from(ns: argparse.Namespace) -> RouterSettings:
         keepalive_timeout_s=ns.keepalive_timeout,
         body_timeout_s=ns.body_timeout,
         engine_load_interval_s=ns.engine_load_interval,
+        first_byte_timeout_s=ns.upstream_first_byte_timeout,
+        idle_timeout_s=ns.upstream_idle_timeout,
     )
 
 

@@ -12,23 +12,34 @@ and only before anything was sent to the client: the connection could not be mad
 connect timeout: the request was never sent), or the engine refused it with a 429 or 503 that
 carries Retry-After (draining, queue full, refusing at admission). Nothing else is retried: not
 a 4xx or 500 (the request is at fault, and another engine would say the same), not a 503
-without Retry-After (the engine died with the request in it), not a connection that broke
-after the request was sent (the engine may have died processing it). Replaying a request that
-killed one engine would kill the next: one hostile request must not take the fleet down.
-When the retry is refused too (every engine full), its 429 or 503 reaches the client with its
-Retry-After. Once bytes went out a failure cuts the client connection (the client sees a
-broken stream).
+without Retry-After (the engine died with the request in it), not a connection that broke, an
+answer that was not HTTP, nor an engine that did not answer in time, once the request was sent
+(the engine may have died processing it). Replaying a request that killed one engine would kill
+the next: one hostile request must not take the fleet down. When the retry is refused too
+(every engine full), its 429 or 503 reaches the client with its Retry-After.
+
+Upstream failures (upstream_failure): before the response began the client gets a 502 (504 for
+a timeout) in the OpenAI error shape, saying what went wrong but not where (the engine's address
+and its bytes are for the log). Once it began, an event stream ends as the engine ends one that
+fails, with an error event and ``data: [DONE]`` (sse.py); any other body is cut short (no final
+chunk), so that the client sees a broken response, never a short one. Timeouts: an engine has
+``--upstream-first-byte-timeout`` to begin its answer (a non-streamed one begins when its
+generation ends) and may then be silent for ``--upstream-idle-timeout`` between chunks, which
+also bounds the wait for a stream's headers (the engine sends them at once, or with the first
+token).
 
 Circuit breaker (breaker.py): an engine that fails ``--breaker-failures`` times in a row
-(connection errors, 502/503/504 without Retry-After, broken streams) leaves the ring for a
-backoff, then a ``/health`` probe lets it back. While every engine is ejected, all are used.
+(connection errors, answers that are not HTTP, 502/503/504 without Retry-After, broken streams,
+and timeouts when its ``/health`` fails too) leaves the ring for a backoff, then a ``/health``
+probe lets it back. While every engine is ejected, all are used.
 
 Hostile clients: the router reads and parses the body itself, bounded (request_body.py, with the
 parser the engine uses, kvfleet.protocol.json_body): size, nesting depth, number lengths,
 Unicode, Content-Encoding, header bytes; each refusal is a 4xx in the OpenAI error shape, as is
-an unknown route. Request heads must arrive within the keep-alive timeout of the connection
-opening (or of the previous response), bodies within ``--body-timeout``; idle connections close
-after ``--keepalive-timeout``.
+an unknown route and HTTP that aiohttp cannot parse (JsonErrorsRunner); a declared body over the
+limit is refused before it is read. Request heads must arrive within the keep-alive timeout of
+the connection opening (or of the previous response), bodies within ``--body-timeout``; idle
+connections close after ``--keepalive-timeout``.
 
 While no engine is ready, requests are held up to ``--hold-timeout`` seconds;
 ``kvfleet_router_held_requests`` is what the autoscaler reads to scale from zero. Past the
@@ -45,16 +56,18 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Coroutine,
     Iterable,
     Iterator,
     Mapping,
 )
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -94,7 +107,14 @@ from kvfleet.router.routing_key import (
     RoutingKey,
     routing_key,
 )
-from kvfleet.telemetry.http import SPAN, echo_request_id, observe_requests
+from kvfleet.router.sse import EventFramer, error_events, is_event_stream
+from kvfleet.telemetry.http import (
+    SPAN,
+    JsonErrorsRunner,
+    echo_request_id,
+    observe_requests,
+    openai_error,
+)
 from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER
 from kvfleet.telemetry.tracing import Tracing
 
@@ -116,10 +136,12 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# Set by the client library for the upstream request itself.
-_NOT_FORWARDED_UP = frozenset({"host", "content-length"})
+# Set by the client library for the upstream request itself; and Expect, which the router
+# answered (expect()): it sends the engine a body it already holds.
+_NOT_FORWARDED_UP = frozenset({"host", "content-length", "expect"})
 RETRY_AFTER_S = 5
 VNODES = 160
+T = TypeVar("T")
 
 
 def forwarded_headers(
@@ -154,6 +176,52 @@ def engine_failed(status: int, headers: Mapping[str, str]) -> bool:
     failing one request alone while it goes on; counting those would let whoever can provoke
     one eject healthy engines."""
     return status in (502, 503, 504) and "Retry-After" not in headers
+
+
+# What reading an engine's answer may raise: aiohttp's client errors (connection, status line,
+# headers, framing: ClientResponseError wraps the parser's), the parser's own where it surfaces
+# unwrapped, and timeouts (the router's, and aiohttp's connect timeout, a TimeoutError too).
+UPSTREAM_ERRORS = (aiohttp.ClientError, HttpProcessingError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class UpstreamFailure:
+    """A request that got no usable answer from an engine: ``kind`` labels the metric,
+    ``detail`` is for the log (it names the engine), the rest is the client's answer."""
+
+    kind: str
+    detail: str
+    retryable: bool
+    status: int
+    code: str
+    message: str
+    headers: Mapping[str, str] | None = None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.kind == "timeout"
+
+    def response(self) -> web.Response:
+        return openai_error(self.status, self.message, "upstream_error", self.code,
+                            headers=self.headers)  # fmt: skip
+
+
+def upstream_failure(error: BaseException, sent: bool, timeout_s: float) -> UpstreamFailure:
+    """What an exception from an engine, before its response began, means. Before the request
+    was sent, any failure is a connection that could not be made, safe to retry elsewhere; after
+    it, none is (the engine may have read the request and died of it)."""
+    detail = f"{type(error).__name__}: {error}"
+    if not sent:
+        return UpstreamFailure("connect", detail, True, 502, "upstream_unreachable",
+                               "the engine could not be reached")  # fmt: skip
+    if isinstance(error, TimeoutError):
+        return UpstreamFailure("timeout", detail, False, 504, "upstream_timeout",
+                               f"the engine did not answer within {timeout_s:g} s")  # fmt: skip
+    if isinstance(error, aiohttp.ClientConnectionError):
+        return UpstreamFailure("no_response", detail, False, 502, "upstream_disconnected",
+                               "the engine closed the connection without answering")  # fmt: skip
+    return UpstreamFailure("protocol", detail, False, 502, "upstream_protocol_error",
+                           "the engine's answer was not valid HTTP")  # fmt: skip
 
 
 class Balancer:
@@ -328,29 +396,16 @@ class RouterSettings:
     body_timeout_s: float = 30.0
     # Seconds between scrapes of the engines' own load (engine_load.py); 0: own counts only.
     engine_load_interval_s: float = 1.0
-
-
-@dataclass
-class _Failure:
-    kind: str
-    detail: str
-    retryable: bool
-
-
-def _error(
-    status: int,
-    message: str,
-    err_type: str,
-    headers: Mapping[str, str] | None = None,
-    code: str | None = None,
-    param: str | None = None,
-) -> web.Response:
-    """An error in the engine's (OpenAI's) shape, so clients handle it the same way."""
-    return web.json_response(
-        {"error": {"message": message, "type": err_type, "param": param, "code": code}},
-        status=status,
-        headers=headers,
-    )
+    # From the request sent to the response's headers. A non-streamed answer's headers come
+    # when its generation ends, so this is the longest generation the router waits for; the
+    # OpenAI SDK's own default timeout is as long.
+    first_byte_timeout_s: float = 600.0
+    # The longest silence of an engine once its response began, and before a stream's headers
+    # (the engine sends those at once, or with the first token under a new schema). A stream
+    # is silent from its start until its first token: while the request waits in the engine's
+    # queue and its prompt prefills (seconds for the longest prompts; the engine calls itself
+    # stalled after 60 s in one step), and while a preempted request waits to resume.
+    idle_timeout_s: float = 120.0
 
 
 _ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -367,14 +422,14 @@ async def json_errors(
         return await handler(request)
     except RequestRefused as e:
         request.app[ROUTER].metrics.rejected.labels(e.code).inc()
-        response = _error(e.status, e.message, "invalid_request_error", code=e.code,
-                          param=e.param)  # fmt: skip
+        response = openai_error(e.status, e.message, "invalid_request_error", e.code, e.param)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        response = _error(e.status, e.reason, _ERROR_TYPES.get(e.status, "invalid_request_error"),
-                          headers, code=e.reason.lower().replace(" ", "_"))  # fmt: skip
+        response = openai_error(e.status, e.reason,
+                                _ERROR_TYPES.get(e.status, "invalid_request_error"),
+                                e.reason.lower().replace(" ", "_"), headers=headers)  # fmt: skip
     if response.status in (408, 413):
         # The rest of the body is still on the way: the connection cannot carry another request.
         response.force_close()
@@ -398,7 +453,8 @@ class Router:
         )
         self.session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Event()
-        self._probes: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._health_checks: dict[str, asyncio.Task[bool]] = {}
         self.poller = (
             EngineLoadPoller(
                 settings.engine_load_interval_s,
@@ -435,7 +491,7 @@ class Router:
         )
         poll = asyncio.create_task(self.poller.run()) if self.poller is not None else None
         yield
-        for task in self._probes:
+        for task in list(self._tasks):
             task.cancel()
         if poll is not None:
             poll.cancel()
@@ -459,6 +515,21 @@ class Router:
                 "body_timeout",
             ) from None
 
+    async def expect(self, request: web.Request) -> None:
+        """``Expect: 100-continue`` gets its 100 only for a body the router will read: one
+        declared over the limit is refused (413) by the handler at once, before the client sends
+        it. Other expectations are ignored, as RFC 9110 allows, rather than answered with
+        aiohttp's plain-text 417."""
+        declared = request.content_length
+        if (
+            request.version == aiohttp.HttpVersion11
+            and request.headers.get("Expect", "").lower() == "100-continue"
+            and (declared is None or declared <= self.settings.body.max_bytes)
+        ):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # As aiohttp's own handler does: the response proper has not begun.
+            request.writer.output_size = 0
+
     async def _parse(self, body: bytes) -> Any:
         if len(body) <= OFF_LOOP_BYTES:
             return parse_json_body(body, self.settings.body)
@@ -479,21 +550,45 @@ class Router:
             return tried
         return tried | ejected
 
-    def _failed(self, endpoint: str) -> None:
-        if self.breakers.failure(endpoint):
-            self._ejected(endpoint)
+    def _failed(self, endpoint: str, timed_out: bool = False) -> None:
+        """Count a failure against the engine's breaker. A timeout counts only when the
+        engine's /health fails too: an engine that is slow because it is busy (a long queue,
+        a long generation) is not broken, and a client that asks for a long generation must not
+        be able to eject it. The check runs in the background, one per engine at a time, each
+        timeout that waits on it counting on its own."""
+        if not timed_out:
+            if self.breakers.failure(endpoint):
+                self._ejected(endpoint)
+            return
+        check = self._health_checks.get(endpoint)
+        if check is None:
+            check = self._background(self._healthy(endpoint))
+            self._health_checks[endpoint] = check
+            check.add_done_callback(lambda _: self._health_checks.pop(endpoint, None))
+
+        def counted(task: asyncio.Task[bool]) -> None:
+            if not task.cancelled() and not task.result():
+                self._failed(endpoint)
+
+        check.add_done_callback(counted)
 
     def _ejected(self, endpoint: str) -> None:
         self.metrics.ejections.labels(endpoint).inc()
         logger.warning("engine %s ejected by its circuit breaker", endpoint)
 
+    def _background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A task of the router's own, cancelled when it stops."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     def _start_probes(self) -> None:
         for endpoint in self.breakers.due_probes():
-            task = asyncio.create_task(self._probe(endpoint))
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+            self._background(self._probe(endpoint))
 
-    async def _probe(self, endpoint: str) -> None:
+    async def _healthy(self, endpoint: str) -> bool:
+        """Whether the engine's /health answers 200 within the probe timeout."""
         assert self.session is not None
         try:
             async with self.session.get(
@@ -501,9 +596,12 @@ class Router:
                 timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s),
                 trace_request_ctx={},
             ) as r:
-                healthy = r.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            healthy = False
+                return r.status == 200
+        except UPSTREAM_ERRORS:
+            return False
+
+    async def _probe(self, endpoint: str) -> None:
+        healthy = await self._healthy(endpoint)
         if self.breakers.probe_result(endpoint, healthy):
             self._ejected(endpoint)
         elif healthy:
@@ -527,12 +625,17 @@ class Router:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         received = time.monotonic()
         body = await self._read_body(request)
-        rk = await self._key(request, await self._parse(body))
+        parsed = await self._parse(body)
+        rk = await self._key(request, parsed)
         self.metrics.requests.labels(rk.reason).inc()
         self._start_probes()
+        # A stream's headers come at once: its wait for them is bounded as its silences are.
+        first_byte_s = self.settings.first_byte_timeout_s
+        if isinstance(parsed, dict) and parsed.get("stream") is True:
+            first_byte_s = min(first_byte_s, self.settings.idle_timeout_s)
         held = 0.0
         tried: frozenset[str] = frozenset()
-        failure: _Failure | None = None
+        failure: UpstreamFailure | None = None
         for attempt in range(2):
             excluded = self._excluded(tried)
             endpoint = self.balancer.choose(rk.key, excluded)
@@ -546,8 +649,9 @@ class Router:
                 endpoint, held = await self._hold(rk.key, received + self.settings.hold_timeout_s)
                 if endpoint is None:
                     self.metrics.hold_timeouts.inc()
-                    return _error(503, "no engine became ready in time", "service_unavailable",
-                                  {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+                    return openai_error(503, "no engine became ready in time",
+                                        "service_unavailable",
+                                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
             if endpoint is None:
                 break
             tried |= {endpoint}
@@ -557,16 +661,21 @@ class Router:
                 span.add_event("upstream", {"server.address": endpoint, "attempt": attempt})
             alternatives = len(set(self.balancer.endpoints) - self._excluded(tried))
             result = await self._forward(
-                request, body, endpoint, may_retry(attempt, alternatives), received + held
+                request,
+                body,
+                endpoint,
+                may_retry(attempt, alternatives),
+                received + held,
+                first_byte_s,
             )
-            if not isinstance(result, _Failure):
+            if not isinstance(result, UpstreamFailure):
                 return result
             failure = result
             logger.warning("%s %s on %s: %s", request.method, request.path, endpoint, result.detail)
             if not result.retryable:
                 break
         assert failure is not None
-        return _error(502, f"upstream engine failed: {failure.detail}", "upstream_error")
+        return failure.response()
 
     async def _forward(
         self,
@@ -575,7 +684,8 @@ class Router:
         endpoint: str,
         retry_allowed: bool,
         started: float,
-    ) -> web.StreamResponse | _Failure:
+        first_byte_s: float,
+    ) -> web.StreamResponse | UpstreamFailure:
         assert self.session is not None
         headers = forwarded_headers(request.headers.items(), _NOT_FORWARDED_UP)
         # The engine logs under the same request id, and continues the router's trace.
@@ -587,23 +697,20 @@ class Router:
         self.balancer.acquire(endpoint)
         try:
             try:
-                upstream = await self.session.request(
-                    request.method,
-                    f"http://{endpoint}{request.rel_url}",
-                    headers=headers,
-                    data=body or None,
-                    allow_redirects=False,
-                    trace_request_ctx=marks,
-                )
-            except (aiohttp.ClientConnectionError, TimeoutError) as e:
-                self._failed(endpoint)
-                detail = f"{type(e).__name__}: {e}"
-                if "sent" in marks:
-                    # The engine may have read the request and died of it: never replayed.
-                    self.metrics.upstream_errors.labels(endpoint, "no_response").inc()
-                    return _Failure("no_response", detail, retryable=False)
-                self.metrics.upstream_errors.labels(endpoint, "connect").inc()
-                return _Failure("connect", detail, retryable=True)
+                async with asyncio.timeout(first_byte_s):
+                    upstream = await self.session.request(
+                        request.method,
+                        f"http://{endpoint}{request.rel_url}",
+                        headers=headers,
+                        data=body or None,
+                        allow_redirects=False,
+                        trace_request_ctx=marks,
+                    )
+            except UPSTREAM_ERRORS as e:
+                failure = upstream_failure(e, "sent" in marks, first_byte_s)
+                self.metrics.upstream_errors.labels(endpoint, failure.kind).inc()
+                self._failed(endpoint, failure.timed_out)
+                return failure
             try:
                 return await self._relay(request, upstream, endpoint, retry_allowed, started, marks)
             finally:
@@ -623,15 +730,15 @@ class Router:
         retry_allowed: bool,
         started: float,
         marks: dict[str, float],
-    ) -> web.StreamResponse | _Failure:
-        if refused(upstream.status, upstream.headers):
-            if retry_allowed:
-                self.metrics.upstream_errors.labels(endpoint, "refused").inc()
-                return _Failure("refused", f"HTTP {upstream.status} with Retry-After", True)
-        elif engine_failed(upstream.status, upstream.headers):
+    ) -> web.StreamResponse | UpstreamFailure:
+        if refused(upstream.status, upstream.headers) and retry_allowed:
+            self.metrics.upstream_errors.labels(endpoint, "refused").inc()
+            return UpstreamFailure("refused", f"HTTP {upstream.status} with Retry-After", True,
+                                   503, "upstream_refused", "the engines refused the request",
+                                   {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        failed = engine_failed(upstream.status, upstream.headers)
+        if failed:
             self._failed(endpoint)
-        else:
-            self.breakers.success(endpoint)
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels(endpoint, "status").inc()
         headers_in = time.monotonic()
@@ -643,19 +750,62 @@ class Router:
         await response.prepare(request)
         sent = marks.get("sent", headers_in)
         self.metrics.added_latency.observe((sent - started) + (time.monotonic() - headers_in))
-        try:
-            async for chunk in upstream.content.iter_any():
+        sse = is_event_stream(upstream.headers.get("Content-Type", ""))
+        events = EventFramer() if sse else None
+        while True:
+            # Only reading the engine is guarded: a write that fails is the client gone, which
+            # says nothing about the engine (the handler is cancelled, or the error ends it).
+            try:
+                async with asyncio.timeout(self.settings.idle_timeout_s):
+                    chunk = await upstream.content.readany()
+            except UPSTREAM_ERRORS as e:
+                silent = isinstance(e, TimeoutError) and _connected(upstream)
+                if not failed:
+                    self._failed(endpoint, silent)
+                await self._broken(request, response, endpoint, e, silent, events)
+                return response
+            if not chunk:
+                break
+            if events is not None:
+                chunk = events.feed(chunk)
+            if chunk:
                 await response.write(chunk)
-        except aiohttp.ClientError as e:
-            self.metrics.upstream_errors.labels(endpoint, "stream").inc()
-            self._failed(endpoint)
-            logger.warning("stream from %s broke after the response began: %s", endpoint, e)
-            # No terminating chunk: the client must see a broken response, not a short one.
+        if events is not None and (rest := events.flush()):
+            await response.write(rest)
+        await response.write_eof()
+        # An answer counts for the engine once it is whole: a stream that breaks is a failure.
+        if not failed:
+            self.breakers.success(endpoint)
+        return response
+
+    async def _broken(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        endpoint: str,
+        error: BaseException,
+        silent: bool,
+        events: EventFramer | None,
+    ) -> None:
+        """End a response whose engine failed after it began (``silent``: it sent nothing for
+        the idle timeout): an event stream as the engine ends a failed one; anything else cut
+        short, without its final chunk."""
+        self.metrics.upstream_errors.labels(endpoint, "stream").inc()
+        logger.warning("stream from %s broke after the response began: %s: %s",
+                       endpoint, type(error).__name__, error)  # fmt: skip
+        if events is None or not events.at_boundary:
+            # The client must see a broken response, not a short one.
             if request.transport is not None:
                 request.transport.close()
-            return response
+            return
+        if silent:
+            code = "upstream_timeout"
+            message = f"the engine sent nothing for {self.settings.idle_timeout_s:g} s"
+        else:
+            code, message = "upstream_stream_broken", "the engine's stream broke off"
+        error_body = {"message": message, "type": "upstream_error", "param": None, "code": code}
+        await response.write(error_events({"error": error_body}))
         await response.write_eof()
-        return response
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "endpoints": len(self.balancer.endpoints)})
@@ -665,6 +815,14 @@ class Router:
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
+
+
+def _connected(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether the engine's connection is still open. aiohttp's C parser drops a body it finds
+    malformed mid-way (a bad chunk) without telling its reader, and closes the connection: the
+    reader then waits out the idle timeout, and a closed connection says the engine was not
+    merely silent but broke the stream."""
+    return upstream.connection is not None and not upstream.connection.closed
 
 
 async def _mark_sent(_session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any) -> None:
@@ -687,7 +845,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_handler)
     for path in ("/v1/{tail:.*}", "/tokenize", "/detokenize"):
-        app.router.add_route("*", path, router.proxy)
+        app.router.add_route("*", path, router.proxy, expect_handler=router.expect)
     return app
 
 
@@ -697,8 +855,9 @@ def build_runner(router: Router) -> web.AppRunner:
     generation on the engine; the keep-alive timeout, which also bounds how long a request
     head may take; no decompression (compressed bodies are refused before reading); a short
     lingering_time, the time the unread rest of a refused body (408, 413) is drained before the
-    close: aiohttp's 10 s would let a slow client hold the connection on."""
-    return web.AppRunner(
+    close: aiohttp's 10 s would let a slow client hold the connection on. A request aiohttp
+    cannot parse is answered in the OpenAI error shape too (JsonErrorsRunner)."""
+    return JsonErrorsRunner(
         build_app(router),
         handler_cancellation=True,
         access_log=None,

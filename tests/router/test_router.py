@@ -230,6 +230,14 @@ def test_cli_accepts_the_operator_contract() -> None:
         parse_args(["--endpoints", "a:1", "--engine-service", "x"])
     with pytest.raises(ValueError):
         parse_static("nohost")
+    # The upstream timeouts: the defaults, given values, and no zero or endless one.
+    assert (s.first_byte_timeout_s, s.idle_timeout_s) == (600.0, 120.0)
+    timeouts = ["--upstream-first-byte-timeout", "30", "--upstream-idle-timeout", "5"]
+    s = settings_from(parse_args(["--endpoints", "a:1", *timeouts]))
+    assert (s.first_byte_timeout_s, s.idle_timeout_s) == (30.0, 5.0)
+    for bad in (["--upstream-idle-timeout", "0"], ["--upstream-first-byte-timeout", "inf"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--endpoints", "a:1", *bad])
 
 
 # ------------------------------------------------------------------------------------------
@@ -460,14 +468,19 @@ async def test_a_500_is_passed_on_not_retried() -> None:
 
 @pytest.mark.asyncio
 async def test_a_stream_broken_midway_fails_visibly_without_retry() -> None:
+    """Its events so far, then the error event and [DONE] the engine ends a failed stream with."""
     broken, spare = FakeEngine("x", mode="break"), FakeEngine("y")
     async with fleet(broken, spare) as (router, url, addrs), aiohttp.ClientSession() as s:
         sid = key_for(router, addrs[0])
-        with pytest.raises(aiohttp.ClientPayloadError):
-            async with s.post(f"{url}/v1/chat/completions", data=b"{}",
-                              headers={"x-session-id": sid}) as r:  # fmt: skip
-                assert r.status == 200
-                await r.read()
+        async with s.post(f"{url}/v1/chat/completions", data=b"{}",
+                          headers={"x-session-id": sid}) as r:  # fmt: skip
+            assert r.status == 200
+            body = await r.read()
+        events = body.split(b"\n\n")
+        assert events[:2] == [b"data: x-0", b"data: x-1"] and events[3:] == [b"data: [DONE]", b""]
+        assert json.loads(events[2].removeprefix(b"data: "))["error"]["code"] == (
+            "upstream_stream_broken"
+        )
         assert (broken.hits, spare.hits) == (1, 0)
         metrics = await (await s.get(f"{url}/metrics")).text()
     assert f'endpoint="{addrs[0]}",kind="stream"}} 1.0' in metrics

@@ -1,6 +1,8 @@
-"""The router against hostile requests and failing engines (issue 15): it retries only what no
-engine worked on, ejects failing engines and probes them back, parses bodies within bounds and
-answers every refusal with an OpenAI-style 4xx, and times out slow clients."""
+"""The router against hostile requests and failing engines (issues 15 and 35): it retries only
+what no engine worked on, ejects failing engines and probes them back, answers engines that speak
+garbage, break off or fall silent with a 502/504 or an error event and ejects them, parses bodies
+within bounds and answers every refusal, malformed HTTP included, with an OpenAI-style error, and
+times out slow clients."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import asyncio
 import contextlib
 import gzip
 import json
+import re
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -22,6 +25,7 @@ from kvfleet.router.breaker import BreakerPolicy, Breakers, State
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.router.sse import DONE
 from tests.support.servers import running, serving
 
 CHAT = "/v1/chat/completions"
@@ -41,6 +45,9 @@ class Engine:
         app.router.add_post("/v1/{tail:.*}", self.handle)
         app.router.add_get("/health", self.health)
         return app
+
+    def served(self) -> AbstractAsyncContextManager[str]:
+        return serving(self.app())
 
     async def health(self, _request: web.Request) -> web.Response:
         self.health_checks += 1
@@ -66,6 +73,8 @@ class Engine:
                 assert request.transport is not None
                 request.transport.close()
                 await asyncio.sleep(1)
+            case "slow":  # busy: a long generation, while its /health answers
+                await asyncio.sleep(10)
         raise AssertionError(self.mode)
 
 
@@ -81,10 +90,65 @@ async def routed(router: Router) -> AsyncIterator[str]:
         yield f"http://{addr}"
 
 
+class RawEngine:
+    """An engine that speaks raw bytes: ``reply`` to each generation request (None: it reads the
+    request and never answers), then, a moment later, ``tail`` (None: silence), then it hangs
+    up; ``health`` likewise to /health (None: never answers, as a hung engine). Anything else
+    (the router's scrape of /metrics) gets the reply too, but only POSTs count as hits."""
+
+    def __init__(
+        self, reply: bytes | None, tail: bytes | None = b"", health: bytes | None = None
+    ) -> None:
+        self.reply, self.tail, self.health = reply, tail, health
+        self.hits = 0
+        self._stop = asyncio.Event()
+        self._connections: set[asyncio.Task[Any]] = set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if length := re.search(rb"(?i)\r\ncontent-length: *(\d+)", head):
+                await reader.readexactly(int(length[1]))
+            self.hits += head.startswith(b"POST ")
+            if head.startswith(b"GET /health "):
+                reply, tail = self.health, b""
+            else:
+                reply, tail = self.reply, self.tail
+            for part in (reply, tail):
+                if part is None:
+                    await self._stop.wait()
+                    return
+                if part is tail:
+                    await asyncio.sleep(0.05)
+                writer.write(part)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            self._connections.discard(task)
+
+    @asynccontextmanager
+    async def served(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        try:
+            yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            self._stop.set()
+            server.close()
+            await asyncio.gather(*self._connections)
+            await server.wait_closed()
+
+
 @asynccontextmanager
-async def fleet(*engines: Engine, **settings: Any) -> AsyncIterator[tuple[Router, str, list[str]]]:
+async def fleet(
+    *engines: Engine | RawEngine, **settings: Any
+) -> AsyncIterator[tuple[Router, str, list[str]]]:
     async with contextlib.AsyncExitStack() as stack:
-        addrs = [await stack.enter_async_context(serving(e.app())) for e in engines]
+        addrs = [await stack.enter_async_context(e.served()) for e in engines]
         router = Router(RouterSettings(KeyPolicy(prefix_length=32), **settings))
         router.set_endpoints(addrs)
         yield router, await stack.enter_async_context(routed(router)), addrs
@@ -305,6 +369,184 @@ async def test_with_every_engine_ejected_the_router_still_tries_them() -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# Engines that answer garbage, break off mid-stream, or fall silent
+# ------------------------------------------------------------------------------------------
+
+NOT_HTTP: dict[str, bytes] = {
+    "garbage": b"\x00\x01\x02 garbage\r\n\r\n",
+    "an invalid status line": b"HTTP/1.1 2x0 OK\r\nContent-Length: 2\r\n\r\n{}",
+    "HTTP/0.9 (a body, no head)": b'{"choices": []}',
+    "Content-Length and Transfer-Encoding": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    ),
+    "a 200 KB header": (
+        b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 200_000 + b"\r\nContent-Length: 2\r\n\r\n{}"
+    ),
+    "5,000 headers": (
+        b"HTTP/1.1 200 OK\r\n"
+        + b"".join(b"X-H%d: v\r\n" % i for i in range(5000))
+        + b"Content-Length: 2\r\n\r\n{}"
+    ),
+}
+# Three failures in a row eject; no probe brings an engine back during a test.
+EJECT_AT_3 = BreakerPolicy(failures=3, backoff_s=60, max_backoff_s=60)
+
+
+async def ejected(router: Router, endpoint: str) -> None:
+    """Wait for the endpoint's ejection: a timeout counts only once the health check that it
+    started has failed."""
+    deadline = time.monotonic() + 5
+    while endpoint not in router.breakers.ejected():
+        assert time.monotonic() < deadline, "not ejected"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(NOT_HTTP))
+async def test_an_engine_answering_garbage_gets_502s_and_is_ejected(case: str) -> None:
+    raw, spare = RawEngine(NOT_HTTP[case]), Engine()
+    async with (
+        fleet(raw, spare, breaker=EJECT_AT_3) as (router, url, addrs),
+        aiohttp.ClientSession() as s,
+    ):
+        headers = session_for(router, addrs[0])
+        for _ in range(3):
+            async with s.post(f"{url}{CHAT}", json={"messages": []}, headers=headers) as r:
+                assert r.status == 502 and r.content_type == "application/json"
+                body = await r.json()
+            assert_openai_error(body, "upstream_protocol_error")
+            # What went wrong, not where: the engine's address and bytes are for the log.
+            assert addrs[0] not in body["error"]["message"]
+        assert router.breakers.ejected() == {addrs[0]}
+        # Never replayed on the spare (the engine may have read it); once ejected, the spare.
+        assert (raw.hits, spare.hits) == (3, 0)
+        async with s.post(f"{url}{CHAT}", json={"messages": []}, headers=headers) as r:
+            assert r.status == 200 and spare.hits == 1
+    assert counter(router, "kvfleet_router_upstream_errors_total",
+                   endpoint=addrs[0], kind="protocol") == 3  # fmt: skip
+    assert counter(router, "kvfleet_router_retries_total") == 0
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+FIRST_EVENT = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+# What follows the first event of a stream, and the error event's code.
+BROKEN_STREAMS: dict[str, tuple[bytes | None, str]] = {
+    "the connection closes": (b"", "upstream_stream_broken"),
+    "a bad chunk": (b"zz\r\ndata: x\n\n\r\n", "upstream_stream_broken"),
+    "a chunk shorter than it said": (b"ff\r\ndata: {", "upstream_stream_broken"),
+    # The half event is held back: the error event follows whole events only.
+    "an event cut in half": (chunk(b'data: {"choices":'), "upstream_stream_broken"),
+    "silence": (None, "upstream_timeout"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(BROKEN_STREAMS))
+async def test_a_stream_that_breaks_ends_with_an_error_event_and_counts_as_a_failure(
+    case: str,
+) -> None:
+    """A broken stream ends as the engine ends one that fails: its events so far, an error
+    event, ``data: [DONE]``, and a clean end of the response; three in a row eject the engine
+    (a broken stream once counted as a success, so none ever did)."""
+    tail, code = BROKEN_STREAMS[case]
+    raw, spare = RawEngine(SSE_HEAD + chunk(FIRST_EVENT), tail), Engine()
+    settings = {"breaker": EJECT_AT_3, "idle_timeout_s": 0.3, "probe_timeout_s": 0.2}
+    async with (
+        fleet(raw, spare, **settings) as (router, url, addrs),
+        aiohttp.ClientSession() as s,
+    ):
+        headers = session_for(router, addrs[0])
+        for _ in range(3):
+            start = time.monotonic()
+            async with s.post(f"{url}{CHAT}", json={"messages": [], "stream": True},
+                              headers=headers) as r:  # fmt: skip
+                assert r.status == 200 and r.content_type == "text/event-stream"
+                body = await r.read()  # the response ends cleanly: no ClientPayloadError
+            assert time.monotonic() - start < 2
+            assert body.startswith(FIRST_EVENT) and body.endswith(b"\n\n" + DONE)
+            event = body.removeprefix(FIRST_EVENT).removesuffix(DONE)
+            assert event.startswith(b"data: ") and event.count(b"\n\n") == 1
+            assert_openai_error(json.loads(event[6:]), code)
+        await ejected(router, addrs[0])
+        assert (raw.hits, spare.hits) == (3, 0)
+    assert counter(router, "kvfleet_router_upstream_errors_total",
+                   endpoint=addrs[0], kind="stream") == 3  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_is_not_an_event_stream_is_cut_not_ended() -> None:
+    """A JSON body cannot carry an error: the client must see it broken, never short."""
+    json_head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    raw = RawEngine(json_head + b'{"choices": [', b"")
+    async with fleet(raw, breaker=EJECT_AT_3) as (router, url, addrs), aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with s.post(f"{url}{CHAT}", json={"messages": []}) as r:
+                assert r.status == 200
+                await r.read()
+        assert router.breakers.state(addrs[0]) is State.CLOSED  # one failure of three
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_never_answers_times_out_and_is_ejected() -> None:
+    """Accepting connections and answering nothing, not even /health: each request fails in
+    bounded time, a stream's within the idle timeout (its headers come at once from a live
+    engine), and the engine is ejected."""
+    raw, spare = RawEngine(None), Engine()
+    settings = {"breaker": EJECT_AT_3, "first_byte_timeout_s": 0.8, "idle_timeout_s": 0.2,
+                "probe_timeout_s": 0.2}  # fmt: skip
+    async with (
+        fleet(raw, spare, **settings) as (router, url, addrs),
+        aiohttp.ClientSession() as s,
+    ):
+        headers = session_for(router, addrs[0])
+        for stream, limit in ((False, 0.8), (True, 0.2), (False, 0.8)):
+            start = time.monotonic()
+            async with s.post(f"{url}{CHAT}", json={"messages": [], "stream": stream},
+                              headers=headers) as r:  # fmt: skip
+                assert r.status == 504 and r.content_type == "application/json"
+                assert_openai_error(await r.json(), "upstream_timeout")
+            assert limit <= time.monotonic() - start < limit + 0.5
+        await ejected(router, addrs[0])
+        assert (raw.hits, spare.hits) == (3, 0)
+        async with s.post(f"{url}{CHAT}", json={"messages": []}, headers=headers) as r:
+            assert r.status == 200 and spare.hits == 1
+    assert counter(router, "kvfleet_router_upstream_errors_total",
+                   endpoint=addrs[0], kind="timeout") == 3  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_busy_engine_whose_health_answers_is_not_ejected_by_timeouts() -> None:
+    """A timeout on an engine that is busy, not broken (its /health answers), fails the request
+    but not the engine: a client that asks for long generations must not eject it."""
+    busy = Engine("slow")
+    settings = {"breaker": EJECT_AT_3, "first_byte_timeout_s": 0.2}
+    async with fleet(busy, **settings) as (router, url, addrs):
+        for i in range(3):
+            status, body = await post(url)
+            assert status == 504
+            assert_openai_error(body, "upstream_timeout")
+            deadline = time.monotonic() + 5
+            while busy.health_checks <= i:
+                assert time.monotonic() < deadline, "no health check"
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last check's verdict
+        assert router.breakers.ejected() == frozenset()
+        # Unhealthy, the same timeouts do eject it.
+        busy.healthy = False
+        for _ in range(3):
+            assert (await post(url))[0] == 504
+        await ejected(router, addrs[0])
+
+
+# ------------------------------------------------------------------------------------------
 # Bounded parsing: each refusal a 4xx in the OpenAI shape, before any engine sees it
 # ------------------------------------------------------------------------------------------
 
@@ -507,3 +749,96 @@ async def test_idle_keep_alive_connections_are_closed() -> None:
             pass
         assert 0.2 <= time.monotonic() - start < 2
         writer.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Malformed HTTP from clients: JSON too, and a huge declared body refused at once
+# ------------------------------------------------------------------------------------------
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
+MALFORMED_REQUESTS: dict[str, tuple[bytes, str]] = {
+    "Content-Length and Transfer-Encoding": (
+        HEAD + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "malformed_request",
+    ),
+    "a bad chunk": (
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        "malformed_request",
+    ),
+    "a Content-Length past 64 bits": (
+        HEAD + b"Content-Length: 99999999999999999999999\r\n\r\n{}",
+        "malformed_request",
+    ),
+    "not HTTP (a TLS hello)": (
+        b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n",
+        "malformed_request",
+    ),
+    "a 9,000-character path": (
+        b"GET /v1/models/" + b"a" * 9000 + b" HTTP/1.1\r\nHost: r\r\n\r\n",
+        "line_too_long",
+    ),
+    "a 20 KB header": (HEAD + b"X-Big: " + b"a" * 20_000 + b"\r\n\r\n", "line_too_long"),
+    "5,000 headers": (
+        HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(5000)) + b"\r\n",
+        "malformed_request",
+    ),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(MALFORMED_REQUESTS))
+async def test_malformed_requests_get_a_json_400(case: str) -> None:
+    request, code = MALFORMED_REQUESTS[case]
+    engine = Engine()
+    async with fleet(engine) as (_, url, _addrs):
+        raw = await raw_exchange(url, request)
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    status, payload = status_and_json(raw)
+    assert status == 400 and b"content-type: application/json" in head
+    assert_openai_error(payload, code)
+    assert engine.hits == 0
+
+
+@pytest.mark.asyncio
+async def test_a_huge_declared_body_is_413_at_once() -> None:
+    """Refused on its Content-Length, before a byte of it is read, and with ``Expect:
+    100-continue`` without the 100 that would invite the client to send it."""
+    engine = Engine()
+    async with fleet(engine) as (_, url, _addrs):
+        for expect in (b"", b"Expect: 100-continue\r\n"):
+            start = time.monotonic()
+            raw = await raw_exchange(
+                url, HEAD + expect + b"Content-Length: 1000000000000000000\r\n\r\n", 2
+            )
+            assert time.monotonic() - start < 1
+            assert b"100 Continue" not in raw
+            status, payload = status_and_json(raw)
+            assert status == 413
+            assert_openai_error(payload, "request_too_large")
+    assert engine.hits == 0
+
+
+@pytest.mark.asyncio
+async def test_expect_100_continue_for_a_body_within_the_limit() -> None:
+    engine = Engine()
+    body = b'{"prompt":"hi"}'
+    async with fleet(engine) as (_, url, _addrs):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(HEAD + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2) == (
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        )
+        writer.write(body)
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)).startswith(
+            b"HTTP/1.1 200 "
+        )
+        writer.close()
+        # An expectation the router does not know is ignored, not a plain-text 417.
+        raw = await raw_exchange(
+            url,
+            HEAD + b"Connection: close\r\nExpect: something\r\nContent-Length: %d\r\n\r\n"
+            % len(body) + body,
+        )  # fmt: skip
+        assert raw.startswith(b"HTTP/1.1 200 ")
+    assert engine.hits == 2
