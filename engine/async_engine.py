@@ -20,6 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.liveness import (
+    RunningStep,
+    StepRate,
+    Verdict,
+    default_seconds_per_token,
+    stall_verdict,
+    step_bound,
+)
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest
 
@@ -70,11 +78,16 @@ class AsyncEngine:
         core: EngineCore,
         *,
         stall_timeout: float = 60.0,
+        seconds_per_token: float | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
     ) -> None:
+        """`stall_timeout` and `seconds_per_token` (default: the device's, liveness.py): the
+        time a step may run, as liveness.step_bound says, and the time the loop may go without
+        a step while requests wait, before the engine counts as stuck."""
         self.core = core
         self.stall_timeout = stall_timeout
+        self.seconds_per_token = seconds_per_token or default_seconds_per_token(core.device.type)
         self._on_step = on_step
         self._on_abort = on_abort
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -89,7 +102,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
+        # Published by the engine thread: when it last finished a step or found nothing to do,
+        # when the step now running began (None between steps), the rate of recent steps.
         self.last_progress = time.monotonic()
+        self._step_started: float | None = None
+        self._rate = StepRate()
         # Test-only fault hook: while set, the loop wedges before its next step.
         self.fault_stall = threading.Event()
 
@@ -136,12 +153,31 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def is_healthy(self) -> bool:
-        """Alive, and either idle or finishing steps: a wedged loop with work waiting is not."""
-        if not self.is_alive():
-            return False
-        if not self._streams:
-            return True
-        return time.monotonic() - self.last_progress < self.stall_timeout
+        """Alive, and busy or idle rather than stuck (liveness())."""
+        return self.is_alive() and self.liveness().healthy
+
+    def liveness(self) -> Verdict:
+        """Whether the loop is busy or stuck, and what it is doing: a step within its bound
+        (its tokens' allowance) is busy, one past it is stuck, and so is a loop that starts no
+        step for stall_timeout while requests wait. Call on the event-loop thread."""
+        return self._verdict(waiting=bool(self._streams), progress=self.last_progress)
+
+    def _verdict(self, *, waiting: bool, progress: float) -> Verdict:
+        started = self._step_started
+        step = None
+        if started is not None:
+            tokens = self.core.step_tokens
+            bound = step_bound(
+                tokens, self.stall_timeout, self.seconds_per_token, self._rate.seconds_per_token
+            )
+            step = RunningStep(started, tokens, bound)
+        return stall_verdict(
+            time.monotonic(),
+            step=step,
+            last_progress=progress,
+            waiting=waiting,
+            stall_timeout=self.stall_timeout,
+        )
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -155,8 +191,11 @@ class AsyncEngine:
                     continue
                 while self.fault_stall.is_set() and not self._stopping:
                     time.sleep(0.01)
+                started = self._step_started = time.monotonic()
                 outputs = self.core.step()
                 self.last_progress = time.monotonic()
+                self._step_started = None
+                self._rate.observe(self.last_progress - started, self.core.step_tokens)
                 if self._on_step is not None:
                     self._on_step(outputs)
                 if outputs:

@@ -65,6 +65,7 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--shutdown-timeout": None,
     "--max-request-body-bytes": None,
     "--health-stall-timeout": None,
+    "--health-seconds-per-token": None,
     "--header-timeout": None,
     "--body-timeout": None,
     "--chat-template": None,

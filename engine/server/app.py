@@ -78,7 +78,20 @@ class ServerSettings(BaseModel):
         "aborted",
     )
     max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
-    health_stall_timeout: float = Field(default=60.0, gt=0)
+    health_stall_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="/health reports the engine stuck (503) when a step runs longer than this "
+        "plus its tokens' allowance (--health-seconds-per-token), or when no step starts for "
+        "this long while requests wait",
+    )
+    health_seconds_per_token: float | None = Field(
+        default=None,
+        gt=0,
+        description="the least time a step is allowed per token it computes, on top of "
+        "--health-stall-timeout; four times the rate of the engine's recent steps when that is "
+        "more. Default: 0.05 on the CPU, 0.001 on a GPU",
+    )
     header_timeout: float = Field(
         default=15.0,
         gt=0,
@@ -190,14 +203,16 @@ def _gatekeeper(api_key: str | None):
 
 
 async def _health(request: web.Request) -> web.Response:
+    """Liveness: 200 while the engine loop is idle or busy (a step within its bound), 503 when it
+    is dead or stuck; the body says what the loop is doing, or why it is unhealthy."""
     engine: AsyncEngine = request.app[SERVING].engine
-    if engine.is_healthy():
-        return web.json_response({"status": "ok"})
-    if engine.is_alive():
-        reason = "engine loop is not making progress"
-    else:
+    if not engine.is_alive():
         reason = f"engine loop is dead: {engine.error}" if engine.error else "engine loop is dead"
-    return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+        return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
+    verdict = engine.liveness()
+    if verdict.healthy:
+        return web.json_response({"status": "ok", "engine": verdict.reason})
+    return web.json_response({"status": "unhealthy", "reason": verdict.reason}, status=503)
 
 
 async def _ready(request: web.Request) -> web.Response:
@@ -318,6 +333,7 @@ def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngi
     engine = AsyncEngine(
         core,
         stall_timeout=settings.health_stall_timeout,
+        seconds_per_token=settings.health_seconds_per_token,
         on_step=metrics.on_step,
         on_abort=metrics.on_abort,
     )
