@@ -28,6 +28,7 @@ from kvfleet.engine.liveness import (
     stall_verdict,
     step_bound,
 )
+from kvfleet.engine.model_runner import StepInterrupted
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest
 
@@ -118,12 +119,30 @@ class AsyncEngine:
         if self.core.workers is not None:
             self.core.workers.watch(self._worker_died)
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
+        """Stop the loop, interrupting a step in progress between two layers of its forward
+        pass, and wait for it as long as it is busy, not stuck (liveness). False if it was stuck
+        and is left running: the engine cannot be closed under it, and the process has to exit
+        without finalizing (cli._serve)."""
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
+        if self._thread is not None and not await asyncio.to_thread(self._await_end):
+            return False
         await asyncio.to_thread(self.core.shutdown)
+        return True
+
+    def _await_end(self) -> bool:
+        assert self._thread is not None
+        asked = time.monotonic()
+        with self.core.interrupting():
+            while self._thread.is_alive():
+                self._thread.join(0.05)
+                # Between steps the loop ends at once, however long it had been blocked before.
+                verdict = self._verdict(waiting=True, progress=max(self.last_progress, asked))
+                if self._thread.is_alive() and not verdict.healthy:
+                    logger.error("the engine loop did not stop: %s", verdict.reason)
+                    return False
+        return True
 
     def _worker_died(self, reason: str) -> None:
         # The loop thread may be blocked in a collective with the dead rank: fail everything
@@ -204,6 +223,9 @@ class AsyncEngine:
                     # Until a grammar compiles (its job wakes the loop) or a command comes.
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
+        except StepInterrupted:
+            # Only stop() interrupts a step; its requests were aborted or are left to it.
+            logger.info("the step in progress was interrupted: the engine is stopping")
         except BaseException as e:
             logger.exception("engine loop died")
             # A collective failing because a worker died says less than the death itself.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import types
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
@@ -113,17 +114,27 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from kvfleet.engine.server.app import serve
+    from kvfleet.engine.server.app import EXIT_ENGINE_STUCK, serve
 
     settings = server_settings_from(ns)
     args = engine_args_from(ns)
     # Before the model loads: a missing SDK or a bad endpoint is said at once.
     tracing = tracing_from(ns.otlp_traces_endpoint, "engine")
     try:
-        return asyncio.run(serve(args, settings, tracing))
+        code = asyncio.run(serve(args, settings, tracing))
     finally:
         if tracing is not None:
             tracing.shutdown()
+    if code == EXIT_ENGINE_STUCK:
+        # The engine thread is still in a step, inside a torch op. The interpreter's
+        # finalization would end it with pthread_exit when the op returns, an unwind through
+        # torch's C++ frames that aborts the process (SIGABRT, "terminate called without an
+        # active exception"): leave without finalizing, the logs flushed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def server_settings_from(ns: argparse.Namespace) -> ServerSettings:

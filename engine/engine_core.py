@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -149,6 +149,19 @@ class EngineCore:
         """Stop the tensor-parallel workers (nothing to do with one rank)."""
         if self.workers is not None:
             self.workers.shutdown()
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """While in this block a step in progress (and any later one) ends early, between two
+        layers of its forward pass, with StepInterrupted: a stopping engine need not wait out a
+        long step (a 2,048-token chunk runs tens of seconds on a small CPU). Not with
+        tensor-parallel workers: they would wait forever in the step's next collective for this
+        rank; the stop waits for their step instead."""
+        if self.workers is not None:
+            yield
+            return
+        with self.runner.interrupting():
+            yield
 
     def close(self) -> None:
         """Give back the runner's memory (KV cache, CUDA graphs, weights), then shutdown():

@@ -4,9 +4,10 @@ rank runs the same plan through its shard of the model, and rank 0 samples."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,14 @@ _GRAPH_EXTRA_KV_READS = 32768
 # Prompt positions whose logits exist at once when scoring a prompt: bounds the memory at this many
 # rows of the vocabulary in fp32 (256 x 128k words = 128 MiB), whatever the chunk size.
 _PROMPT_LOGPROBS_ROWS = 256
+
+
+class StepInterrupted(Exception):
+    """The runner's owner interrupted the forward pass in progress (ModelRunner.interrupting)."""
+
+
+def _interrupt(module: torch.nn.Module, args: object) -> None:
+    raise StepInterrupted("the forward pass was interrupted")
 
 
 def fits_decode_graph(positions: np.ndarray, seq_lens: np.ndarray, max_rows: int) -> bool:
@@ -369,6 +378,26 @@ class ModelRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """While in this block the forward pass in progress, from any thread, and any later one
+        raise StepInterrupted before their next attention layer. Hooks put on for the block
+        alone: the forward passes of serving pay nothing for it. (A replayed CUDA graph runs no
+        hook: it is one short decode step.)"""
+        if self.model is None:
+            yield
+            return
+        # Torch reads a module's hooks into a tuple at each call, under the GIL: adding them
+        # while another thread is in the forward pass is safe.
+        handles = [
+            layer.register_forward_pre_hook(_interrupt) for layer in self.model.attention_layers()
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
         layers = self.model.attention_layers()

@@ -50,6 +50,8 @@ API_KEY_ENV = "KVFLEET_API_KEY"
 # After the shutdown deadline has aborted what was left, how long its handlers get to send their
 # error events before their connections are closed.
 _ABORT_GRACE = 1.0
+# serve()'s exit status when the engine loop was stuck in a step at shutdown and is left behind.
+EXIT_ENGINE_STUCK = 1
 
 
 class ServerSettings(BaseModel):
@@ -75,7 +77,8 @@ class ServerSettings(BaseModel):
         default=30.0,
         ge=0,
         description="seconds in-flight requests get to finish after SIGTERM before they are "
-        "aborted",
+        "aborted; a step still running then is interrupted and the process exits 0 (1 if the "
+        "step is stuck: past its /health bound, it is left behind)",
     )
     max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
     health_stall_timeout: float = Field(
@@ -408,10 +411,12 @@ class EngineServer:
         assert self._runner is not None
         return self._runner.addresses[0][1]
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> bool:
         """New requests get 503 while the ones in flight finish, up to shutdown_timeout; what
         is still running then is aborted (streams end with an error event, the others get 503
-        "draining"), and the connections are closed soon after."""
+        "draining"), and the connections are closed soon after. The engine loop's step in
+        progress is interrupted; False if the loop was stuck and is left running (AsyncEngine
+        .stop), its engine not closed."""
         assert self.app is not None and self.engine is not None and self._runner is not None
         self.app[SERVING].draining = True
         deadline = time.monotonic() + self.settings.shutdown_timeout
@@ -424,15 +429,18 @@ class EngineServer:
             # Let the handlers write their error events and responses.
             await asyncio.sleep(0.1)
         await self._runner.cleanup()
-        await self.engine.stop()
+        if not await self.engine.stop():
+            return False
         # The server made this engine: its memory goes back with it, whoever still refers to
         # the server object.
         self.engine.core.close()
         logger.info("stopped")
+        return True
 
 
 async def serve(args: EngineArgs, settings: ServerSettings, tracing: Tracing | None = None) -> int:
-    """Serve until SIGTERM or SIGINT, then drain and exit 0."""
+    """Serve until SIGTERM or SIGINT, then drain; 0, or EXIT_ENGINE_STUCK when the engine loop
+    was stuck in a step and is still running (the caller must exit without finalizing)."""
     server = EngineServer(args, settings, tracing)
     await server.start()
     stop = asyncio.Event()
@@ -440,5 +448,4 @@ async def serve(args: EngineArgs, settings: ServerSettings, tracing: Tracing | N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.shutdown()
-    return 0
+    return 0 if await server.shutdown() else EXIT_ENGINE_STUCK

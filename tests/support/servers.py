@@ -97,7 +97,8 @@ def runner_in_thread(runner: web.AppRunner) -> Iterator[SimpleNamespace]:
 
 class EngineProcess:
     """``kvfleet-engine serve`` as a child process on 127.0.0.1 (fp32, ``served_name``); entered,
-    it waits until /ready and yields the base URL; on exit it kills what is still running."""
+    it waits until /ready and yields the base URL; on exit it kills what is still running.
+    ``main``: the module run as the CLI (one that wraps it, as tests.support.slow_steps)."""
 
     def __init__(
         self,
@@ -106,9 +107,10 @@ class EngineProcess:
         extra: list[str],
         served_name: str,
         env: dict[str, str] | None = None,
+        main: str = "kvfleet.engine.cli",
     ) -> None:
         self.argv = [
-            sys.executable, "-m", "kvfleet.engine.cli", "serve", "--model", str(model),
+            sys.executable, "-m", main, "serve", "--model", str(model),
             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", served_name, *extra,
         ]  # fmt: skip
