@@ -1,14 +1,18 @@
 """SamplingParams.prompt_logprobs: the logprob of each prompt token given the ones before it
 (and the top N), as HF transformers' log_softmax of the same prompt gives them, whether the
-prompt runs in one chunk or several, next to a cached prefix, and for n > 1."""
+prompt runs in one chunk or several (a long one in chunks by default on the CPU, beside other
+requests' decodes), next to a cached prefix, and for n > 1."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvfleet.engine.config import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
 from tests.support.engine import assert_no_leak, hf_prompt_logprobs
@@ -50,6 +54,43 @@ def test_prompt_logprobs_equal_hf(model_dirs, prompts, chunk: int) -> None:
         assert_no_leak(llm)
     for prompt, out in zip(prompts, outs, strict=True):
         _check(out.prompt_logprobs, prompt, hf_prompt_logprobs(path, prompt), 3)
+
+
+def test_a_long_prompt_is_scored_in_chunks_by_default_while_others_decode(model_dirs) -> None:
+    """A 1,000-token scoring request on the CPU's default budget: no step computes more than 512
+    tokens, so a running request decodes between its chunks instead of waiting for one long
+    step; the chunks' logprobs together equal HF's over the whole prompt."""
+    path = model_dirs["llama"]
+    rng = random.Random(35)
+    prompt = [rng.randrange(3, 500) for _ in range(1000)]
+    core = EngineCore(EngineArgs(model=str(path), dtype="float32", skip_tokenizer_init=True))
+    assert core.args.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 512
+    schedule = core.scheduler.schedule
+    steps: list[dict[str, int]] = []  # each step's tokens per request
+
+    def spy():
+        out = schedule()
+        steps.append({req.request_id: n for req, n in out.scheduled})
+        return out
+
+    core.scheduler.schedule = spy  # type: ignore[method-assign]
+    decode = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    core.add_request("decode", core.admit([5, 17, 99], decode))
+    core.step()
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    core.add_request("score", core.admit(prompt, scoring))
+    scored = None
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            if delta.prompt_logprobs is not None:
+                scored = delta.prompt_logprobs
+    core.close()
+
+    assert max(sum(s.values()) for s in steps) <= 512
+    chunks = [i for i, s in enumerate(steps) if "score#0" in s]
+    assert len(chunks) >= 2
+    assert all("decode#0" in steps[i] for i in range(chunks[0], chunks[-1] + 1))
+    _check(scored, prompt, hf_prompt_logprobs(path, prompt), 3)
 
 
 def test_prompt_logprobs_skip_the_prefix_cache(model_dirs, prompts) -> None:
