@@ -154,7 +154,7 @@ class EngineCore:
     def interrupting(self) -> Iterator[None]:
         """While in this block a step in progress (and any later one) ends early, between two
         layers of its forward pass, with StepInterrupted: a stopping engine need not wait out a
-        long step (a 2,048-token chunk runs tens of seconds on a small CPU). Not with
+        long step (a chunk of a long prompt runs seconds or more on a CPU). Not with
         tensor-parallel workers: they would wait forever in the step's next collective for this
         rank; the stop waits for their step instead."""
         if self.workers is not None:

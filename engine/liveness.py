@@ -1,16 +1,16 @@
 """Liveness: whether the engine loop is busy or stuck. A step is allowed time in proportion to its
-size, so a long prefill on a slow machine (a 4,000-token prompt in one step ran 67 s on a 2-core
-CPU) is busy, not stuck; one that runs past its allowance, or a loop that starts no step while
-requests wait, is stuck. Pure decision logic: the engine thread publishes when its step started
-and how many tokens it computes; /health and the shutdown path ask for a verdict."""
+size, so a long prefill on a slow machine (a minute or more on a small CPU) is busy, not stuck;
+one that runs past its allowance, or a loop that starts no step while requests wait, is stuck.
+Pure decision logic: the engine thread publishes when its step started and how many tokens it
+computes; /health and the shutdown path ask for a verdict."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Seconds per token a step is allowed at least, before the engine has learned its own rate: a
-# 135M model computed ~17 ms a token on two busy CPU cores, a larger one on a small CPU pod
-# takes more; an 8B model on one H100 takes tens of microseconds.
+# Seconds per token a step is allowed at least, whatever the engine has learned of its own rate:
+# a few times what a small model takes on two busy CPU cores (a larger model on a small CPU pod
+# takes more, and teaches the engine so); tens of times what an 8B model takes on one H100.
 CPU_SECONDS_PER_TOKEN = 0.05
 GPU_SECONDS_PER_TOKEN = 0.001
 # A step is allowed this many times the rate of the steps finished lately: a chunk late in a
