@@ -119,9 +119,9 @@ class EngineCore:
         # The last step found nothing to run and nothing on the device: every request waits
         # for its grammar to compile, and the loop may sleep until one is done.
         self.idle = False
-        # Tokens of the step now running (or the last one): those it schedules, plus those of
-        # the step still on the device whose tokens it waits for. Liveness allows a step time
-        # in proportion; read from any thread.
+        # Tokens of the step now running (or the last one): those it schedules, plus on a GPU
+        # those of the step still on the device, whose tokens it waits for. Liveness allows a
+        # step time in proportion; read from any thread.
         self.step_tokens = 0
         # Structured outputs need the tokenizer's text of every token id, read by the grammar
         # library; a tokenizer it cannot read turns them off, not the engine.
@@ -306,9 +306,10 @@ class EngineCore:
         prev, self._in_flight = self._in_flight, None
         out = self.scheduler.schedule()
         self.idle = out.empty and prev is None
-        self.step_tokens = out.num_batched_tokens + (
-            0 if prev is None else prev.out.num_batched_tokens
-        )
+        # On a GPU this call also waits for the step still on the device; on the CPU that
+        # step's forward pass ran in the call that launched it.
+        waits = prev is not None and self.device.type == "cuda"
+        self.step_tokens = out.num_batched_tokens + (prev.out.num_batched_tokens if waits else 0)
         launched = self.runner.launch(out, prev)
         self.scheduler.advance(out)
         if out.failed:
