@@ -6,6 +6,7 @@ strings."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvfleet.protocol import json_body
 from kvfleet.protocol.json_body import (
     MAX_NUMBER_CHARS,
     JsonLimits,
@@ -73,6 +75,22 @@ def test_values_are_counted_by_their_commas_outside_strings(value, limit):
     body = json.dumps(value).encode()
     structural_commas = json.dumps(value, separators=(";", ":")).count(";")
     assert json_shape(body, 64, limit)[1] == (structural_commas > limit)
+
+
+# The strings of a JSON text, escapes included: what _outside_strings cuts, as a regex would.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.integers(1, 9))
+def test_strings_are_cut_alike_at_every_slice_boundary(value, size):
+    """Strings are cut out a slice at a time; wherever a slice ends (inside a run of
+    backslashes, between one and what it escapes, inside a string) the text outside strings
+    is what a one-pass regex leaves."""
+    body = json.dumps(value, ensure_ascii=False).encode()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(json_body, "_CUT_SLICE", size)
+        assert json_body._outside_strings(body) == _STRING.sub(b"", body)
 
 
 def test_many_flat_lists_are_not_deep():
