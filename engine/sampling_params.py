@@ -20,6 +20,9 @@ from pydantic import (
     model_validator,
 )
 
+from kvfleet.engine.schema_keywords import keyword_problem
+from kvfleet.protocol.json_body import JsonLimits, RequestRefused, decode_json_text
+
 # Below this temperature sampling is treated as greedy: dividing by it would overflow.
 _GREEDY_EPS = 1e-5
 
@@ -37,6 +40,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 LOGIT_BIAS_LIMIT = 100.0
 # Size bounds on a structured-output constraint, checked before anything compiles it.
 MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
+# A schema or structural tag sent as JSON text: its length, before it is parsed (room for
+# pretty-printing a constraint whose compact form is within MAX_STRUCTURED_SPEC_CHARS).
+MAX_STRUCTURED_TEXT_CHARS = 4 * MAX_STRUCTURED_SPEC_CHARS
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 # Nesting of a JSON schema's own JSON. The grammar library refuses more than 128 levels and
@@ -44,6 +50,7 @@ MAX_CHOICE_CHARS = 1024
 MAX_SCHEMA_DEPTH = 64
 # Structures (and triggers) of one structural tag: one a tool, as OpenAI's cap on tools.
 MAX_STRUCTURES = 128
+_TEXT_LIMITS = JsonLimits(max_depth=MAX_SCHEMA_DEPTH)
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -70,11 +77,15 @@ def json_depth(value: Any, limit: int) -> int:
 
 
 def check_schema(schema: dict[str, Any], what: str) -> None:
-    """ValueError for a JSON schema beyond the bounds every constraint's schema has."""
+    """ValueError for a JSON schema beyond the bounds every constraint's schema has, or with a
+    keyword the grammar would not follow as written (kvfleet.engine.schema_keywords)."""
     if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
     if len(_json.dumps(schema)) > MAX_STRUCTURED_SPEC_CHARS:
         raise ValueError(f"{what} is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+    problem = keyword_problem(schema)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
 
 
 def check_tag_shape(data: Any) -> None:
@@ -197,12 +208,18 @@ class StructuredOutputsParams(BaseModel):
     @classmethod
     def _object_or_its_text(cls, v: object, info: ValidationInfo) -> object:
         # vLLM takes a schema as an object or as its JSON text, and a structural tag as JSON
-        # text (its request field is a string); an object is as good.
+        # text (its request field is a string); an object is as good. The text is bounded in
+        # length and nesting before it is parsed, as a request body is.
         if isinstance(v, str):
+            if len(v) > MAX_STRUCTURED_TEXT_CHARS:
+                raise ValueError(
+                    f"{info.field_name} is {len(v)} characters of JSON text; at most "
+                    f"{MAX_STRUCTURED_TEXT_CHARS} are accepted"
+                )
             try:
-                v = _json.loads(v)
-            except ValueError as e:
-                raise ValueError(f"{info.field_name} is not valid JSON: {e}") from None
+                v = decode_json_text(v, _TEXT_LIMITS, info.field_name or "the text")
+            except RequestRefused as e:
+                raise ValueError(e.message) from None
             if not isinstance(v, dict):
                 what = "a JSON schema object" if info.field_name == "json" else "a JSON object"
                 raise ValueError(f"{info.field_name} must be {what}")
