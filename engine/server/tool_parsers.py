@@ -12,6 +12,10 @@ array of calls; a named function: its arguments object) is read by the same mach
 
 One incremental parser serves streaming and whole texts alike (a whole text is one big chunk), so
 a streamed response's calls are exactly the non-streamed one's. Pure: no I/O, no engine.
+
+A call is JSON the model wrote, bounded as a request's JSON is: one that nests deeper than
+:data:`CALL_LIMITS` allows is malformed the moment it does (``json.loads`` would recurse past
+Python's limit on it), and a malformed call leaves the output as content, as vLLM's parsers do.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.protocol.json_body import JsonLimits, RequestRefused, decode_json_text
+
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
 MISTRAL = "mistral"
@@ -32,6 +38,8 @@ TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)
 _WS = " \t\r\n"
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 _ARGUMENT_KEYS = ("arguments", "parameters")
+# The nesting a call's arguments may have: a request body's.
+CALL_LIMITS = JsonLimits(max_depth=64)
 
 
 # What may follow a call's object, per mode.
@@ -192,6 +200,8 @@ class _ObjectScanner:
             self._in_str = True
         elif ch in "{[":
             self._depth += 1
+            if self._depth > CALL_LIMITS.max_depth:
+                self.error = True
         elif ch in "}]":
             self._depth -= 1
             if self._depth == 0:
@@ -244,10 +254,12 @@ class _Call:
     def valid(self) -> bool:
         if self.scanner.error or self.scanner.stage != "done" or not self.name:
             return False
+        # An arguments string holds JSON text of any depth: bounded like the rest.
         try:
-            return isinstance(json.loads(self.arguments or "{}"), dict)
-        except ValueError:
+            arguments = decode_json_text(self.arguments or "{}", CALL_LIMITS, "the arguments")
+        except RequestRefused:
             return False
+        return isinstance(arguments, dict)
 
     def feed(self, chunk: str, out: list[ToolCallDelta]) -> int:
         used = self.scanner.feed(chunk)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.schema_keywords import keyword_problem, rebase_refs
 from kvfleet.engine.server.errors import bad_request
 from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from kvfleet.engine.server.tool_parsers import (
@@ -32,7 +33,9 @@ from kvfleet.engine.server.tool_parsers import (
     MISTRAL,
     ToolCallParser,
 )
+from kvfleet.engine.server.validation import JSON_LIMITS
 from kvfleet.protocol.chat_template import ChatMessage, conversation_of
+from kvfleet.protocol.json_body import RequestRefused, decode_json_text
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,14 @@ class ToolPlan:
     # The ids of the conversation's calls and of this response's: a new call's id is none of
     # them (one plan per request, so the choices of a response share it).
     call_ids: set[str] = field(default_factory=set, compare=False, repr=False)
+    # The conversation's calls by message index, each {id, name, arguments}, the arguments
+    # parsed once (when checked) for the template.
+    history: dict[int, list[dict[str, Any]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    # Characters of JSON the prompt may render besides the messages' content: the history's
+    # arguments and the tools (what decides whether rendering leaves the event loop).
+    chars: int = field(default=0, compare=False, repr=False)
 
     def parser(self) -> ToolCallParser | None:
         if self.parse_mode is None:
@@ -98,9 +109,15 @@ class ToolPlan:
 def plan_prompt(tools: list[ChatTool], messages: list[ChatMessage]) -> ToolPlan:
     """Check tools and tool messages (400s naming the parameter) and plan the prompt alone: the
     tools shown as every tool_choice but none shows them (what /tokenize counts)."""
-    made = check_tool_messages(messages)
+    history = check_tool_messages(messages)
+    made = {c["id"] for calls in history.values() for c in calls}
+    chars = sum(
+        len(c["function"]["arguments"])
+        for m in messages
+        for c in (m.model_extra or {}).get("tool_calls") or ()
+    )
     if not tools:
-        return ToolPlan(None, call_ids=made)
+        return ToolPlan(None, call_ids=made, history=history, chars=chars)
     names = [t.function.name for t in tools]
     for i, tool in enumerate(tools):
         if names.index(tool.function.name) != i:
@@ -109,7 +126,9 @@ def plan_prompt(tools: list[ChatTool], messages: list[ChatMessage]) -> ToolPlan:
                 param=f"tools.{i}.function.name",
             )
         _check_parameters(tool, i)
-    return ToolPlan([t.model_dump(exclude_none=True) for t in tools], call_ids=made)
+    shown = [t.model_dump(exclude_none=True) for t in tools]
+    chars += len(json.dumps(shown))
+    return ToolPlan(shown, call_ids=made, history=history, chars=chars)
 
 
 def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
@@ -123,7 +142,7 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
             raise bad_request("tool_choice needs tools", param="tool_choice")
         return plan
     if choice == "none":
-        return ToolPlan(None)
+        return replace(plan, tools=None)
     if choice in (None, "auto"):
         if not settings.enable_auto_tool_choice:
             raise bad_request(
@@ -148,9 +167,13 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
                 f"({', '.join(names)})",
                 param="tool_choice",
             )
-        schema = _arguments_schema(tools[names.index(name)])
+        i = names.index(name)
+        _check_keywords(tools[i], i)
+        schema = _arguments_schema(tools[i])
         return replace(plan, parse_mode="named", function_name=name, structured=_forced(schema),
                        family=settings.parser)  # fmt: skip
+    for i, tool in enumerate(tools):
+        _check_keywords(tool, i)
     schema = required_schema(tools, req.parallel_tool_calls)
     return replace(plan, parse_mode="array", structured=_forced(schema), family=settings.parser)
 
@@ -190,35 +213,58 @@ def _check_parameters(tool: ChatTool, i: int) -> None:
         )
 
 
+def _check_keywords(tool: ChatTool, i: int) -> None:
+    """A forced call's grammar follows the tool's parameters: each keyword must be one the
+    grammar follows, with a value JSON Schema allows (kvfleet.engine.schema_keywords)."""
+    problem = keyword_problem(_arguments_schema(tool))
+    if problem is not None:
+        raise bad_request(
+            f"tools[{i}].function.parameters: {problem}", param=f"tools.{i}.function.parameters"
+        )
+
+
 def _arguments_schema(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
 
 
 def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     """tool_choice required as a JSON schema: an array of at least one call (at most one
-    without parallel_tool_calls), each the name of one tool with arguments of its schema."""
+    without parallel_tool_calls), each the name of one tool with arguments of its schema.
+    Each tool's parameters are a definition of their own, named by the tool, their references
+    rebased onto it: a tool's "#/$defs/city" (or "#") means its own, as when it is called by
+    name, never the wrapper's or another tool's."""
+    defs = {
+        t.function.name: rebase_refs(_arguments_schema(t), f"#/$defs/{t.function.name}")
+        for t in tools
+    }
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t.function.name]},
-                "arguments": _arguments_schema(t),
+                "arguments": {"$ref": f"#/$defs/{t.function.name}"},
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for t in tools
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": calls},
+        "$defs": defs,
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
 
 
-def check_tool_messages(messages: list[ChatMessage]) -> set[str]:
+def check_tool_messages(messages: list[ChatMessage]) -> dict[int, list[dict[str, Any]]]:
     """Assistant tool_calls are well formed; each tool message answers a call made before it.
-    Returns the ids of the calls made."""
-    made: dict[str, str] = {}
+    Returns the calls made, by message index, each {id, name, arguments (parsed)}."""
+    history: dict[int, list[dict[str, Any]]] = {}
+    made: set[str] = set()
     for i, m in enumerate(messages):
         extra = m.model_extra or {}
         calls = extra.get("tool_calls")
@@ -226,7 +272,8 @@ def check_tool_messages(messages: list[ChatMessage]) -> set[str]:
             if m.role != "assistant":
                 raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
                                   param=f"messages.{i}.tool_calls")  # fmt: skip
-            made.update((c["id"], c["function"]["name"]) for c in _tool_calls(calls, i))
+            history[i] = _tool_calls(calls, i)
+            made.update(c["id"] for c in history[i])
         if m.role != "tool":
             continue
         call_id = extra.get("tool_call_id")
@@ -239,13 +286,16 @@ def check_tool_messages(messages: list[ChatMessage]) -> set[str]:
                 "assistant message",
                 param=f"messages.{i}.tool_call_id",
             )
-    return set(made)
+    return history
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls checked, each as {id, name, arguments (parsed under
+    the request body's bounds: a client's text, nested and sized as a body may be)}."""
     param = f"messages.{i}.tool_calls"
     if not isinstance(calls, list):
         raise bad_request(f"messages[{i}].tool_calls must be a list", param=param)
+    parsed = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         ok = (
@@ -261,14 +311,13 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
                 "{name, arguments (a JSON string)}}",
                 param=f"{param}.{j}",
             )
+        what = f"messages[{i}].tool_calls[{j}].function.arguments"
         try:
-            json.loads(fn["arguments"])
-        except ValueError:
-            raise bad_request(
-                f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
-                param=f"{param}.{j}.function.arguments",
-            ) from None
-    return calls
+            arguments = decode_json_text(fn["arguments"], JSON_LIMITS, what)
+        except RequestRefused as e:
+            raise bad_request(e.message, param=f"{param}.{j}.function.arguments") from None
+        parsed.append({"id": call["id"], "name": fn["name"], "arguments": arguments})
+    return parsed
 
 
 def template_reads_tools(template: str | None) -> bool:
@@ -282,13 +331,9 @@ def conversation_with_tools(
     tool_calls and tool messages itself; otherwise they are written as text (see the module)."""
     conversation = conversation_of(messages)
     names: dict[str, str] = {}
-    for m, entry in zip(messages, conversation, strict=True):
+    for i, (m, entry) in enumerate(zip(messages, conversation, strict=True)):
         extra = m.model_extra or {}
-        calls = [
-            {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]),
-             "id": c["id"]}
-            for c in extra.get("tool_calls") or ()
-        ]  # fmt: skip
+        calls = plan.history.get(i, [])
         names.update((c["id"], c["name"]) for c in calls)
         if native:
             if calls:

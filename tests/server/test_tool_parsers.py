@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvfleet.engine.server.tool_parsers import (
+    CALL_LIMITS,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -141,3 +142,42 @@ def test_ids_are_unique_and_openai_shaped() -> None:
 )
 def test_parser_follows_the_template_family(template: str | None, parser: str) -> None:
     assert parser_for_template(template) == parser
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _hermes(arguments: str) -> str:
+    return f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+
+
+DEEP = '{"a": ' + _nested(1000) + "}"  # past Python's recursion limit for json.loads
+OVER = '{"a": ' + _nested(CALL_LIMITS.max_depth) + "}"  # one level past the bound
+TOO_DEEP = [
+    (HERMES, _hermes(DEEP)),
+    (HERMES, _hermes(OVER)),
+    (HERMES, _hermes(json.dumps(DEEP))),  # arguments as a string holding the JSON
+    ("named", DEEP),  # a named call's output is its arguments object
+    ("named", OVER),
+]
+
+
+@pytest.mark.parametrize(("mode", "text"), TOO_DEEP)
+def test_calls_nested_past_the_bound_are_content(mode: str, text: str) -> None:
+    """A call nested deeper than a request body may be is malformed, whole or streamed: no
+    RecursionError, the output is content (as vLLM keeps an unparsable call)."""
+    result = ToolCallParser(mode, "f").parse(text)
+    assert result.calls == [] and result.content == text
+    parser = ToolCallParser(mode, "f")
+    for i in range(0, len(text), 5):
+        parser.feed(text[i : i + 5])
+    parser.finish()
+    assert parser.malformed
+
+
+def test_calls_at_the_bound_are_calls() -> None:
+    arguments = {"a": json.loads(_nested(CALL_LIMITS.max_depth - 1))}
+    text = '<tool_call>{"name": "f", "arguments": ' + json.dumps(arguments) + "}</tool_call>"
+    (call,) = ToolCallParser(HERMES).parse(text).calls
+    assert json.loads(call.arguments) == arguments

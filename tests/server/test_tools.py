@@ -9,8 +9,11 @@ import json
 from typing import Any
 
 import jsonschema
+import llguidance
+import llguidance.hf
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
 
 from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.server.app import ServerSettings
@@ -25,6 +28,8 @@ from kvfleet.engine.server.tools import (
     plan_tools,
     required_schema,
 )
+from kvfleet.engine.structured_output import grammar_spec
+from kvfleet.engine.tiny_model import tiny_model_path
 from kvfleet.protocol.chat_template import render_chat_text
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.net import http_call
@@ -355,6 +360,72 @@ def test_required_schema_accepts_calls_of_the_tools_only() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, single)
     jsonschema.validate(good[:1], single)
+
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "$defs": {"city": {"type": "string", "maxLength": 10}},
+            "properties": {"city": {"$ref": "#/$defs/city"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+# The same definition name, another schema: each tool's refs mean its own.
+CODE = {
+    "type": "function",
+    "function": {
+        "name": "get_code",
+        "parameters": {
+            "type": "object",
+            "$defs": {"city": {"type": "integer"}},
+            "properties": {"c": {"$ref": "#/$defs/city"}},
+            "required": ["c"],
+            "additionalProperties": False,
+        },
+    },
+}
+# "#" is the tool's own parameters: a tree of labels.
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"label": {"type": "string", "maxLength": 5},
+    "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+    "required": ["label"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', True),
+        ('[{"name": "get_code", "arguments": {"c": 47}}]', True),
+        ('[{"name": "get_code", "arguments": {"c": "Oslo"}}]', False),
+        ('[{"name": "get_weather", "arguments": {"city": 47}}]', False),
+        ('[{"name": "tree", "arguments": {"label": "a", "kids": [{"label": "b"}]}}]', True),
+        # "#" read as the whole constraint (an array of calls) would take this one
+        ('[{"name": "tree", "arguments": {"label": "a", "kids": [[{"name": "tree", '
+         '"arguments": {"label": "b"}}]]}}]', False),
+    ],
+)  # fmt: skip
+def test_required_resolves_each_tools_refs_against_its_own_parameters(text, accepted) -> None:
+    """tool_choice required compiles one grammar of all the tools; a tool's "$ref"s (its
+    "$defs", "#") mean what they mean when it is called by name. Checked by the grammar
+    library itself, on the constraint a request gets."""
+    plan = _plan(tools=[CITY, CODE, TREE], tool_choice="required")
+    assert plan.structured is not None
+    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tiny_model_path()))
+    matcher = llguidance.LLMatcher(tok, grammar_spec(plan.structured)[1])
+    assert not matcher.is_error(), matcher.get_error()
+    ok = matcher.consume_tokens(tok.tokenize_str(text)) and matcher.is_accepting()
+    assert ok == accepted
+    calls = json.loads(text)
+    tool = next(t for t in (CITY, CODE, TREE) if t["function"]["name"] == calls[0]["name"])
+    valid = jsonschema.Draft202012Validator(tool["function"]["parameters"]).is_valid(
+        calls[0]["arguments"]
+    )
+    assert valid == accepted  # the schema's own meaning, by a JSON Schema validator
 
 
 def test_plans_per_tool_choice() -> None:
