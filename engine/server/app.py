@@ -32,8 +32,15 @@ from kvfleet.engine.server.tools import (
     load_chat_template,
     plan_prompt,
 )
-from kvfleet.engine.server.validation import BODY_TIMEOUT, check_model, parse_body, refused
-from kvfleet.protocol.json_body import RequestRefused, check_content_encoding
+from kvfleet.engine.server.validation import (
+    BODY_BYTES,
+    BODY_LIMIT,
+    BODY_TIMEOUT,
+    check_model,
+    parse_body,
+    refused,
+)
+from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused, check_content_encoding
 from kvfleet.telemetry.http import echo_request_id, observe_requests
 from kvfleet.telemetry.tracing import Tracing
 
@@ -265,7 +272,9 @@ async def _tokenize(request: web.Request) -> web.Response:
     check_model(req.model, ctx.served_model_names)
     if req.messages is not None:
         # The prompt exactly as chat completions renders it, tools included.
-        plan = plan_prompt(req.tools or [], req.messages)
+        plan = await ctx.parse_off_loop(
+            request[BODY_BYTES], OFF_LOOP_BYTES, plan_prompt, req.tools or [], req.messages
+        )
         ids = await render_chat_served(
             ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
             (plan, request.app[TOOL_SETTINGS]),
@@ -317,6 +326,7 @@ def build_app(
     app[METRICS] = metrics
     app[STARTED] = now()
     app[BODY_TIMEOUT] = settings.body_timeout
+    app[BODY_LIMIT] = settings.max_request_body_bytes
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)

@@ -22,7 +22,7 @@ from kvfleet.engine.server.tools import (
     plan_tools,
     template_reads_tools,
 )
-from kvfleet.engine.server.validation import parse_body, refused
+from kvfleet.engine.server.validation import BODY_BYTES, parse_body, refused
 from kvfleet.protocol.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatMessage,
@@ -30,7 +30,7 @@ from kvfleet.protocol.chat_template import (
     conversation_of,
     render_chat_text,
 )
-from kvfleet.protocol.json_body import RequestRefused
+from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused
 from kvfleet.telemetry.genai import CHAT
 
 
@@ -48,18 +48,23 @@ async def render_chat_served(
     if ctx.tokenizer is None:
         raise bad_request("this server runs without a tokenizer: chat is unavailable")
     shown = None
+    tool_chars = 0
     if tools is None:
         conversation = conversation_of(messages)
     else:
         plan, settings = tools
         native = template_reads_tools(ctx.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE)
-        conversation = conversation_with_tools(messages, plan, native, settings.parser)
+        tool_chars = plan.chars
+        conversation = await ctx.parse_off_loop(
+            tool_chars, OFF_LOOP_CHARS, conversation_with_tools, messages, plan, native,
+            settings.parser,
+        )  # fmt: skip
         shown = plan.tools if native else None
     size = sum(len(entry["content"]) for entry in conversation)
     ctx.check_prompt_chars(size, "messages")
     try:
-        text = await ctx.off_loop(
-            size, OFF_LOOP_CHARS, render_chat_text, ctx.tokenizer, conversation,
+        text = await ctx.parse_off_loop(
+            size + tool_chars, OFF_LOOP_CHARS, render_chat_text, ctx.tokenizer, conversation,
             add_generation_prompt, template_kwargs, shown,
         )  # fmt: skip
     except RequestRefused as e:
@@ -92,7 +97,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ChatCompletionRequest)
     ctx.admit(req.model, req.n)
     tool_settings = request.app[TOOL_SETTINGS]
-    plan = plan_tools(req, tool_settings)
+    plan = await ctx.parse_off_loop(
+        request[BODY_BYTES], OFF_LOOP_BYTES, plan_tools, req, tool_settings
+    )
     ids = await render_chat_served(
         ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
         (plan, tool_settings),
@@ -127,6 +134,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
     if not req.stream:
         result = (await ctx.collect(outputs, [ids], params))[0]
+        # Tool calls are parsed out of each whole text, a loop over its characters.
+        messages = [
+            await ctx.parse_off_loop(len(c.text), OFF_LOOP_CHARS, choice_message, plan, c)
+            for c in result.outputs
+        ]
         body: dict[str, Any] = {}
         if result.prompt_logprobs is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, result.prompt_logprobs)
@@ -139,12 +151,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 "choices": [
                     {
                         "index": c.index,
-                        "message": (message := choice_message(plan, c))[0],
+                        "message": message,
                         "logprobs": logprobs(c),
-                        "finish_reason": message[1],
+                        "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason,
                     }
-                    for c in result.outputs
+                    for c, (message, finish_reason) in zip(result.outputs, messages, strict=True)
                 ],
                 "usage": usage(
                     sum(len(c.token_ids) for c in result.outputs), result.num_cached_tokens

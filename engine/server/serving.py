@@ -22,7 +22,12 @@ from kvfleet.engine.request import InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
-from kvfleet.engine.server.validation import check_model, resolve_max_tokens, validation_error
+from kvfleet.engine.server.validation import (
+    check_model,
+    in_parse_thread,
+    resolve_max_tokens,
+    validation_error,
+)
 from kvfleet.engine.structured_output import GrammarJob
 from kvfleet.telemetry.genai import GenAISpan
 from kvfleet.telemetry.http import SPAN
@@ -117,6 +122,15 @@ class ServingContext:
         """fn(*args) on the event loop when small, in a thread when large."""
         if size > threshold:
             return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def parse_off_loop(
+        self, size: int, threshold: int, fn: Callable[..., Any], *args: Any
+    ) -> Any:
+        """fn(*args), Python work that holds the GIL, on the event loop when small, on the
+        parse thread (kvfleet.engine.server.validation) when large."""
+        if size > threshold:
+            return await in_parse_thread(fn, *args)
         return fn(*args)
 
     async def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.errors import ENGINE_ERRORS, engine_error
+from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, engine_error
 
+logger = logging.getLogger(__name__)
 _END = object()
 
 
@@ -96,8 +98,9 @@ async def relay(
     chunk: Callable[[Choices], dict[str, Any]],
 ) -> bool:
     """One event per engine step, carrying the choices `to_choices` makes of its delta (steps
-    that make none send nothing). False, after an error event, when the engine could not finish
-    the request (it failed it, the server aborted it, or the engine died)."""
+    that make none send nothing). False, after an error event, when the request could not be
+    finished: the engine failed it, the server aborted it, the engine died, or the server
+    failed on it (the stream has begun: its error is an event, and the stream still ends)."""
     try:
         async with aclosing(outputs) as it:
             async for i, delta in it:
@@ -106,5 +109,11 @@ async def relay(
                     await sse.send(chunk(choices))
     except ENGINE_ERRORS as e:
         await sse.send(engine_error(e).sse_payload())
+        return False
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error streaming %s", sse.request.path)
+        await sse.send(APIError(500, "internal server error", "server_error").sse_payload())
         return False
     return True

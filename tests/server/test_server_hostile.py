@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -25,7 +26,9 @@ from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, Re
 from kvfleet.engine.cli import build_parser, server_settings_from
 from kvfleet.engine.cli import main as cli_main
 from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
+from kvfleet.engine.server.tools import StreamedChoices
 from kvfleet.engine.server.validation import MAX_JSON_ITEMS
 from tests.support.net import free_port, http_call
 from tests.support.servers import EngineProcess, engine_server, sse_data_lines
@@ -200,6 +203,28 @@ def _head(path: str, authorization: bytes, body: bytes) -> bytes:
     )
 
 
+def test_a_body_declared_over_the_limit_is_413_at_once(server):
+    """A Content-Length past the body limit is refused before any of the body is read; the
+    client that declared 10^18 bytes does not wait for the body timeout."""
+    head = (
+        f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {10**18}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(
+        ("127.0.0.1", server.srv.port), timeout=BODY_TIMEOUT + 10
+    ) as sock:
+        t = time.monotonic()
+        sock.sendall(head + b'{"prompt": ')
+        resp = HTTPResponse(sock)
+        resp.begin()
+        raw = resp.read()
+        assert time.monotonic() - t < BODY_TIMEOUT / 2
+    error = assert_openai_error(resp.status, raw, 413)
+    assert error["code"] == "body_too_large" and error["param"] == "Content-Length"
+    assert resp.getheader("Connection") == "close"
+    assert_still_serving(server)
+
+
 def test_api_key_headers(server):
     port = server.srv.port
     body = b'{"prompt": "x", "max_tokens": 1}'
@@ -245,15 +270,190 @@ def test_chat_template_errors_are_clean(server):
     assert_still_serving(server)
 
 
+# -- JSON inside strings (issue 35) --------------------------------------------------------
+
+# Valid JSON, a thousand levels deep: json.loads on it recurses past Python's limit.
+DEEP_TEXT = '{"a": ' * 1000 + "1" + "}" * 1000
+
+
+def _with_arguments(arguments: str) -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [*MSG, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "1"}]  # fmt: skip
+
+
+ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
+NESTED_TEXTS = [
+    # (name, path, body, the parameter the error names)
+    ("schema text", CHAT, {"messages": MSG, "structured_outputs": {"json": DEEP_TEXT}},
+     "structured_outputs.json"),
+    ("schema text on completions", COMP,
+     {"prompt": "hi", "structured_outputs": {"json": DEEP_TEXT}}, "structured_outputs.json"),
+    ("structural tag text", CHAT,
+     {"messages": MSG, "structured_outputs": {"structural_tag": DEEP_TEXT}},
+     "structured_outputs.structural_tag"),
+    ("tool call arguments", CHAT, {"messages": _with_arguments(DEEP_TEXT)}, ARGUMENTS),
+    ("tool call arguments on /tokenize", "/tokenize",
+     {"messages": _with_arguments(DEEP_TEXT)}, ARGUMENTS),
+    ("tool call arguments with tools", CHAT,
+     {"messages": _with_arguments(DEEP_TEXT),
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, ARGUMENTS),
+    ("a lone surrogate escaped in the arguments", CHAT,
+     {"messages": _with_arguments('{"a": "\\ud800"}')}, ARGUMENTS),
+    ("too many values in the arguments", CHAT,
+     {"messages": _with_arguments("[" + "0," * (MAX_JSON_ITEMS + 1) + "0]")}, ARGUMENTS),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), [c[1:] for c in NESTED_TEXTS], ids=[c[0] for c in NESTED_TEXTS]
+)
+def test_json_inside_strings_is_bounded_as_a_body_is(server, path, body, param):
+    """A JSON text a request holds in a string is parsed under the body's bounds: a 400 naming
+    the field, never a RecursionError's 500."""
+    status, _, raw = http(server.url + path, body)
+    error = assert_openai_error(status, raw, 400)
+    assert error["param"] == param, error
+    assert_still_serving(server)
+
+
+def test_a_huge_schema_text_is_refused_by_its_length(server):
+    text = json.dumps({"type": "object", "description": "x" * (15 << 20)})
+    t = time.monotonic()
+    status, _, raw = http(
+        server.url + CHAT, {"messages": MSG, "structured_outputs": {"json": text}}
+    )
+    error = assert_openai_error(status, raw, 400)
+    assert error["param"] == "structured_outputs.json" and "characters" in error["message"]
+    assert time.monotonic() - t < 5
+
+
+def _model_writes(monkeypatch, server, text: str) -> None:
+    """The engine's next request generates `text` (in pieces of 7 characters), whatever it is
+    asked: what a model may write, without waiting for one to write it."""
+
+    async def generate(request_id, request, ready=None):
+        pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            choice = CompletionOutput(0, piece, [5], finish_reason="stop" if last else None)
+            yield RequestOutput(request_id, request.prompt_token_ids, [choice], finished=last)
+
+    monkeypatch.setattr(server.srv.engine, "generate", generate)
+
+
+DEEP_CALL = (
+    '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>"
+)
+TOOLS_F = [{"type": "function", "function": {"name": "f"}}]
+
+
+def test_a_call_the_model_nests_too_deep_stays_content(server, monkeypatch):
+    """Arguments nested past a request body's bound are no call (as vLLM leaves an unparsable
+    call): the whole text is the message's content, streamed or not."""
+    _model_writes(monkeypatch, server, DEEP_CALL)
+    body = {"messages": MSG, "tools": TOOLS_F, "max_tokens": 8}
+    status, _, raw = http(server.url + CHAT, body)
+    assert status == 200, raw[:300]
+    message = json.loads(raw)["choices"][0]["message"]
+    assert message["content"] == DEEP_CALL and not message.get("tool_calls")
+    status, _, raw = http(server.url + CHAT, {**body, "stream": True})
+    events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", events[-3:]
+    assert not any(json.loads(e).get("error") for e in events[:-1])
+    monkeypatch.undo()
+    assert_still_serving(server)
+
+
+def test_a_stream_the_server_fails_on_ends_with_an_error_event_and_done(server, monkeypatch):
+    def broken(self, choice):
+        raise RuntimeError("a bug in the output path")
+
+    monkeypatch.setattr(StreamedChoices, "delta", broken)
+    status, _, raw = http(server.url + CHAT, {"messages": MSG, "max_tokens": 4, "stream": True})
+    events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] is None and error["type"] == "server_error"
+    assert "bug" not in error["message"]
+    monkeypatch.undo()
+    assert_still_serving(server)
+
+
+# -- schemas: what the grammar follows (issue 35) ------------------------------------------
+
+
+def _tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+NEGATIVE_MULTIPLE = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": -1}}}
+EXTENSION = {"type": "object", "properties": {"n": {"type": "number", "x-unit": "kg"}}}
+BAD_SCHEMAS = [
+    # (name, body, the parameter the error names, the keyword's pointer)
+    ("multipleOf -1", {"response_format": _json_schema(NEGATIVE_MULTIPLE)}, "response_format",
+     "/properties/n/multipleOf"),
+    ("an x- keyword", {"structured_outputs": {"json": EXTENSION}}, "structured_outputs",
+     "/properties/n/x-unit"),
+    ("x-guidance", {"structured_outputs": {"json": {"type": "object", "x-guidance": {
+        "lenient": True}, "not": {}}}}, "structured_outputs", "/x-guidance"),
+    ("required with multipleOf -1", {"tools": [_tool(NEGATIVE_MULTIPLE)],
+     "tool_choice": "required"}, "tools.0.function.parameters", "/properties/n/multipleOf"),
+    ("named with an x- keyword", {"tools": [_tool(EXTENSION)], "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters",
+     "/properties/n/x-unit"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "where"), [c[1:] for c in BAD_SCHEMAS], ids=[c[0] for c in BAD_SCHEMAS]
+)
+def test_schema_keywords_the_grammar_would_not_follow_are_400s(server, body, param, where):
+    status, _, raw = http(server.url + CHAT, {"messages": MSG, "max_tokens": 4, **body})
+    error = assert_openai_error(status, raw, 400)
+    assert error["param"] == param and where in error["message"], error
+    assert_still_serving(server)
+
+
+def test_a_forced_call_resolves_a_tools_own_definitions(server):
+    """A tool whose parameters define what they use ($defs) is called under tool_choice
+    required as under its name: each tool's references resolve against its own parameters."""
+    parameters = {
+        "type": "object",
+        "$defs": {"city": {"type": "string", "maxLength": 8}},
+        "properties": {"city": {"$ref": "#/$defs/city"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        body = {"messages": MSG, "max_tokens": 200, "seed": 1, "tools": [_tool(parameters)],
+                "tool_choice": choice}  # fmt: skip
+        status, _, raw = http(server.url + CHAT, body)
+        assert status == 200, raw[:300]
+        message = json.loads(raw)["choices"][0]["message"]
+        if message.get("tool_calls"):  # a random model may run out of tokens first
+            arguments = json.loads(message["tool_calls"][0]["function"]["arguments"])
+            assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
+
+
 # -- size: nothing heavy on the event loop -------------------------------------------------
 
 
 def _health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
+    """Seconds each /health probe took until stop; a probe that failed or timed out counts as
+    forever (the prober goes on: a stalled server must fail the test, not end the probing)."""
     while not stop.is_set():
         t = time.perf_counter()
-        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
-            assert resp.status == 200
-        out.append(time.perf_counter() - t)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+                ok = resp.status == 200
+        except OSError:
+            ok = False
+        out.append(time.perf_counter() - t if ok else math.inf)
         time.sleep(0.01)
 
 
@@ -290,6 +490,60 @@ def test_health_answers_fast_while_maximal_requests_are_admitted(model_dirs):
     assert elapsed < 30
     assert len(latencies) >= 10
     assert max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_health_answers_fast_while_big_tool_arguments_are_parsed(model_dirs):
+    """Requests whose strings hold JSON at the body's size, six at a time: tool calls'
+    arguments (too many values; one long string, which parses and renders, then is too long
+    for the context; many calls) and a schema's text. The server parses them off the event
+    loop, one at a time and within bounds, so /health, probed all along, answers within 0.5 s
+    (parsed on the loop, one such request stalled it for a second)."""
+    room = BODY_LIMIT - 4096
+    many_values = "[" + "[], " * (room // 4) + "[]]"  # past MAX_JSON_ITEMS: refused
+    long_string = json.dumps({"code": "x" * room})  # parsed; the prompt cannot fit
+    calls = [
+        {"id": f"call_{i}", "type": "function",
+         "function": {"name": "f", "arguments": json.dumps({"v": [1] * 400, "s": "y" * 20_000})}}
+        for i in range(room // 22_000)
+    ]  # fmt: skip
+    schema_text = json.dumps({"type": "object", "description": "[{" * (room // 2)})
+    cases = [
+        {"messages": _with_arguments(many_values)},
+        {"messages": _with_arguments(long_string), "tools": TOOLS_F},
+        {"messages": [*MSG, {"role": "assistant", "tool_calls": calls}]},
+        {"messages": MSG, "structured_outputs": {"json": schema_text}},
+    ]
+    bodies = [json.dumps(body).encode() for body in cases]
+    assert all(BODY_LIMIT * 0.9 < len(raw) <= BODY_LIMIT for raw in bodies), [
+        len(b) for b in bodies
+    ]
+    with _serve_process(model_dirs, free_port(), []) as url:
+        http(url + "/health", method="GET")  # warm
+        stop = threading.Event()
+        latencies: list[float] = []
+        prober = threading.Thread(target=_health_latencies, args=(url, stop, latencies))
+        prober.start()
+        results: list[tuple[int, dict, bytes]] = []
+
+        def send(raw: bytes) -> None:
+            results.append(http(url + CHAT, raw))
+
+        try:
+            time.sleep(0.1)
+            for raw in bodies:
+                senders = [threading.Thread(target=send, args=(raw,)) for _ in range(6)]
+                for t in senders:
+                    t.start()
+                for t in senders:
+                    t.join(120)
+        finally:
+            stop.set()
+            prober.join()
+    assert len(results) == 6 * len(bodies)
+    for status, _, raw in results:
+        assert_openai_error(status, raw, 400)
+    assert len(latencies) >= 10
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
 
 
 # -- admission counts sequences ------------------------------------------------------------
