@@ -41,7 +41,7 @@ from kvfleet.engine.server.validation import (
     refused,
 )
 from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused, check_content_encoding
-from kvfleet.telemetry.http import echo_request_id, observe_requests
+from kvfleet.telemetry.http import JsonErrorsRunner, echo_request_id, observe_requests
 from kvfleet.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -399,8 +399,10 @@ class EngineServer:
         # lingering_time: how long the unread rest of a refused body (408, 413) is drained
         # before the close; aiohttp's 10 s would let a slow client hold the connection.
         # shutdown_timeout: what the runner waits for handlers at cleanup; our own shutdown
-        # has already enforced the deadline by then.
-        self._runner = web.AppRunner(
+        # has already enforced the deadline by then. What aiohttp answers itself (a request
+        # it cannot parse: bad framing, a request line or header over its limit) is OpenAI
+        # error JSON too, as every other error (JsonErrorsRunner).
+        self._runner = JsonErrorsRunner(
             self.app,
             handler_cancellation=True,
             access_log=None,

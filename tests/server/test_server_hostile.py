@@ -203,6 +203,36 @@ def _head(path: str, authorization: bytes, body: bytes) -> bytes:
     )
 
 
+PROTOCOL_ERRORS = [
+    # (name, what is sent, status, code)
+    ("a path over the request line's limit",
+     b"GET /v1/models/" + b"m" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 400, "line_too_long"),
+    ("a broken method", b"GE T /health HTTP/1.1\r\nHost: x\r\n\r\n", 400, "malformed_request"),
+    ("a header without a colon", b"GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400,
+     "malformed_request"),
+    ("a NUL in a header", b"GET /health HTTP/1.1\r\nX-A: a\x00b\r\n\r\n", 400,
+     "malformed_request"),
+    ("two Content-Lengths", b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n"
+     b"Content-Length: 3\r\n\r\n{}", 400, "malformed_request"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [c[1:] for c in PROTOCOL_ERRORS],
+    ids=[c[0] for c in PROTOCOL_ERRORS],
+)
+def test_requests_aiohttp_cannot_parse_get_openai_json(server, request_bytes, status, code):
+    with socket.create_connection(("127.0.0.1", server.srv.port), timeout=10) as sock:
+        sock.sendall(request_bytes)
+        resp = HTTPResponse(sock)
+        resp.begin()
+        raw = resp.read()
+    assert resp.getheader("Content-Type", "").startswith("application/json"), raw[:200]
+    assert assert_openai_error(resp.status, raw, status)["code"] == code
+    assert_still_serving(server)
+
+
 def test_a_body_declared_over_the_limit_is_413_at_once(server):
     """A Content-Length past the body limit is refused before any of the body is read; the
     client that declared 10^18 bytes does not wait for the body timeout."""
