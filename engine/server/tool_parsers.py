@@ -116,7 +116,11 @@ class _ObjectScanner:
     Checks only the structure it needs; the values themselves are decoded by json."""
 
     def __init__(self) -> None:
-        self.text = ""
+        # The text taken, in the pieces fed: joined only when read whole, so that streaming a
+        # long call costs each piece, not the whole text so far, again and again.
+        self._pieces: list[str] = []
+        self.length = 0
+        self.start: int | None = None  # where the object's "{" is
         self.stage = "open"  # open, key, key_str, colon, value_start, value, after_value, done
         self.values: dict[str, list[int | None]] = {}  # key -> [start, end or None]
         self.error = False
@@ -126,13 +130,29 @@ class _ObjectScanner:
         self._in_str = False
         self._escape = False
 
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def slice(self, start: int, stop: int) -> str:
+        """text[start:stop], without joining the text when it lies in the last piece."""
+        last = self._pieces[-1] if self._pieces else ""
+        base = self.length - len(last)
+        if start >= base:
+            return last[start - base : stop - base]
+        return self.text[start:stop]
+
     def feed(self, chunk: str) -> int:
         """Consume chunk up to the object's end; returns how many characters were used."""
-        base = len(self.text)
-        self.text += chunk
+        base = self.length
+        self._pieces.append(chunk)
+        self.length += len(chunk)
         for n, ch in enumerate(chunk):
             if self.stage == "done" or self.error:
-                self.text = self.text[: base + n]
+                self._pieces = [self.text[: base + n]]
+                self.length = base + n
                 return n
             self._step(ch, base + n)
         return len(chunk)
@@ -148,13 +168,14 @@ class _ObjectScanner:
                 self._escape = True
             elif ch == '"':
                 try:
-                    self._key = json.loads(self.text[self._key_start : i + 1])
+                    self._key = json.loads(self.slice(self._key_start, i + 1))
                 except ValueError:
                     self.error = True
                 self.stage = "colon"
         elif ch in _WS:
             return
         elif stage == "open":
+            self.start = i
             self._expect(ch == "{", "key")
         elif stage == "key":
             if ch == "}" and not self.values:
@@ -219,7 +240,7 @@ class _ObjectScanner:
     def _end_scalar(self, ch: str, i: int) -> None:
         start = self.values[self._key][0]
         assert start is not None
-        self.values[self._key][1] = start + len(self.text[start:i].rstrip(_WS))
+        self.values[self._key][1] = start + len(self.slice(start, i).rstrip(_WS))
         self.stage = "after_value"
         self._after_value(ch)
 
@@ -243,8 +264,17 @@ class _Call:
         self.bare = bare_arguments
         self.scanner = _ObjectScanner()
         self.header_sent = False
-        self.sent = 0  # characters of argument text sent
-        self.arguments = ""
+        self._named = name is not None  # the name's value was read (a string or not)
+        self._sent: list[str] = []  # the argument text sent, piece by piece
+        self._sent_to: int | None = None  # where the streamed argument text was sent up to
+        self._settled = False  # all the argument text is sent
+        self._streamed: bool | None = None  # the arguments are an object, streamed as it comes
+
+    @property
+    def arguments(self) -> str:
+        if len(self._sent) > 1:
+            self._sent = ["".join(self._sent)]
+        return self._sent[0] if self._sent else ""
 
     @property
     def done(self) -> bool:
@@ -263,14 +293,17 @@ class _Call:
 
     def feed(self, chunk: str, out: list[ToolCallDelta]) -> int:
         used = self.scanner.feed(chunk)
-        if not self.header_sent and self.name is None:
+        span = self.scanner.span("name")
+        if not self._named and span is not None and span[1] is not None:
+            self._named = True
             self.name = self._decoded("name", str)
         if self.name is not None and not self.header_sent:
             self.header_sent = True
             out.append(ToolCallDelta(self.index, "", self.id, self.name))
-        if self.header_sent:
+        if self.header_sent and not self._settled:
             piece = self._new_arguments()
             if piece:
+                self._sent.append(piece)
                 out.append(ToolCallDelta(self.index, piece))
         return used
 
@@ -279,38 +312,40 @@ class _Call:
         if span is None or span[1] is None:
             return None
         try:
-            value = json.loads(self.scanner.text[span[0] : span[1]])
+            value = json.loads(self.scanner.slice(span[0], span[1]))
         except ValueError:
             self.scanner.error = True
             return None
         return value if isinstance(value, kind) else None
 
     def _new_arguments(self) -> str:
-        """The argument text not sent yet."""
-        whole = self._arguments_so_far()
-        if whole is None:
-            return ""
-        self.arguments = whole
-        piece = whole[self.sent :]
-        self.sent = len(whole)
-        return piece
-
-    def _arguments_so_far(self) -> str | None:
+        """The argument text not sent yet: an object's as it comes; an arguments string's JSON
+        text, or any other value as written (which then fails the check that arguments are an
+        object), whole once complete; "{}" for a call without arguments."""
         scanner = self.scanner
         if self.bare:
-            return scanner.text.lstrip(_WS)
-        key = next((k for k in _ARGUMENT_KEYS if k in scanner.values), None)
-        if key is None:
-            return "{}" if scanner.stage == "done" else None
-        start, stop = scanner.span(key)  # type: ignore[misc]
-        if scanner.text[start] == "{":
-            return scanner.text[start : len(scanner.text) if stop is None else stop]
-        if stop is None:
-            return None
-        # An arguments string holds the JSON text itself; anything else is left as written
-        # (and then fails the check that arguments are an object).
-        decoded = self._decoded(key, str)
-        return decoded if decoded is not None else scanner.text[start:stop]
+            start, stop = scanner.start, None
+            if start is None:
+                return ""
+        else:
+            key = next((k for k in _ARGUMENT_KEYS if k in scanner.values), None)
+            if key is None:
+                self._settled = scanner.stage == "done"
+                return "{}" if self._settled else ""
+            start, stop = scanner.span(key)  # type: ignore[misc]
+            if self._streamed is None:
+                self._streamed = scanner.slice(start, start + 1) == "{"
+            if not self._streamed:
+                if stop is None:
+                    return ""
+                self._settled = True
+                decoded = self._decoded(key, str)
+                return decoded if decoded is not None else scanner.slice(start, stop)
+        end = scanner.length if stop is None else stop
+        piece = scanner.slice(start if self._sent_to is None else self._sent_to, end)
+        self._sent_to = end
+        self._settled = stop is not None
+        return piece
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -181,3 +182,22 @@ def test_calls_at_the_bound_are_calls() -> None:
     text = '<tool_call>{"name": "f", "arguments": ' + json.dumps(arguments) + "}</tool_call>"
     (call,) = ToolCallParser(HERMES).parse(text).calls
     assert json.loads(call.arguments) == arguments
+
+
+def _stream_seconds(arguments_chars: int) -> float:
+    text = _hermes(json.dumps({"code": "x" * arguments_chars}))
+    parser = ToolCallParser(HERMES)
+    started = time.perf_counter()
+    for i in range(0, len(text), 4):
+        parser.feed(text[i : i + 4])
+    parser.finish()
+    assert not parser.malformed
+    return time.perf_counter() - started
+
+
+def test_streaming_a_long_call_costs_each_piece_once() -> None:
+    """A call streamed in small pieces costs in proportion to its length: each piece is
+    scanned and sent once (copying the text so far on every piece made it quadratic: 800,000
+    characters took 18 s)."""
+    small, large = _stream_seconds(50_000), _stream_seconds(800_000)
+    assert large < 40 * small, (small, large)  # 16x the text: 16x the time, 256x if quadratic
