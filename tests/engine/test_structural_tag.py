@@ -157,24 +157,31 @@ def test_the_tag_as_json_text_or_object_is_one_cached_grammar(tokenizer):
     assert fresh.compiles == 1
 
 
-@pytest.mark.parametrize(
-    "schema, message",
-    [
-        ({"not": {"type": "string"}}, r"structures\[1\]\.schema: .*unsupported features.*not"),
-        ({"type": "nope"}, r"structures\[1\]\.schema: invalid JSON schema"),
-        ({"$ref": "#"}, r"structures\[1\]\.schema: .*allows no output"),
-    ],
-)
-def test_a_bad_schema_is_an_error_naming_its_structure(structured, schema, message):
-    tag = {
+def _tag_with(schema: dict) -> dict:
+    return {
         "structures": [
             TAG["structures"][0],
             {"begin": "<function=bad>", "schema": schema, "end": ""},
         ],
         "triggers": ["<function="],
     }
-    with pytest.raises(GrammarError, match=message):
-        structured.grammar(StructuredOutputsParams(structural_tag=tag))
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"not": {"type": "string"}}, r"structures\[1\]\.schema: .*unsupported features.*not"),
+        ({"type": "nope"}, r"structures\[1\]\.schema: /type must be a type name"),
+    ],
+)
+def test_a_schema_with_a_bad_keyword_is_refused_naming_its_structure(schema, message):
+    with pytest.raises(ValidationError, match=message):
+        StructuredOutputsParams(structural_tag=_tag_with(schema))
+
+
+def test_a_schema_no_output_satisfies_is_a_grammar_error_naming_its_structure(structured):
+    with pytest.raises(GrammarError, match=r"structures\[1\]\.schema: .*allows no output"):
+        structured.grammar(StructuredOutputsParams(structural_tag=_tag_with({"$ref": "#"})))
 
 
 def _deep(levels: int) -> dict:

@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from kvfleet.engine.grammar import grammar_spec
 from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.protocol import ChatCompletionRequest
@@ -28,7 +29,6 @@ from kvfleet.engine.server.tools import (
     plan_tools,
     required_schema,
 )
-from kvfleet.engine.structured_output import grammar_spec
 from kvfleet.engine.tiny_model import tiny_model_path
 from kvfleet.protocol.chat_template import render_chat_text
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
