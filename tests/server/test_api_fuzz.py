@@ -118,19 +118,21 @@ def _fuzz_settings(examples: int):
 
 @pytest.mark.parametrize("via", ["engine", "router"])
 def test_hostile_requests_never_hurt_the_server(fleet, via):
-    seen = {"cases": 0, "served": 0}
+    seen = {"cases": 0, "heavy": 0, "served": 0}
 
     @_fuzz_settings(EXAMPLES)
     @given(hostile.hostile_case())
     def case_is_survived(case) -> None:
         seen["cases"] += 1
+        seen["heavy"] += case.note in hostile.HEAVY_KINDS
         seen["served"] += _survived(fleet, via, case) == 200
 
     case_is_survived()
     assert seen["cases"] >= min(EXAMPLES, 50)
     # The fuzzer keeps its teeth only if a fair share of its cases get past validation into
-    # the engine (generation, streaming, logprobs) rather than all being refused at the door.
-    assert seen["served"] >= seen["cases"] // 20, seen
+    # the engine (generation, streaming, logprobs) rather than all being refused at the door;
+    # the heavy cases are built to be refused, so the share is of the others.
+    assert seen["served"] >= (seen["cases"] - seen["heavy"]) // 20, seen
     _still_serves(fleet, via)
 
 
