@@ -106,14 +106,12 @@ def _lark_literal(tokenizer: Any, text: str) -> str:
 
 def _structure_schema(params: StructuredOutputsParams, structure: TagStructure) -> dict[str, Any]:
     """A structural tag's structure's schema as compiled: any JSON object when it gives none,
-    under the request's JSON options (whitespace, closed objects) unless the schema's own
-    x-guidance sets them."""
+    under the request's JSON options (whitespace, closed objects), which llguidance reads from
+    x-guidance (a request's schema may not carry its own: engine/schema_keywords.py)."""
     schema = structure.tag_schema if structure.tag_schema is not None else {"type": "object"}
     if params.disable_additional_properties:
         schema = _close_objects(schema)
-    own = schema.get("x-guidance", {})
-    options = _json_options(params)
-    return {**schema, "x-guidance": {**options, **own} if isinstance(own, dict) else own}
+    return {**schema, "x-guidance": _json_options(params)}
 
 
 def _structural_tag_lark(params: StructuredOutputsParams, tokenizer: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError
+from kvfleet.telemetry.http import openai_error
 
 # What a request's output stream may raise once the engine has it.
 ENGINE_ERRORS = (EngineDeadError, RequestFailedError, RequestAbortedError)
@@ -18,8 +19,8 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    """The engine's errors, with its defaults, in the shape every kvfleet process answers."""
+    return openai_error(status, message, err_type, code=code, param=param, headers=headers)
 
 
 class APIError(Exception):
