@@ -24,6 +24,18 @@ _ITL_BUCKETS = (
 )  # fmt: skip
 
 
+def _gauge(name: str, doc: str, label: list[str], value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+    g.add_metric(label, value)
+    return g
+
+
+def _counter(name: str, doc: str, label: list[str], value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c.add_metric(label, value)
+    return c
+
+
 class _EngineStateCollector(Collector):
     """Gauges and counters read at scrape time from the stats the engine publishes between steps,
     so they can never drift from it."""
@@ -38,14 +50,10 @@ class _EngineStateCollector(Collector):
         label = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            return g
+            return _gauge(name, doc, label, value)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            return c
+            return _counter(name, doc, label, value)
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
                     s.num_requests_running)  # fmt: skip
@@ -108,25 +116,17 @@ class _GrammarCollector(Collector):
         if self.stats is None:
             return
         s = self.stats()
-        for name, doc, value in (
-            ("kvfleet_engine_grammar_cache_entries", "Compiled grammars cached.", s.cache_entries),
-            ("kvfleet_engine_grammar_cache_bytes",
-             "Bytes the cached grammars hold, as the grammar sandbox measured them.",
-             s.cache_bytes),
-        ):  # fmt: skip
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            yield g
-        for name, doc, value in (
-            ("kvfleet_engine_grammar_compiles", "Constraints compiled (grammar cache misses).",
-             s.compiles),
-            ("kvfleet_engine_grammar_compiler_crashes",
-             "Constraints that crashed or overran a grammar sandbox worker (each one a 400).",
-             s.crashes),
-        ):  # fmt: skip
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            yield c
+        yield _gauge("kvfleet_engine_grammar_cache_entries", "Compiled grammars cached.", label,
+                     s.cache_entries)  # fmt: skip
+        yield _gauge("kvfleet_engine_grammar_cache_bytes",
+                     "Bytes the cached grammars hold, as the grammar sandbox measured them.",
+                     label, s.cache_bytes)  # fmt: skip
+        yield _counter("kvfleet_engine_grammar_compiles",
+                       "Constraints compiled (grammar cache misses).", label,
+                       s.compiles)  # fmt: skip
+        yield _counter("kvfleet_engine_grammar_compiler_crashes",
+                       "Constraints that crashed or overran a grammar sandbox worker (each one a "
+                       "400).", label, s.crashes)  # fmt: skip
 
 
 class EngineMetrics:
