@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import queue
 import resource
 import signal
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 # times more, so that what a worker survived the engine survives with room to spare.
 WORKER_STACK_BYTES = 4 << 20
 COMPILE_STACK_BYTES = 16 << 20
+# How much less CPU priority a worker has than the engine.
+WORKER_NICENESS = 10
 # A worker's address space: a constraint that needs more fails its compile, not the host.
 WORKER_ADDRESS_SPACE_BYTES = 4 << 30
 _HEADER = struct.Struct("!I")
@@ -246,6 +249,9 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 def main() -> None:
     # The engine kills a worker it no longer wants; a terminal's Ctrl-C is not for it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A check of a new constraint is background work: where cores are few, the engine's steps
+    # (every running request's next token) come first.
+    os.nice(WORKER_NICENESS)
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE_BYTES,) * 2)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     # Nothing but answers on stdout: a stray print would corrupt the stream.
