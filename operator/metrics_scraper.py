@@ -18,7 +18,9 @@ Scrapes share one connection pool sized for ``max_concurrent`` scrapes, and a se
 many slots: the per-pod timeout starts once a slot is held, so waiting behind other pods never
 counts against a pod; the wait for a slot has its own deadline (``slot_wait``).
 
-A metric with several series (several model_name values) is summed.
+A metric with several series (several model_name values) is summed, each series once: a
+series repeated with the same value counts once, and one repeated with another value makes the
+pod's answer unusable (``conflicting_series``), as metrics_reader.SeriesSums reads them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from prometheus_client import Counter
 
 from kvfleet.operator.latency import Buckets
 from kvfleet.operator.scaling_policy import MAX_BLOCKS, MAX_REQUESTS, PodMetrics, out_of_range
-from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples, sample_lines
+from kvfleet.telemetry.metrics_reader import ScrapeError, SeriesSums, sample_lines
 
 logger = logging.getLogger("kvfleet.operator.metrics")
 
@@ -53,6 +55,9 @@ MAX_COUNT = float(2**53)
 MAX_BODY_BYTES = 4 * 2**20  # an engine's whole exposition is tens of KiB
 # A line this long is no exposition line; keeping it would let one line hold the whole body.
 MAX_LINE_CHARS = 64 * 2**10
+# Series of the wanted metrics in one answer: an engine has a few per served model (each bucket
+# of a histogram is one); each is remembered for the scrape, to count it once.
+MAX_SERIES = 1024
 
 SCRAPE_FAILURES = Counter(
     "kvfleet_operator_scrape_failures",
@@ -194,19 +199,13 @@ class Scraper:
         self, session: aiohttp.ClientSession, target: Target, names: Sequence[str]
     ) -> dict[str, float]:
         async with session.get(target.url) as response:
-            found: dict[str, float] = {}
+            found = SeriesSums(names, max_series=MAX_SERIES)
             async for lines in sample_lines(
                 response, names, max_body_bytes=self.max_body_bytes, max_line_chars=MAX_LINE_CHARS
             ):
-                await self._add(found, lines, names)
-            return found
-
-    @staticmethod
-    async def _add(found: dict[str, float], lines: list[str], names: Sequence[str]) -> None:
-        # Off the event loop: a hostile body may be all wanted lines.
-        values = await asyncio.to_thread(parse_samples, lines, names)
-        for name, value in values.items():
-            found[name] = found.get(name, 0.0) + value
+                # Off the event loop: a hostile body may be all wanted lines.
+                await asyncio.to_thread(found.add, lines)
+            return found.sums
 
     async def _scrape(
         self, targets: Sequence[Target], names: Sequence[str], *, required: Sequence[str] = ()

@@ -7,12 +7,20 @@ of the wanted metrics are kept, a chunk at a time, so memory stays a chunk and a
 the body; a deadline is the caller's (it owns the request). Parsing is prometheus-client's, so
 the exposition format (escapes, timestamps, comments) is read as Prometheus reads it. Each
 reader checks the values against what its metrics can be.
+
+A metric's series (one per label set, e.g. per model name) are summed, but a series counts once:
+an exposition that repeats a series with the same value is read as if it said it once (summing
+it would report demand that does not exist), and one that repeats it with another value is not
+read at all, since which value holds cannot be known. Series are remembered by a digest of name
+and labels, so that remembering them costs a bounded few bytes each whatever a line's length.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
+import math
 import re
 from collections.abc import AsyncIterator, Iterable
 
@@ -77,20 +85,52 @@ def bucket_key(histogram: str, le: str) -> str:
     return f'{histogram}_bucket{{le="{le}"}}'
 
 
-def parse_samples(lines: Iterable[str], names: Iterable[str]) -> dict[str, float]:
-    """The sum over series of each named metric in some sample lines; absent ones are left out.
-    A named ``<histogram>_bucket`` is kept per bucket, under bucket_key. Raises ScrapeError on
-    text that is not the exposition format."""
-    wanted = set(names)
-    found: dict[str, float] = {}
-    try:
-        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+class SeriesSums:
+    """The sum over series of each named metric in an exposition's sample lines, fed a chunk of
+    lines at a time (``add``); a named ``<histogram>_bucket`` is summed per bucket, under
+    bucket_key. Each series (name and labels) counts once; at most ``max_series`` of them."""
+
+    def __init__(self, names: Iterable[str], *, max_series: int) -> None:
+        self.wanted = frozenset(names)
+        self.max_series = max_series
+        self.sums: dict[str, float] = {}
+        self._seen: dict[bytes, float] = {}  # a series' digest: its value
+
+    def add(self, lines: Iterable[str]) -> None:
+        """Raises ScrapeError on text that is not the exposition format, on a series repeated
+        with another value, or past ``max_series`` series."""
+        try:
+            families = list(text_string_to_metric_families("\n".join(lines) + "\n"))
+        except ValueError as e:
+            raise ScrapeError("unparsable", f"unreadable metrics: {e}") from None
+        for family in families:
             for sample in family.samples:
-                if sample.name in wanted:
-                    key = sample.name
-                    if key.endswith("_bucket") and "le" in sample.labels:
-                        key = bucket_key(key.removesuffix("_bucket"), sample.labels["le"])
-                    found[key] = found.get(key, 0.0) + sample.value
-    except ValueError as e:
-        raise ScrapeError("unparsable", f"unreadable metrics: {e}") from None
-    return found
+                if sample.name in self.wanted:
+                    self._add(sample.name, sample.labels, sample.value)
+
+    def _add(self, name: str, labels: dict[str, str], value: float) -> None:
+        series = repr((name, sorted(labels.items()))).encode()
+        digest = hashlib.blake2b(series, digest_size=16).digest()
+        if (seen := self._seen.get(digest)) is not None:
+            if seen != value and not (math.isnan(seen) and math.isnan(value)):
+                # Not the labels: they are the peer's text, of any length, and this is reported.
+                raise ScrapeError(
+                    "conflicting_series", f"{name}: one series is both {seen:g} and {value:g}"
+                )
+            return
+        if len(self._seen) >= self.max_series:
+            raise ScrapeError("too_many_series", f"over {self.max_series} series")
+        self._seen[digest] = value
+        key = name
+        if name.endswith("_bucket") and "le" in labels:
+            key = bucket_key(name.removesuffix("_bucket"), labels["le"])
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+
+def parse_samples(lines: Iterable[str], names: Iterable[str]) -> dict[str, float]:
+    """SeriesSums' sums of some sample lines, all at once; absent metrics are left out. Raises
+    ScrapeError."""
+    lines = list(lines)
+    sums = SeriesSums(names, max_series=len(lines))
+    sums.add(lines)
+    return sums.sums

@@ -159,6 +159,7 @@ class MetricsServer:
         # Cumulative TTFT observations under 0.1 s, under 1 s, and in all.
         self.ttft = (0.0, 0.0, 0.0)
         self.silent = False
+        self.extra = ""  # sample lines the engine adds to its exposition (repeats of its own)
         self.scrapes = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -197,6 +198,7 @@ class MetricsServer:
                     ("kvfleet_engine_prefix_cache_blocks", self.cached),
                 )
             )
+            body += self.extra
             name = "vllm:time_to_first_token_seconds"
             body += f"# TYPE {name} histogram\n" + "".join(
                 f'{name}_bucket{{le="{le}",model_name="m"}} {count}\n'
@@ -465,6 +467,35 @@ async def test_external_mode_leaves_the_count_to_the_external_scaler(cluster, se
             f"PATCH {url(DEPLOYMENTS, 'ext-engine')}",
             f"POST {url(EVENTS)}",
         }
+    assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
+async def test_a_repeated_series_is_no_phantom_load_and_a_conflicting_one_is_reported(
+    cluster, servers
+):
+    k, clock = cluster, Clock(T0)
+    spec = service("dup", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4})
+    engine = await servers()
+    series = f'{RUNNING}{{model_name="kvfleet-tiny-random-llama"}}'
+    async with operator(k, clock):
+        await create(k, spec)
+        await eventually(lambda: engine_replicas_of(k, "dup") == 1)
+        pod = await add_pod(k, "dup", "engine", engine)
+        # On target: 4 requests on one replica, the running series said three times.
+        engine.load(running=4)
+        engine.extra = f"{series} 4\n{series} 4.0\n"
+        await steps(engine, 3)
+        assert engine_replicas_of(k, "dup") == 1
+        assert "lastScaleDecision" not in status_of(k, "dup")
+        assert status_of(k, "dup")["autoscaling"]["unreachablePods"] == []
+        # The same series with another value: the pod's answer is unusable, and says why.
+        engine.extra = f"{series} 40\n"
+        await steps(engine)
+        autoscaling = status_of(k, "dup")["autoscaling"]
+        assert autoscaling["unreachablePods"] == [pod]
+        assert autoscaling["unreachableReasons"][pod] == f"{RUNNING}: one series is both 4 and 40"
+        assert engine_replicas_of(k, "dup") == 1
     assert_rbac_covers(k)
 
 

@@ -170,6 +170,38 @@ async def test_a_routers_impossible_held_count_is_not_counted(pods):
     }
 
 
+@pytest.mark.asyncio
+async def test_a_repeated_series_counts_once_and_a_conflicting_one_is_a_bad_answer(pods):
+    # The issue's engine repeats its running series: 8 requests must not read as 24.
+    before = failures("conflicting_series")
+    once = exposition(running="8")
+    conflicting = once + f'{RUNNING}{{model_name="m"}} 16\n'
+    targets = await pods(
+        {
+            "once": answer(once),
+            "repeated": answer(once * 3),
+            # Each repeat a MiB apart, so in a chunk of its own.
+            "repeated-apart": stream(once.encode() + FILLER, 3),
+            "conflicting": answer(conflicting),
+            "conflicting-apart": stream(FILLER, 1, tail=conflicting.encode()),
+        }
+    )
+    async with Scraper(timeout=5.0) as scraper:
+        metrics = {m.pod: m for m in await scraper.engines(targets)}
+    single = decide(1, [metrics["once"]], POLICY, (), None, now=1000.0)
+    assert metrics["once"].running == 8.0
+    for name in ("repeated", "repeated-apart"):
+        assert metrics[name] == PodMetrics(name, 8.0, 0.0, 0.1)
+        d = decide(1, [metrics[name]], POLICY, (), None, now=1000.0)
+        assert (d.replicas, d.signals) == (single.replicas, single.signals)
+    for name in ("conflicting", "conflicting-apart"):
+        assert not metrics[name].answered
+        assert metrics[name].error == f"{RUNNING}: one series is both 8 and 16"
+        d = decide(1, [metrics[name], metrics["once"]], POLICY, (), None, now=1000.0)
+        assert d.unanswered == (name,) and "both 8 and 16" in d.problems[name]
+    assert failures("conflicting_series") - before == 2
+
+
 BAD_PODS = {
     "nan": PodMetrics("nan", math.nan, 0.0, 0.1),
     "inf": PodMetrics("inf", 0.0, math.inf, 0.1),
@@ -283,7 +315,7 @@ async def test_a_1_gb_body_is_reported_too_large_in_a_few_mib(pods):
 @pytest.mark.asyncio
 async def test_memory_is_bounded_by_the_stream_not_the_body(pods):
     """With the size limit lifted, a 1 GiB body is read through in a few MiB: only wanted lines
-    are kept, a chunk at a time."""
+    are kept, a chunk at a time, and a series said 1024 times is remembered once."""
     tail = f"{WAITING} 0\n{KV_CACHE_USAGE} 0.5\n".encode()
     targets = await pods({"big": stream(FILLER + f"{RUNNING} 1\n".encode(), 1024, tail=tail)})
     tracemalloc.start()
@@ -293,7 +325,7 @@ async def test_memory_is_bounded_by_the_stream_not_the_body(pods):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert metrics == PodMetrics("big", running=1024.0, waiting=0.0, kv_cache_usage=0.5)
+    assert metrics == PodMetrics("big", running=1.0, waiting=0.0, kv_cache_usage=0.5)
     assert peak < 16 * MiB, f"peak {peak / MiB:.1f} MiB"
 
 

@@ -19,7 +19,7 @@ from kvfleet.operator.metrics_scraper import (
     ready_targets,
 )
 from kvfleet.operator.scaling_policy import PodMetrics
-from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples
+from kvfleet.telemetry.metrics_reader import ScrapeError, SeriesSums, bucket_key, parse_samples
 
 ENGINE_TEXT = """\
 # HELP vllm:num_requests_running Requests in the running batch.
@@ -55,6 +55,45 @@ def test_parse_rejects_what_is_not_the_exposition_format():
     with pytest.raises(ScrapeError) as e:
         parse_samples(["<html>502 Bad Gateway</html>"], (RUNNING,))
     assert e.value.reason == "unparsable"
+
+
+def test_a_repeated_series_counts_once():
+    # The issue's engine: one series said three times is 8 requests, not 24.
+    lines = [
+        f'{RUNNING}{{model_name="m",rank="0"}} 8',
+        f'{RUNNING}{{rank="0",model_name="m"}} 8.0',  # the same labels in another order
+        f'{RUNNING}{{model_name="m",rank="0"}} 8',
+        f'{RUNNING}{{model_name="other",rank="0"}} 1',  # another series: summed
+        'h_bucket{le="1.0",model_name="m"} 5',
+        'h_bucket{le="1.0",model_name="m"} 5',
+        'h_bucket{le="+Inf",model_name="m"} 7',
+    ]
+    assert parse_samples(lines, (RUNNING, "h_bucket")) == {
+        RUNNING: 9.0,
+        bucket_key("h", "1.0"): 5.0,
+        bucket_key("h", "+Inf"): 7.0,
+    }
+
+
+def test_a_series_repeated_with_another_value_is_a_bad_answer():
+    lines = [f'{RUNNING}{{model_name="m"}} 8', f'{RUNNING}{{model_name="m"}} 16']
+    with pytest.raises(ScrapeError) as e:
+        parse_samples(lines, (RUNNING,))
+    assert e.value.reason == "conflicting_series"
+    assert str(e.value) == f"{RUNNING}: one series is both 8 and 16"
+
+
+def test_series_are_counted_once_across_chunks_and_bounded():
+    sums = SeriesSums((RUNNING, WAITING), max_series=3)
+    sums.add([f"{RUNNING} 8", f'{WAITING}{{model_name="a"}} 1'])
+    sums.add([f"{RUNNING} 8", f'{WAITING}{{model_name="b"}} 2'])  # the next chunk repeats one
+    assert sums.sums == {RUNNING: 8.0, WAITING: 3.0}
+    with pytest.raises(ScrapeError) as e:
+        sums.add([f"{RUNNING} 9"])
+    assert e.value.reason == "conflicting_series"
+    with pytest.raises(ScrapeError) as e:
+        sums.add([f'{WAITING}{{model_name="c"}} 0'])
+    assert e.value.reason == "too_many_series"
 
 
 def pod(name: str, ip: str | None = "10.0.0.1", ready: bool = True, **extra) -> dict:

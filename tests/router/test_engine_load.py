@@ -77,6 +77,9 @@ def test_parse_sums_series_and_checks_values() -> None:
     lines = [*sample_lines(running=3, waiting=2, batch=64), f'{RUNNING}{{model_name="n"}} 4']
     assert report_of(lines, 5) == EngineReport(7, 2, 64, 5)
     assert report_of(sample_lines(running=1, waiting=0), 0).max_num_seqs is None
+    # A series said twice counts once: the engine's 3 running requests are not 6.
+    twice = [*sample_lines(running=3, waiting=2), *sample_lines(running=3)]
+    assert report_of(twice, 0) == EngineReport(3, 2, None, 0)
     bad = [
         (sample_lines(running=1), "missing"),
         (sample_lines(running=-1, waiting=0), "out_of_range"),
@@ -84,6 +87,7 @@ def test_parse_sums_series_and_checks_values() -> None:
         (sample_lines(running=1e12, waiting=0), "out_of_range"),
         (sample_lines(running=1, waiting=0, batch=math.inf), "out_of_range"),
         ([f'{RUNNING}{{model_name="m"}} many'], "unparsable"),
+        ([*sample_lines(running=3, waiting=0), *sample_lines(running=4)], "conflicting_series"),
     ]
     for lines, reason in bad:
         with pytest.raises(ScrapeError) as e:
