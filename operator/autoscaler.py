@@ -23,6 +23,11 @@ lists (kept in status.autoscaling too: a restart keeps it; a new start is part o
 it is written when learned) and keeps the load samples of the last minute in the process only:
 after a restart the forecast waits for the window to fill again.
 
+The remembered times are checked against the operator's clock as a step reads them: one ahead
+(a skewed clock, a status written by hand) counts as now, never holding a window or the idle
+delay open longer than configured, and a gap over CLOCK_SKEW_TOLERANCE_S is reported once, with
+a Warning Event ClockSkew and status.autoscaling.clockSkew (clamp_future).
+
 A step that fails (the API, a scrape or the decision raising) leaves the replica count as it is
 and is tried again the next interval. It is made visible once per cause, not once per interval:
 status.autoscaling.failure names the cause (written when the cause changes, removed by the next
@@ -486,9 +491,13 @@ class Autoscaler:
         patch = status_update(
             status, current, decision, unreachable, now, starts, rewrite=bool(ahead)
         )
-        skew = clock_skew_state(ahead, now) if ahead else None
-        if skew is not None:
+        if ahead:
+            skew = clock_skew_state(ahead, now)
             patch["autoscaling"] = patch.get("autoscaling", {}) | {"clockSkew": skew}
+            # Reported before the write, which may fail: the memory is clamped in the process
+            # already, so no later step would find these times again.
+            logger.warning("%s/%s: %s", namespace, name, skew["message"])
+            kopf.event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
         was_failing = self._failing.pop(key, None) is not None
         recovered = failure_update(status, None, "", now)
         if recovered:
@@ -502,9 +511,6 @@ class Autoscaler:
                 if isinstance(e.__cause__, k.APINotFoundError):
                     return GONE
                 raise
-        if skew is not None:
-            logger.warning("%s/%s: %s", namespace, name, skew["message"])
-            kopf.event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
         if recovered or was_failing:
             message = "autoscaling steps succeed again"
             logger.info("%s/%s: %s", namespace, name, message)
