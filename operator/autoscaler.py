@@ -23,6 +23,11 @@ lists (kept in status.autoscaling too: a restart keeps it; a new start is part o
 it is written when learned) and keeps the load samples of the last minute in the process only:
 after a restart the forecast waits for the window to fill again.
 
+The remembered times are checked against the operator's clock as a step reads them: one ahead
+(a skewed clock, a status written by hand) counts as now, never holding a window or the idle
+delay open longer than configured, and a gap over CLOCK_SKEW_TOLERANCE_S is reported once, with
+a Warning Event ClockSkew and status.autoscaling.clockSkew (clamp_future).
+
 A step that fails (the API, a scrape or the decision raising) leaves the replica count as it is
 and is tried again the next interval. It is made visible once per cause, not once per interval:
 status.autoscaling.failure names the cause (written when the cause changes, removed by the next
@@ -88,6 +93,11 @@ REFRESH_SECONDS = 60.0
 MAX_REASON = 1024  # the CRD's limit on lastScaleDecision.reason
 MAX_FAILURE_MESSAGE = 1024  # the CRD's limit on status.autoscaling.failure.message
 MAX_UNREACHABLE_REASON = 256  # the CRD's limit on each status.autoscaling.unreachableReasons value
+# How far ahead of the operator's clock a remembered time may be without a report: a time ahead
+# is clamped to now whatever its size, but clocks synchronised by NTP differ by far less than
+# this, so only a larger gap (a skewed clock, a hand-written status) is worth an Event.
+CLOCK_SKEW_TOLERANCE_S = 5.0
+MAX_CLOCK_SKEW_MESSAGE = 1024  # the CRD's limit on status.autoscaling.clockSkew.message
 FAILURES = Counter(
     "kvfleet_operator_autoscaling_failures",
     "Autoscaling steps that failed, by cause: APIError (reading the service or its pods, or "
@@ -152,6 +162,49 @@ def load_starts(status: Mapping[str, Any]) -> tuple[EngineStart, ...]:
     return tuple(EngineStart(float(ready), float(seconds)) for ready, seconds in pairs)
 
 
+def clamp_future(
+    history: tuple[Recommendation, ...],
+    last_active: float | None,
+    starts: tuple[EngineStart, ...],
+    now: float,
+) -> tuple[tuple[Recommendation, ...], float | None, tuple[EngineStart, ...], dict[str, float]]:
+    """The memory with every time ahead of now moved to now, and how far ahead the furthest time
+    of each field was, for the fields ahead by more than CLOCK_SKEW_TOLERANCE_S.
+
+    A time from the future is a clock that skews, or a status written by hand (anyone with the
+    status verb can): trusted, a recommendation keeps its window open, and lastActiveTime keeps
+    an idle service up, for as long as it is ahead. Clamped, it counts as seen now: its window
+    closes one window from now, as for a recommendation made now."""
+    ahead: dict[str, float] = {}
+
+    def clamp(name: str, t: float) -> float:
+        if t > now:
+            if t - now > CLOCK_SKEW_TOLERANCE_S:
+                ahead[name] = max(ahead.get(name, 0.0), t - now)
+            return now
+        return t
+
+    history = tuple(Recommendation(clamp("recommendations", r.time), r.replicas) for r in history)
+    if last_active is not None:
+        last_active = clamp("lastActiveTime", last_active)
+    starts = tuple(EngineStart(clamp("engineStarts", s.ready), s.seconds) for s in starts)
+    return history, last_active, starts, ahead
+
+
+def clock_skew_state(ahead: Mapping[str, float], now: float) -> dict[str, Any]:
+    """status.autoscaling.clockSkew for the times clamp_future moved back to now."""
+    fields = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in sorted(ahead.items()))
+    message = (
+        f"times ahead of the operator's clock, counted as now: {fields}; "
+        "a skewed clock, or a status written by hand"
+    )
+    return {
+        "reason": "ClockSkew",
+        "message": message[:MAX_CLOCK_SKEW_MESSAGE],
+        "time": _rfc3339(now),
+    }
+
+
 def memory_state(
     decision: ScaleDecision,
     unreachable: Mapping[str, str],
@@ -199,8 +252,12 @@ def status_update(
     unreachable: Mapping[str, str],
     now: float,
     starts: tuple[EngineStart, ...] = (),
+    *,
+    rewrite: bool = False,
 ) -> dict[str, Any]:
-    """The status merge patch that records a decision; empty when nothing needs writing."""
+    """The status merge patch that records a decision; empty when nothing needs writing.
+    ``rewrite``: the memory read back held times from the future, replaced now whatever its
+    content, so that no later read finds them again."""
     patch: dict[str, Any] = {}
     if previous.get("desiredReplicas") != decision.replicas:
         patch["desiredReplicas"] = decision.replicas
@@ -218,7 +275,11 @@ def status_update(
     state = memory_state(decision, unreachable, starts)
     old = previous.get("autoscaling") or {}
     if state != old and (
-        patch or _content(state) != _content(old) or now - _written_at(old) >= REFRESH_SECONDS
+        patch
+        or rewrite
+        or _content(state) != _content(old)
+        # A state "written" in the future is stale too: left as it is, it would never refresh.
+        or not 0 <= now - _written_at(old) < REFRESH_SECONDS
     ):
         patch["autoscaling"] = state
     return patch
@@ -395,13 +456,14 @@ class Autoscaler:
             buckets = {m.pod: m.latency for m in metrics if m.answered and m.latency is not None}
             latency = service_quantile(target.quantile, self._buckets.get(uid, {}), buckets)
             self._buckets[uid] = buckets
-        history, last_active = self._memory.get(uid) or load_memory(status)
-        if last_active is None:
-            # Never seen busy: the idle time counts from the first look, so a new endpoint keeps
-            # its replica for the whole scale-to-zero delay.
-            last_active = now
         with _failing_as("DecisionFailed"):
+            history, last_active = self._memory.get(uid) or load_memory(status)
             starts, seen = self._starts.get(uid) or (load_starts(status), None)
+            history, last_active, starts, ahead = clamp_future(history, last_active, starts, now)
+            if last_active is None:
+                # Never seen busy: the idle time counts from the first look, so a new endpoint
+                # keeps its replica for the whole scale-to-zero delay.
+                last_active = now
             starts, seen = learn(starts, of("engine"), seen)
             self._starts[uid] = (starts, seen)
             decision = decide(
@@ -426,7 +488,16 @@ class Autoscaler:
             # Before the status write that makes the reconciler shrink the Deployment.
             await self._rank_for_deletion(namespace, of("engine"), metrics)
         unreachable = {**decision.problems, **silent_routers}
-        patch = status_update(status, current, decision, unreachable, now, starts)
+        patch = status_update(
+            status, current, decision, unreachable, now, starts, rewrite=bool(ahead)
+        )
+        if ahead:
+            skew = clock_skew_state(ahead, now)
+            patch["autoscaling"] = patch.get("autoscaling", {}) | {"clockSkew": skew}
+            # Reported before the write, which may fail: the memory is clamped in the process
+            # already, so no later step would find these times again.
+            logger.warning("%s/%s: %s", namespace, name, skew["message"])
+            kopf.event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
         was_failing = self._failing.pop(key, None) is not None
         recovered = failure_update(status, None, "", now)
         if recovered:

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet.operator.autoscaler import policy_of
+from kvfleet.operator.autoscaler import (
+    CLOCK_SKEW_TOLERANCE_S,
+    clamp_future,
+    clock_skew_state,
+    load_memory,
+    policy_of,
+    status_update,
+)
+from kvfleet.operator.forecast import EngineStart
 from kvfleet.operator.scaling_policy import (
     PodMetrics,
     Recommendation,
@@ -236,3 +244,78 @@ def test_any_reading_at_all_gives_a_decision_within_bounds(policy, current, raw,
     assert policy.min_replicas <= d.replicas <= policy.max_replicas
     assert all(math.isfinite(v) for v in d.signals.values())
     assert set(d.unanswered) == set(d.problems) == {p.pod for p in metrics if not p.answered}
+
+
+# -- times from the future in the memory read back ---------------------------------------------
+
+T0 = 1_750_000_000.0
+HOUR = 3600.0
+
+
+def test_a_recommendation_from_the_future_holds_only_one_window_from_now():
+    # Four replicas recommended "an hour from now" (a skewed clock, or a status written by
+    # hand), then idle: the scale-down window of 300 s counts from now, not from then.
+    history, last_active, _, ahead = clamp_future((Recommendation(T0 + HOUR, 4),), T0, (), now=T0)
+    assert history == (Recommendation(T0, 4),) and set(ahead) == {"recommendations"}
+    assert ahead["recommendations"] == pytest.approx(HOUR)
+    idle = pods(0.5, 0.5, 0.5, 0.5)
+    d = decide(4, idle, POLICY, history, last_active, T0 + 290)
+    assert d.replicas == 4 and "window" in d.reason
+    d = decide(4, idle, POLICY, d.history, last_active, T0 + 310)
+    assert d.replicas == 1
+
+
+def test_a_future_last_active_time_does_not_delay_scale_to_zero():
+    policy = ScalingPolicy(min_replicas=0, max_replicas=2, scale_down_stabilization_s=60,
+                           scale_to_zero_delay_s=600)  # fmt: skip
+    history, last_active, _, ahead = clamp_future((), T0 + HOUR, (), now=T0)
+    assert last_active == T0 and set(ahead) == {"lastActiveTime"}
+    idle = pods(0, kv=0.0)
+    d = decide(1, idle, policy, history, last_active, T0 + 590)
+    assert d.replicas == 1 and "idle for 590s" in d.reason
+    # Zero once the idle delay has passed and the last "1" left the 60 s window.
+    d = decide(1, idle, policy, d.history, last_active, T0 + 620)
+    d = decide(1, idle, policy, d.history, last_active, T0 + 660)
+    assert d.replicas == 0 and "no work for 600s" in d.reason
+
+
+def test_engine_starts_from_the_future_are_clamped_and_past_times_kept():
+    starts = (EngineStart(T0 - 100, 20.0), EngineStart(T0 + HOUR, 30.0))
+    history = (Recommendation(T0 - 50, 2), Recommendation(T0 - 10, 3))
+    clamped_history, last_active, clamped, ahead = clamp_future(history, T0 - 5, starts, now=T0)
+    assert clamped_history == history and last_active == T0 - 5
+    assert clamped == (EngineStart(T0 - 100, 20.0), EngineStart(T0, 30.0))
+    assert set(ahead) == {"engineStarts"}
+
+
+def test_skew_within_the_tolerance_is_clamped_without_a_report():
+    small = CLOCK_SKEW_TOLERANCE_S / 2
+    history, last_active, _, ahead = clamp_future(
+        (Recommendation(T0 + small, 2),), T0 + small, (), now=T0
+    )
+    assert history == (Recommendation(T0, 2),) and last_active == T0 and ahead == {}
+
+
+def test_clamped_memory_is_rewritten_and_its_report_names_the_fields():
+    memory = {"recommendations": [[T0, 2]], "unreachablePods": [],
+              "lastActiveTime": "2025-06-15T16:06:40Z"}  # fmt: skip
+    old = {"desiredReplicas": 2, "autoscaling": memory}
+    history, last_active, _, ahead = clamp_future(*load_memory(old), (), now=T0 + 10)
+    assert last_active == T0 + 10 and set(ahead) == {"lastActiveTime"}
+    d = decide(2, pods(8, 8), POLICY, history, last_active, T0 + 10)
+    # Same content, written 10 s ago: only the rewrite replaces the time from the future.
+    assert status_update(old, 2, d, {}, T0 + 10) == {}
+    patch = status_update(old, 2, d, {}, T0 + 10, rewrite=True)
+    assert patch["autoscaling"]["lastActiveTime"] == "2025-06-15T15:06:50Z"
+    # Recommendations from the future make the state stale by themselves.
+    future = {
+        "desiredReplicas": 2,
+        "autoscaling": {"recommendations": [[T0 + HOUR, 2]], "unreachablePods": []},
+    }
+    assert status_update(future, 2, d, {}, T0 + 10)["autoscaling"]["recommendations"] == [
+        [T0 + 10, 2]
+    ]
+    skew = clock_skew_state({"recommendations": HOUR, "lastActiveTime": 3590.0}, T0)
+    assert skew["reason"] == "ClockSkew"
+    assert "lastActiveTime 3590s, recommendations 3600s" in skew["message"]
+    assert skew["time"] == "2025-06-15T15:06:40Z"

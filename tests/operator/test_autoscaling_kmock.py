@@ -422,6 +422,44 @@ async def test_scales_to_zero_after_the_idle_delay_and_back_on_held_requests(clu
 
 
 @pytest.mark.asyncio
+async def test_a_recommendation_from_the_future_is_clamped_and_reported(cluster, servers):
+    k, clock = cluster, Clock(T0)
+    spec = service("skew", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4,
+                            "scaleDownStabilizationSeconds": 300})  # fmt: skip
+    engines = [await servers() for _ in range(4)]
+    await create(k, spec)
+    # Left by an operator whose clock ran an hour ahead, or written by hand: 4 replicas
+    # recommended "an hour from now".
+    await api(k, "patch", url(ISVCS, "skew", "status"), {"status": {
+        "desiredReplicas": 4,
+        "autoscaling": {"recommendations": [[T0 + 3600, 4]], "unreachablePods": []},
+    }})  # fmt: skip
+    for engine in engines:
+        engine.load(running=0.5)
+        await add_pod(k, "skew", "engine", engine)
+    async with operator(k, clock):
+        await eventually(lambda: "clockSkew" in status_of(k, "skew").get("autoscaling", {}))
+        memory = status_of(k, "skew")["autoscaling"]
+        assert memory["clockSkew"]["reason"] == "ClockSkew"
+        assert "recommendations 3600s" in memory["clockSkew"]["message"]
+        assert max(t for t, _ in memory["recommendations"]) <= T0
+        events = await eventually(
+            lambda: [e for e in k.every(EVENTS) if e["reason"] == "ClockSkew"]
+        )
+        assert [(e["type"], e["involvedObject"]["name"]) for e in events] == [("Warning", "skew")]
+        assert "recommendations 3600s" in events[0]["message"]
+        # Idle, the four replicas go once the 300 s window counted from now has passed.
+        clock.now = T0 + 290
+        await steps(engines[0])
+        assert engine_replicas_of(k, "skew") == 4
+        clock.now = T0 + 310
+        await eventually(lambda: engine_replicas_of(k, "skew") == 1)
+        # Reported once: the memory now holds the clamped times.
+        assert len([e for e in k.every(EVENTS) if e["reason"] == "ClockSkew"]) == 1
+    assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
 async def test_external_mode_leaves_the_count_to_the_external_scaler(cluster, servers):
     k, clock = cluster, Clock(T0)
     spec = service("ext", {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4})
