@@ -40,7 +40,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 # A 409 on a patch is a write that raced another one (a forced apply or a merge patch without a
 # resourceVersion holds no precondition): the same patch again succeeds. A 409 on a create
-# (AlreadyExists) is an answer, not a race.
+# (AlreadyExists), or on a patch that names the resourceVersion it was computed from, is an
+# answer: sending it again cannot succeed.
 RETRIED_PATCH_STATUSES = RETRIED_STATUSES | {409}
 MAX_RETRY_AFTER_S = 10.0
 RETIRE_AFTER_S = 60.0
@@ -242,7 +243,8 @@ class Kube:
                 except NoClusterError as e:
                     raise APIError(status, f"unauthorized; reloading credentials: {e}") from e
                 continue
-            retried = RETRIED_PATCH_STATUSES if method == "PATCH" else RETRIED_STATUSES
+            racy = method == "PATCH" and not _preconditioned(body)
+            retried = RETRIED_PATCH_STATUSES if racy else RETRIED_STATUSES
             if status in retried and (delay := next(delays, None)) is not None:
                 delay = max(delay, min(_retry_after(headers), MAX_RETRY_AFTER_S))
                 logger.debug("%s %s: %d, retrying in %.1fs", method, url, status, delay)
@@ -280,6 +282,10 @@ async def _close_later(api_client: client.ApiClient, delay: float) -> None:
         await asyncio.sleep(delay)
     finally:
         await api_client.close()
+
+
+def _preconditioned(body: object) -> bool:
+    return isinstance(body, Mapping) and bool((body.get("metadata") or {}).get("resourceVersion"))
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:
