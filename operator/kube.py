@@ -11,8 +11,8 @@ Requests go by URL (``resource_url``) with plain JSON bodies: the operator's obj
 built and compared as such, and the typed models would only convert them back and forth.
 Children are written by server-side apply (``application/apply-patch+yaml`` with this
 operator's field manager and force), which also creates them: the operator owns exactly the
-fields it sets, a field it stops setting is removed, and fields others own (injected sidecars,
-say) stay.
+fields it sets, a field it stops setting is removed, and fields others own stay, except in the
+values drift.py's ``excess`` says the operator owns whole (a merge patch removes those).
 """
 
 from __future__ import annotations
