@@ -171,6 +171,10 @@ class ChildConflict(Exception):
     pass
 
 
+class AddedFieldsKept(Exception):
+    """Something (a mutating admission webhook) adds back what the operator removes."""
+
+
 class Reconciler:
     def __init__(
         self,
@@ -304,6 +308,8 @@ class Reconciler:
                 live[label] = await self._ensure(obj, owner)
             except ChildConflict as e:
                 problems.append(Problem("NameConflict", str(e)))
+            except AddedFieldsKept as e:
+                problems.append(Problem("AddedFieldsKept", str(e)))
             except k.APIError as e:
                 problems.append(Problem("ApplyFailed", f"{label}: {e}"))
         wanted = {f"{obj['kind']}/{obj['metadata']['name']}" for obj in desired}
@@ -351,6 +357,13 @@ class Reconciler:
         if (extra := excess(obj, current)) is not None:
             logger.warning("%s: removing what was added to %s", label, ", ".join(extra.paths))
             current = await self._api.merge_patch(url, extra.patch)
+            if (kept := excess(obj, current)) is not None:
+                # Removing it again at once would fight the webhook in a hot loop: the
+                # reconcile's backoff paces the retries and the condition says why.
+                raise AddedFieldsKept(
+                    f"{label}: the API server adds back {', '.join(kept.paths)} "
+                    "(a mutating admission webhook?); set them in spec.scheduling"
+                )
         return current
 
     async def _remove(self, ref: ChildRef, owner: Owner) -> None:

@@ -3,6 +3,7 @@ API emulator that counts the operator's requests and writes."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -215,6 +216,32 @@ async def test_fields_added_by_hand_where_the_operator_owns_the_value_are_remove
         await reconciled_after(k, mark, "llama")
         assert writes(k, mark) == []
     assert_rbac_covers(k)
+
+
+async def test_an_addition_that_comes_back_is_reported_and_not_fought_in_a_loop(cluster):
+    k = cluster
+    stamp = k._stamp
+
+    def webhook(request: Any) -> None:
+        """A mutating admission webhook: every write of the engine Deployment gains a key."""
+        stamp(request)
+        if request.resource == DEPLOYMENTS and request.name == "llama-engine":
+            pod = request.data.setdefault("spec", {}).setdefault("template", {})
+            pod.setdefault("spec", {}).setdefault("nodeSelector", {})["pool"] = "webhook"
+
+    k._stamp = webhook
+    async with operator(k):
+        await create(k, LLAMA, "llama")
+        degraded = await eventually(
+            lambda: condition(k.live(ISVCS, NS, "llama"), "Degraded").get("reason")
+        )
+        assert degraded == "AddedFieldsKept"
+        assert "nodeSelector" in condition(k.live(ISVCS, NS, "llama"), "Degraded")["message"]
+        mark = len(k)
+        await asyncio.sleep(2.0)
+        # Retried with the growing backoff (0.2 s doubling here), not at once after each write.
+        engine_writes = writes(k, mark).count(f"PATCH {url(DEPLOYMENTS, 'llama-engine')}")
+        assert 1 <= engine_writes <= 5
 
 
 async def test_status_follows_the_children(cluster):
