@@ -8,6 +8,12 @@ Both come from one test, ``in_sync(desired, live)``, which holds when
 * every field of the desired object is present in the live one with the same value, ignoring what
   the API server or other controllers add (defaults, status, extra labels, other owners' fields).
 
+Containment cannot see an *added* field, and server-side apply does not remove fields another
+manager added (``kubectl edit``, a script). Where an addition changes what the child does (a
+Service selector key that matches no pod, a ``nodeSelector`` that pins pods to no node), the
+operator owns the whole value: ``excess`` finds what live has there beyond the desired object.
+Everything else added by others (an env var, labels, annotations) is theirs and stays.
+
 Values are compared as the API server returns them: quantities numerically ("1000m" == "1"),
 and an empty list or map we ask for may come back absent.
 """
@@ -19,6 +25,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -106,3 +113,108 @@ def in_sync(desired: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
     want = desired.get("metadata", {}).get("annotations", {}).get(HASH_ANNOTATION)
     have = (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION)
     return want is not None and want == have and contains(live, desired)
+
+
+# Where the operator owns a value exactly, by kind: (path, deep). Deep: nothing may be added
+# anywhere below (a selector key, a toleration, an affinity term). Shallow: only the members are
+# owned (a container the spec does not ask for goes; an env var added to the engine container
+# stays).
+_POD = ("spec", "template", "spec")
+EXACT_PATHS: dict[str, tuple[tuple[tuple[str, ...], bool], ...]] = {
+    "Service": ((("spec", "selector"), True),),
+    "Deployment": (
+        ((*_POD, "nodeSelector"), True),
+        ((*_POD, "nodeName"), True),
+        ((*_POD, "tolerations"), True),
+        ((*_POD, "affinity"), True),
+        ((*_POD, "containers"), False),
+        ((*_POD, "initContainers"), False),
+    ),
+}
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Excess:
+    """What a live child has at the operator's exact-owned paths beyond the desired object."""
+
+    paths: list[str]
+    # A JSON merge patch that removes it, guarded by the live resourceVersion.
+    patch: dict[str, Any]
+
+
+def _get(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
+def _match(item: Any, desired: list[Any]) -> Any:
+    """The desired item a live list item stands for: by name for named items (containers),
+    else the one it contains (tolerations, affinity terms); _MISSING if none."""
+    for d in desired:
+        if isinstance(item, Mapping) and isinstance(d, Mapping) and "name" in d:
+            if item.get("name") == d["name"]:
+                return d
+        elif contains(item, d):
+            return d
+    return _MISSING
+
+
+def _pruned(desired: Any, live: Any, deep: bool) -> Any:
+    """``live`` without what ``desired`` lacks (at every level when deep, else at the first)."""
+    if isinstance(live, Mapping):
+        want = desired if isinstance(desired, Mapping) else {}
+        return {k: _pruned(want[k], v, deep) if deep else v for k, v in live.items() if k in want}
+    if isinstance(live, list):
+        want = desired if isinstance(desired, list) else []
+        kept = [(item, _match(item, want)) for item in live]
+        return [_pruned(d, item, deep) if deep else item for item, d in kept if d is not _MISSING]
+    return live if desired is not _MISSING else _MISSING
+
+
+def _merge_patch(live: Any, target: Any) -> Any:
+    """The JSON merge patch that turns ``live`` into ``target``, a subset of it (_MISSING: the
+    field goes). Lists are replaced whole, as merge patches do."""
+    if target is _MISSING:
+        return None
+    if isinstance(live, Mapping) and isinstance(target, Mapping):
+        patch = {k: None for k in live if k not in target}
+        patch |= {k: _merge_patch(live[k], v) for k, v in target.items() if live[k] != v}
+        return patch
+    return target
+
+
+def excess(desired: Mapping[str, Any], live: Mapping[str, Any]) -> Excess | None:
+    """What ``live`` has beyond ``desired`` where the operator owns the value exactly, with
+    the merge patch that removes it; None when nothing is added there.
+
+    Not server-side apply: a forced apply takes back an atomic map (a Service selector), but it
+    never removes a list member or map key another manager owns in a granular field (a second
+    container), so the fix is one merge patch computed from the live object. Lists go whole in a
+    merge patch, so the patch carries the live members the operator keeps (with the fields others
+    added to them), and the live resourceVersion, so that a concurrent write makes it a 409
+    rather than lost.
+    """
+    paths: list[str] = []
+    patch: dict[str, Any] = {}
+    for path, deep in EXACT_PATHS.get(str(desired.get("kind")), ()):
+        have = _get(live, path)
+        if have is _MISSING:
+            continue
+        target = _pruned(_get(desired, path), have, deep)
+        if target == have:
+            continue
+        paths.append(".".join(path))
+        node = patch
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _merge_patch(have, target)
+    if not paths:
+        return None
+    version = (live.get("metadata") or {}).get("resourceVersion")
+    if version is not None:
+        patch["metadata"] = {"resourceVersion": version}
+    return Excess(paths, patch)

@@ -11,8 +11,8 @@ Requests go by URL (``resource_url``) with plain JSON bodies: the operator's obj
 built and compared as such, and the typed models would only convert them back and forth.
 Children are written by server-side apply (``application/apply-patch+yaml`` with this
 operator's field manager and force), which also creates them: the operator owns exactly the
-fields it sets, a field it stops setting is removed, and fields others own (injected sidecars,
-say) stay.
+fields it sets, a field it stops setting is removed, and fields others own stay, except in the
+values drift.py's ``excess`` says the operator owns whole (a merge patch removes those).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 # A 409 on a patch is a write that raced another one (a forced apply or a merge patch without a
 # resourceVersion holds no precondition): the same patch again succeeds. A 409 on a create
-# (AlreadyExists) is an answer, not a race.
+# (AlreadyExists), or on a patch that names the resourceVersion it was computed from, is an
+# answer: sending it again cannot succeed.
 RETRIED_PATCH_STATUSES = RETRIED_STATUSES | {409}
 MAX_RETRY_AFTER_S = 10.0
 RETIRE_AFTER_S = 60.0
@@ -242,7 +243,8 @@ class Kube:
                 except NoClusterError as e:
                     raise APIError(status, f"unauthorized; reloading credentials: {e}") from e
                 continue
-            retried = RETRIED_PATCH_STATUSES if method == "PATCH" else RETRIED_STATUSES
+            racy = method == "PATCH" and not _preconditioned(body)
+            retried = RETRIED_PATCH_STATUSES if racy else RETRIED_STATUSES
             if status in retried and (delay := next(delays, None)) is not None:
                 delay = max(delay, min(_retry_after(headers), MAX_RETRY_AFTER_S))
                 logger.debug("%s %s: %d, retrying in %.1fs", method, url, status, delay)
@@ -280,6 +282,10 @@ async def _close_later(api_client: client.ApiClient, delay: float) -> None:
         await asyncio.sleep(delay)
     finally:
         await api_client.close()
+
+
+def _preconditioned(body: object) -> bool:
+    return isinstance(body, Mapping) and bool((body.get("metadata") or {}).get("resourceVersion"))
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:

@@ -22,7 +22,7 @@ import kopf
 
 from kvfleet.operator import kube as k
 from kvfleet.operator.autoscaler import Autoscaler
-from kvfleet.operator.drift import in_sync
+from kvfleet.operator.drift import excess, in_sync
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
     GROUP,
@@ -171,6 +171,10 @@ class ChildConflict(Exception):
     pass
 
 
+class AddedFieldsKept(Exception):
+    """Something (a mutating admission webhook) adds back what the operator removes."""
+
+
 class Reconciler:
     def __init__(
         self,
@@ -304,6 +308,8 @@ class Reconciler:
                 live[label] = await self._ensure(obj, owner)
             except ChildConflict as e:
                 problems.append(Problem("NameConflict", str(e)))
+            except AddedFieldsKept as e:
+                problems.append(Problem("AddedFieldsKept", str(e)))
             except k.APIError as e:
                 problems.append(Problem("ApplyFailed", f"{label}: {e}"))
         wanted = {f"{obj['kind']}/{obj['metadata']['name']}" for obj in desired}
@@ -341,10 +347,24 @@ class Reconciler:
         if current is not None:
             if not _controlled_by(current, owner.uid):
                 raise ChildConflict(f"{label} exists and is not owned by this InferenceService")
-            if current["metadata"].get("deletionTimestamp") or in_sync(obj, current):
+            if current["metadata"].get("deletionTimestamp"):
                 return current
-        logger.info("%s %s", "updating" if current else "creating", label)
-        return await self._api.apply(url, obj)
+        if current is None or not in_sync(obj, current):
+            logger.info("%s %s", "updating" if current else "creating", label)
+            current = await self._api.apply(url, obj)
+        # The apply leaves what other managers added; where that changes what the child does,
+        # it is removed (drift.excess says where and why not by the apply).
+        if (extra := excess(obj, current)) is not None:
+            logger.warning("%s: removing what was added to %s", label, ", ".join(extra.paths))
+            current = await self._api.merge_patch(url, extra.patch)
+            if (kept := excess(obj, current)) is not None:
+                # Removing it again at once would fight the webhook in a hot loop: the
+                # reconcile's backoff paces the retries and the condition says why.
+                raise AddedFieldsKept(
+                    f"{label}: the API server adds back {', '.join(kept.paths)} "
+                    "(a mutating admission webhook?); set them in spec.scheduling"
+                )
+        return current
 
     async def _remove(self, ref: ChildRef, owner: Owner) -> None:
         url = k.resource_url(ref.api_version, ref.plural, owner.namespace, ref.name)

@@ -31,6 +31,7 @@ SEVERITY = (
     "FP8Unsupported",
     "NameConflict",
     "ApplyFailed",
+    "AddedFieldsKept",
     "ImagePullError",
     "ContainerConfigError",
     "ModelDownloadFailed",

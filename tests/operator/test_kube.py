@@ -153,6 +153,20 @@ async def test_transient_errors_are_retried_a_few_times(api: FakeAPI) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_conflict_on_a_patch_with_a_precondition_is_not_retried(api: FakeAPI) -> None:
+    api.answers = [status(409, "the object has been modified")]
+    kube = api.kube()
+    with pytest.raises(APIError) as e:
+        await kube.merge_patch(DEPLOY, {"metadata": {"resourceVersion": "7"}, "spec": {}})
+    assert e.value.status == 409 and len(api.requests) == 1
+    # Without one, a 409 is a race with another write, and the same patch is sent again.
+    api.answers = [status(409), lambda r: web.json_response({"kind": "Deployment"})]
+    assert await kube.merge_patch(DEPLOY, {"spec": {}}) == {"kind": "Deployment"}
+    assert len(api.requests) == 3
+    await kube.close()
+
+
+@pytest.mark.asyncio
 async def test_unreachable_api_is_retried_then_an_api_error() -> None:
     async def connect() -> Connection:
         return Connection(client.Configuration(host=f"http://127.0.0.1:{free_port()}"), "test")

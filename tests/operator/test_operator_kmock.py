@@ -3,6 +3,7 @@ API emulator that counts the operator's requests and writes."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -174,6 +175,73 @@ async def test_spec_changes_roll_out_and_hand_edits_are_undone(cluster):
         await eventually(lambda: k.live(CONFIGMAPS, NS, "llama-model-download") is None)
         await settled(k)
     assert_rbac_covers(k)
+
+
+async def test_fields_added_by_hand_where_the_operator_owns_the_value_are_removed(cluster):
+    k = cluster
+    async with operator(k):
+        await create(k, LLAMA, "llama")
+        await eventually(lambda: set(children_of(k, "llama")) == LLAMA_CHILDREN)
+        await settled(k)
+
+        # The router Service would match no pod, the engine pods would go to no node.
+        edited = len(k)
+        await api(k, "patch", url(SERVICES, "llama"), {"spec": {"selector": {"app": "evil"}}})
+        engine_pod = k.live(DEPLOYMENTS, NS, "llama-engine")["spec"]["template"]["spec"]
+        added = {
+            "nodeSelector": {"kubernetes.io/hostname": "no-such-node"},
+            "containers": [*engine_pod["containers"], {"name": "miner", "image": "evil:1"}],
+        }
+        await api(k, "patch", url(DEPLOYMENTS, "llama-engine"),
+                  {"spec": {"template": {"spec": added}}})  # fmt: skip
+
+        def restored() -> bool:
+            selector = k.live(SERVICES, NS, "llama")["spec"]["selector"]
+            pod = k.live(DEPLOYMENTS, NS, "llama-engine")["spec"]["template"]["spec"]
+            return (
+                "app" not in selector
+                and not pod.get("nodeSelector")
+                and [c["name"] for c in pod["containers"]] == ["engine"]
+            )
+
+        await eventually(restored)
+        await settled(k)
+        # One merge patch each (an apply would not remove another manager's fields), then quiet.
+        assert sorted(w for w in writes(k, edited) if "/status" not in w) == [
+            f"PATCH {url(SERVICES, 'llama')}",
+            f"PATCH {url(DEPLOYMENTS, 'llama-engine')}",
+        ]
+        mark = len(k)
+        await api(k, "patch", url(ISVCS, "llama"), {"metadata": {"labels": {"team": "a"}}})
+        await reconciled_after(k, mark, "llama")
+        assert writes(k, mark) == []
+    assert_rbac_covers(k)
+
+
+async def test_an_addition_that_comes_back_is_reported_and_not_fought_in_a_loop(cluster):
+    k = cluster
+    stamp = k._stamp
+
+    def webhook(request: Any) -> None:
+        """A mutating admission webhook: every write of the engine Deployment gains a key."""
+        stamp(request)
+        if request.resource == DEPLOYMENTS and request.name == "llama-engine":
+            pod = request.data.setdefault("spec", {}).setdefault("template", {})
+            pod.setdefault("spec", {}).setdefault("nodeSelector", {})["pool"] = "webhook"
+
+    k._stamp = webhook
+    async with operator(k):
+        await create(k, LLAMA, "llama")
+        degraded = await eventually(
+            lambda: condition(k.live(ISVCS, NS, "llama"), "Degraded").get("reason")
+        )
+        assert degraded == "AddedFieldsKept"
+        assert "nodeSelector" in condition(k.live(ISVCS, NS, "llama"), "Degraded")["message"]
+        mark = len(k)
+        await asyncio.sleep(2.0)
+        # Retried with the growing backoff (0.2 s doubling here), not at once after each write.
+        engine_writes = writes(k, mark).count(f"PATCH {url(DEPLOYMENTS, 'llama-engine')}")
+        assert 1 <= engine_writes <= 5
 
 
 async def test_status_follows_the_children(cluster):

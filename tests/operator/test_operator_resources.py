@@ -19,7 +19,7 @@ import yaml
 
 from kvfleet.operator import model_download
 from kvfleet.operator import spec as spec_module
-from kvfleet.operator.drift import HASH_ANNOTATION, in_sync, parse_quantity
+from kvfleet.operator.drift import EXACT_PATHS, HASH_ANNOTATION, excess, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, ROUTER_RULES, allows
 from kvfleet.operator.resources import (
@@ -33,6 +33,7 @@ from kvfleet.operator.resources import (
     model_download_script,
     policy_violations,
     router_args,
+    router_service,
 )
 from kvfleet.operator.spec import (
     DEMO_MODEL_NAME,
@@ -554,6 +555,91 @@ def test_in_sync_with_the_shared_memory_volume_as_served_and_restores_it():
     volume = next(v for v in shrunk["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
     volume["emptyDir"]["sizeLimit"] = "64Mi"
     assert not in_sync(desired, shrunk)
+
+
+SCHEDULED = {
+    "scheduling": {
+        "nodeSelector": {"gpu": "h200"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+}
+
+
+def test_nothing_is_excess_in_what_the_server_serves():
+    for desired in (
+        engine_deployment(OWNER, spec_of(SCHEDULED), CONFIG),
+        engine_deployment(OWNER, spec_of(QWEN_TP2), CONFIG),
+        router_service(OWNER),
+    ):
+        assert excess(desired, served(desired) if desired["kind"] == "Deployment" else desired) is (
+            None
+        )
+
+
+def test_a_key_added_to_the_service_selector_is_excess():
+    desired = router_service(OWNER)
+    live = copy.deepcopy(desired)
+    live["metadata"]["resourceVersion"] = "41"
+    live["spec"]["selector"]["app"] = "evil"
+    assert in_sync(desired, live)  # containment alone cannot see it
+    found = excess(desired, live)
+    assert found is not None and found.paths == ["spec.selector"]
+    assert found.patch == {
+        "spec": {"selector": {"app": None}},
+        "metadata": {"resourceVersion": "41"},
+    }
+
+
+def test_added_scheduling_and_containers_are_excess_an_added_env_var_is_not():
+    desired = engine_deployment(OWNER, spec_of(SCHEDULED), CONFIG)
+    live = served(desired)
+    pod = live["spec"]["template"]["spec"]
+    pod["containers"][0]["env"].append({"name": "ADDED_BY_SOMEONE", "value": "1"})
+    assert excess(desired, live) is None
+    pod["nodeSelector"]["kubernetes.io/hostname"] = "no-such-node"
+    pod["nodeName"] = "no-such-node"
+    pod["tolerations"].append({"key": "any", "operator": "Exists"})
+    pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}
+    pod["containers"].append({"name": "miner", "image": "evil:latest"})
+    found = excess(desired, live)
+    assert found is not None
+    assert found.paths == [".".join(path) for path, _ in EXACT_PATHS["Deployment"][:5]]
+    patched = found.patch["spec"]["template"]["spec"]
+    assert patched["nodeSelector"] == {"kubernetes.io/hostname": None}
+    assert patched["nodeName"] is None
+    assert patched["tolerations"] == desired["spec"]["template"]["spec"]["tolerations"]
+    assert patched["affinity"] == {"nodeAffinity": None}
+    # The engine container stays as served, with the env var someone else added.
+    assert patched["containers"] == [served_engine := pod["containers"][0]]
+    assert served_engine["env"][-1]["name"] == "ADDED_BY_SOMEONE"
+
+
+def test_a_term_added_inside_a_desired_affinity_is_excess():
+    term = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}
+    required = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+    raw = {"scheduling": {"affinity": {"nodeAffinity": required}}}
+    desired = engine_deployment(OWNER, spec_of(raw), CONFIG)
+    live = served(desired)
+    affinity = live["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+    terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert excess(desired, live) is None
+    terms[0]["matchExpressions"].append({"key": "zone", "operator": "In", "values": ["none"]})
+    found = excess(desired, live)
+    assert found is not None and found.paths == ["spec.template.spec.affinity"]
+    assert excess(desired, _applied(live, found.patch)) is None
+
+
+def _applied(live: dict[str, Any], patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(live) if isinstance(live, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _applied(out.get(key), value)
+    return out
 
 
 def test_quantities():
