@@ -26,6 +26,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
 from kvfleet.engine.grammar import GrammarError, compile_matcher, grammar_tokenizer
@@ -79,9 +80,20 @@ class _Worker:
             stderr=None,  # its crash report goes to the engine's log
             start_new_session=True,  # a Ctrl-C in the engine's terminal is the engine's
         )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(init)
-        self.proc.stdin.flush()
+        stdin = self.proc.stdin
+        assert stdin is not None and self.proc.stdout is not None
+
+        def send_init() -> None:
+            with contextlib.suppress(OSError):  # a worker that died: ask() reports it
+                stdin.write(init)
+                stdin.flush()
+
+        # A large vocabulary's tokenizer is megabytes, which the pipe takes only as fast as the
+        # worker, still importing, reads: the engine's start does not wait for that.
+        self._init_sent = threading.Thread(
+            target=send_init, name="grammar-sandbox-init", daemon=True
+        )
+        self._init_sent.start()
         self.ready = False
 
     def ask(self, params: StructuredOutputsParams, timeout: float) -> dict[str, Any]:
@@ -98,14 +110,17 @@ class _Worker:
                 answer.append(_receive(stdout))
 
         reader = threading.Thread(target=read, name="grammar-sandbox-read", daemon=True)
-        # One that died before this sees EOF at once.
-        with contextlib.suppress(OSError):
-            _send(self.proc.stdin, params.model_dump(mode="json", by_alias=True))
-        reader.start()
-        reader.join(timeout)
-        if answer:
-            return answer[0]
-        overran = reader.is_alive()
+        deadline = time.monotonic() + timeout
+        self._init_sent.join(timeout)
+        if not self._init_sent.is_alive():
+            # One that died before this sees EOF at once.
+            with contextlib.suppress(OSError):
+                _send(self.proc.stdin, params.model_dump(mode="json", by_alias=True))
+            reader.start()
+            reader.join(max(deadline - time.monotonic(), 0.0))
+            if answer:
+                return answer[0]
+        overran = self._init_sent.is_alive() or reader.is_alive()
         self.kill()
         code = self.proc.wait()
         if overran:
