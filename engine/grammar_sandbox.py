@@ -203,22 +203,31 @@ class GrammarSandbox:
                 worker.proc.wait(timeout=5)
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]  # fmt: skip
+
+
+def _find_mallinfo2() -> Any:
+    """glibc's mallinfo2, or None where the C library has none."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _Mallinfo2
+    return mallinfo2
+
+
+_MALLINFO2 = _find_mallinfo2()
+
+
 def _allocated_bytes() -> int:
     """Bytes the C heap holds (glibc's mallinfo2): what a compiled grammar costs, measured
     around its compile. 0 where the C library has no mallinfo2."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError):
+    if _MALLINFO2 is None:
         return 0
-
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-            "fordblks", "keepcost")]  # fmt: skip
-
-    mallinfo2.restype = Mallinfo2
-    info = mallinfo2()
+    info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
 
 
