@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import inspect
 import itertools
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp.web
 import kmock
@@ -97,12 +98,21 @@ class Fault:
         return aiohttp.web.json_response(status, status=self.status, headers=self.headers)
 
 
+class Interceptor(Protocol):
+    """What APIServer asks about each request before serving it: an answer to send instead, or
+    None to serve it; a coroutine may first hold the request (a slow API server)."""
+
+    def answer(
+        self, request: kmock.Request
+    ) -> aiohttp.web.StreamResponse | Awaitable[aiohttp.web.StreamResponse | None] | None: ...
+
+
 class APIServer(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.faults: list[Fault] = []
+        self.faults: list[Interceptor] = []
 
     def inject(self, fault: Fault) -> Fault:
         self.faults.append(fault)
@@ -110,7 +120,10 @@ class APIServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         for fault in self.faults:
-            if (response := fault.answer(request)) is not None:
+            response = fault.answer(request)
+            if inspect.isawaitable(response):
+                response = await response
+            if response is not None:
                 return response
         if request.resource is not None and isinstance(request.data, dict):
             self._stamp(request)
@@ -150,17 +163,25 @@ class APIServer(kmock.KubernetesEmulator):
                 meta["generation"] = current["metadata"].get("generation", 1) + 1
 
     def live(self, resource: Any, namespace: str | None, name: str | None) -> dict[str, Any] | None:
+        wanted = _resource(resource)
         for (res, ns, n), obj in self.objects.items():
-            if res == resource and ns == namespace and n == name and not obj.deleted:
+            if ns == namespace and n == name and res == wanted and not obj.deleted:
                 return obj.raw
         return None
 
     def every(self, resource: str) -> list[dict[str, Any]]:
+        wanted = _resource(resource)
         return [
             obj.raw
             for (res, _, _), obj in self.objects.items()
-            if res == resource and not obj.deleted
+            if res == wanted and not obj.deleted
         ]
+
+
+def _resource(resource: Any) -> Any:
+    """kmock's resource for "group/version/plural", parsed once: kmock parses a string again
+    at each comparison with its own, which made the lookups of a long run its slowest part."""
+    return kmock.resource(resource) if isinstance(resource, str) else resource
 
 
 @contextlib.asynccontextmanager
@@ -297,13 +318,13 @@ async def eventually(check: Callable[[], T], timeout: float = 10.0) -> T:
     return result
 
 
+def from_operator(request: kmock.Request) -> bool:
+    """kopf's own requests (watches, events, peering) and those of the operator's client."""
+    return request.headers.get("User-Agent", "").startswith(("kopf/", "kvfleet-operator/"))
+
+
 def by_operator(k: APIServer, since: int = 0) -> list[kmock.Request]:
-    return [
-        r
-        for r in list(k)[since:]
-        # kopf's own requests (watches, events, peering) and those of the operator's client
-        if r.headers.get("User-Agent", "").startswith(("kopf/", "kvfleet-operator/"))
-    ]
+    return [r for r in list(k)[since:] if from_operator(r)]
 
 
 def writes(k: APIServer, since: int = 0) -> list[str]:
