@@ -113,21 +113,92 @@ class APIServer(kmock.KubernetesEmulator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.faults: list[Interceptor] = []
+        self._in_flight: set[int] = set()  # id() of the requests not answered yet
+        self._streaming: set[int] = set()  # id() of the watches whose stream has started
+        # When a list: each request moves those answered before it out of kmock's log into it
+        # (forget_served), for runs too long for kmock's log.
+        self.served: list[kmock.Request] | None = None
+        # Seconds without an event after which a watch that allows bookmarks gets one, as a
+        # real API server sends them (about every minute); None: never, kmock's own behaviour.
+        self.bookmark_every: float | None = None
 
     def inject(self, fault: Fault) -> Fault:
         self.faults.append(fault)
         return fault
 
+    def forget_served(self) -> list[kmock.Request]:
+        """Take the requests answered so far out of kmock's log, and return them.
+
+        kmock finds the reaction to each request by walking its whole log, so a run of many
+        thousand requests (a soak) slows down as the square of their number; one that takes
+        them out as it goes keeps each request's cost flat. A request not yet given to its
+        reaction (one held by a fault) stays, for kmock to find it there; a watch whose stream
+        has started is taken out as served."""
+        log: list[kmock.Request] = self._requests
+        waiting = self._in_flight - self._streaming
+        served = [r for r in log if id(r) not in waiting]
+        log[:] = [r for r in log if id(r) in waiting]
+        return served
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        self._streaming.add(id(request))
+        try:
+            if self.bookmark_every is None or not request.params.get("allowWatchBookmarks"):
+                async for event in super()._serve_watch(request):
+                    yield event
+            else:
+                async for event in self._with_bookmarks(request, self.bookmark_every):
+                    yield event
+        finally:
+            self._streaming.discard(id(request))
+
+    async def _with_bookmarks(self, request: kmock.Request, every: float) -> AsyncIterator[Any]:
+        """kmock's watch stream, with a BOOKMARK whenever ``every`` seconds pass without an
+        event."""
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        end = object()
+
+        async def pump() -> None:
+            try:
+                async for event in super(APIServer, self)._serve_watch(request):
+                    events.put_nowait(event)
+            except Exception as e:
+                events.put_nowait(e)
+            events.put_nowait(end)
+
+        pumping = asyncio.create_task(pump())
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), every)
+                except TimeoutError:
+                    version = {"resourceVersion": str(next(self._versions))}
+                    event = {"type": "BOOKMARK", "object": {"metadata": version}}
+                if event is end:
+                    return
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+        finally:
+            pumping.cancel()
+
     async def _handle(self, request: kmock.Request) -> Any:
-        for fault in self.faults:
-            response = fault.answer(request)
-            if inspect.isawaitable(response):
-                response = await response
-            if response is not None:
-                return response
-        if request.resource is not None and isinstance(request.data, dict):
-            self._stamp(request)
-        return await super()._handle(request)
+        # Before any await: kmock logged it just before calling this.
+        self._in_flight.add(id(request))
+        if self.served is not None:
+            self.served += self.forget_served()
+        try:
+            for fault in self.faults:
+                response = fault.answer(request)
+                if inspect.isawaitable(response):
+                    response = await response
+                if response is not None:
+                    return response
+            if request.resource is not None and isinstance(request.data, dict):
+                self._stamp(request)
+            return await super()._handle(request)
+        finally:
+            self._in_flight.discard(id(request))
 
     def _stamp(self, request: kmock.Request) -> None:
         data = request.data
