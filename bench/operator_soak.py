@@ -268,7 +268,7 @@ class Windows:
         per_service = Counter(s for r in ours if (s := service_of(r)) is not None)
         # The rest, by collection: kopf's lists and watches, the probe's list, discovery.
         per_collection = Counter(
-            r.resource.plural if r.resource is not None else r.url.path
+            (r.resource.plural if r.resource is not None else None) or r.url.path
             for r in ours
             if service_of(r) is None
         )
@@ -310,9 +310,10 @@ def start_health_probe(op: Operator, duration: float) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
-def health_of(probe: subprocess.Popen[str]) -> dict[str, Any] | None:
-    """What the probe saw, once it has ended (SIGTERM ends it early); None if it ended before
-    it could say (a SIGTERM before its handler was in place)."""
+def health_of(probe: subprocess.Popen[str], started_at: float) -> dict[str, Any] | None:
+    """What the probe saw, once it has ended (SIGTERM ends it early), its failures' times
+    counted from the operator's start (the probe's ``started_at``); None if it ended before it
+    could say (a SIGTERM before its handler was in place)."""
     out, _ = probe.communicate()
     if probe.returncode != 0:
         logger.error("bench/health_probe.py exited with status %s", probe.returncode)
@@ -325,7 +326,9 @@ def health_of(probe: subprocess.Popen[str]) -> dict[str, Any] | None:
         "p50_ms": sorted(ms)[len(ms) // 2] if ms else 0.0,
         "p99_ms": p99(ms),
         "max_ms": max(ms, default=0.0),
-        "first_failures": seen["failures"][:5],
+        "first_failures": [
+            {**f, "at_s": round(started_at + f["at_s"], 1)} for f in seen["failures"][:5]
+        ],
     }
 
 
@@ -420,9 +423,9 @@ async def under_faults(
     names = service_names(ns.services)
     # Probed until the services converged (then stopped), or the timeout.
     probe = start_health_probe(op, ns.duration + ns.converge_timeout)
+    result["faults_at_s"] = round(time.monotonic() - windows.t0, 1)
     try:
         windows.next_phase("faults")
-        result["faults_at_s"] = round(time.monotonic() - windows.t0, 1)
         until = time.monotonic() + ns.duration
         mix.start()
         edits = edit_services(k, names, mix, rng, ns.edit_every, until, result["edits"], windows.t0)
@@ -435,13 +438,14 @@ async def under_faults(
                 await asyncio.wait([editor])
                 editor.result()  # the soak's own failure, if it failed
         windows.next_phase("converge")
-        result["converge_s"], result["not_converged"] = await converge(
-            k, op, names, ns.converge_timeout
-        )
+        if op.proc.poll() is None:
+            result["converge_s"], result["not_converged"] = await converge(
+                k, op, names, ns.converge_timeout
+            )
         windows.take()
     finally:
         probe.terminate()
-        result["health"] = await asyncio.to_thread(health_of, probe)
+        result["health"] = await asyncio.to_thread(health_of, probe, result["faults_at_s"])
 
 
 async def soak(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -556,6 +560,7 @@ def summarize(ns: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
         "bookmarks": not ns.no_bookmarks,
         "autoscale_interval_s": ns.autoscale_interval,
         "startup_s": result.get("startup_s"),
+        "faults_at_s": result.get("faults_at_s"),
         "converge_s": result["converge_s"],
         "not_converged": result["not_converged"],
         "exit_status": result["exit_status"],
@@ -595,7 +600,7 @@ def summarize(ns: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
             "episodes": dict(Counter(e.kind for e in mix.episodes)),
             "injected": dict(mix.injected),
             # Seconds since the operator started, as the windows' ends.
-            "timeline": [e.describe(result.get("faults_at_s", 0.0)) for e in mix.episodes],
+            "timeline": [e.describe(result.get("faults_at_s") or 0.0) for e in mix.episodes],
         },
         "edits": result["edits"],
         "simulation_errors": result["simulation_errors"],
