@@ -18,6 +18,7 @@ from kvfleet.engine.attention_metadata import AttentionMetadata, attention_conte
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
+from kvfleet.engine.host_memory import available_bytes
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
@@ -35,8 +36,17 @@ from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-# Host memory given to the KV cache on the CPU when nothing else is said (vLLM's CPU default).
-_CPU_KV_CACHE_BYTES = 4 << 30
+# The CPU path serves development machines and demo pods, whose memory a browser, an IDE or the
+# pod's other work shares: by default its KV cache takes this share of the memory available at
+# start (host_memory), and more only when asked (--kv-cache-memory-bytes).
+CPU_KV_SHARE = 1 / 64
+
+
+def cpu_kv_budget(available: int, sequence_bytes: int, max_num_seqs: int) -> int:
+    """The CPU's default KV-cache bytes: CPU_KV_SHARE of the available memory, but at least one
+    sequence at max_model_len (so every admissible request fits) and at most max_num_seqs of
+    them (what the configuration can use)."""
+    return min(max_num_seqs * sequence_bytes, max(sequence_bytes, int(available * CPU_KV_SHARE)))
 
 
 # K/V token reads a step may add by running its prompt tokens as decode rows (each re-reads its
@@ -244,14 +254,14 @@ class ModelRunner:
             num = args.num_gpu_blocks_override
         else:
             budget = args.kv_cache_memory_bytes
-            if budget is None:
-                budget = (
-                    self._cuda_kv_budget() if self.device.type == "cuda" else _CPU_KV_CACHE_BYTES
-                )
+            if budget is None and self.device.type == "cuda":
+                budget = self._cuda_kv_budget()
+            elif budget is None:
+                sequence = self.max_blocks_per_seq * self.block_bytes
+                # Plus the null block, so that the floor of one full sequence holds.
+                budget = cpu_kv_budget(available_bytes(), sequence, args.max_num_seqs)
+                budget += self.block_bytes
             num = budget // self.block_bytes
-            if self.device.type == "cpu" and args.kv_cache_memory_bytes is None:
-                # No point holding more than every sequence at full length (plus the null block).
-                num = min(num, args.max_num_seqs * self.max_blocks_per_seq + 1)
             # Every rank holds the same blocks (its own heads of them): the smallest budget wins.
             num = all_reduce_min(num, self.device)
         if num < 2:
@@ -267,7 +277,7 @@ class ModelRunner:
     def _log_kv_size(self, num: int, tokens: int) -> None:
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s); max concurrency at "
-            "max_model_len=%d: %.2fx",
+            "max_model_len=%d: %.2fx (--kv-cache-memory-bytes sets the size)",
             num - 1,
             self.block_size,
             tokens,

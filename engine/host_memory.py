@@ -1,0 +1,80 @@
+"""Host memory this process may still take: the kernel's estimate of what is available, bounded
+by the memory cgroup it runs in (a container's limit), which the kernel's figure ignores.
+
+In a pod, /proc/meminfo describes the node: a cache sized from it alone would be OOM-killed at
+the container's limit long before the node ran short."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC_MEMINFO = Path("/proc/meminfo")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def meminfo_available(text: str) -> int | None:
+    """MemAvailable of /proc/meminfo's text, in bytes."""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            kib, _, unit = value.strip().partition(" ")
+            return int(kib) * 1024 if unit == "kB" else int(kib)
+    return None
+
+
+def cgroup_headroom(limit: str, usage: str) -> int | None:
+    """Bytes left under a cgroup's limit given the text of its limit and usage files; None when
+    it has none ("max" in cgroup v2, a page-rounded 2**63 in v1)."""
+    limit = limit.strip()
+    if limit == "max" or int(limit) >= 1 << 60:
+        return None
+    return max(int(limit) - int(usage.strip()), 0)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _levels(mount: Path, path: str) -> list[Path]:
+    """A cgroup's directory under its controller's mount and each ancestor up to the mount."""
+    directory = mount / path.strip().lstrip("/")
+    return [directory, *(p for p in directory.parents if p.is_relative_to(mount))]
+
+
+def _cgroup_headroom(root: Path, own: str) -> int | None:
+    """The least headroom of the process's cgroup and its ancestors, from /proc/self/cgroup's
+    text: the v2 line ("0::/path", memory.max) and the v1 memory controller's ("N:memory:/path",
+    memory.limit_in_bytes). Inside a container the paths may not exist below the mount, whose
+    root then holds the container's own files."""
+    files = {
+        "": (root, "memory.max", "memory.current"),
+        "memory": (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    }
+    headrooms: list[int] = []
+    for line in own.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers not in files:
+            continue
+        mount, limit_file, usage_file = files[controllers]
+        for level in _levels(mount, path):
+            limit, usage = _read(level / limit_file), _read(level / usage_file)
+            if limit is not None and usage is not None:
+                headroom = cgroup_headroom(limit, usage)
+                if headroom is not None:
+                    headrooms.append(headroom)
+    return min(headrooms) if headrooms else None
+
+
+def available_bytes(meminfo: Path = PROC_MEMINFO, cgroup_root: Path = CGROUP_ROOT) -> int:
+    """Bytes of host memory this process may still take; where the kernel gives no estimate
+    (not Linux), the free physical pages."""
+    text = _read(meminfo)
+    host = meminfo_available(text) if text is not None else None
+    if host is None:
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = _cgroup_headroom(cgroup_root, _read(Path("/proc/self/cgroup")) or "")
+    return host if headroom is None else min(host, headroom)
