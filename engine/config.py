@@ -75,8 +75,9 @@ class EngineArgs(BaseModel):
         default=None,
         gt=0,
         description="bytes for the KV cache; default: what gpu_memory_utilization leaves on a "
-        "GPU; on the CPU 1/64 of the memory available at start (a container's limit included), "
-        "at least one max_model_len sequence and at most max_num_seqs of them",
+        "GPU; on the CPU 1/64 of the memory available at start (in a container whose memory "
+        "limit binds, half of what the limit leaves), at least one max_model_len sequence and "
+        "at most max_num_seqs of them",
     )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto",

@@ -7,6 +7,7 @@ the container's limit long before the node ran short."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 PROC_MEMINFO = Path("/proc/meminfo")
@@ -69,12 +70,23 @@ def _cgroup_headroom(root: Path, own: str) -> int | None:
     return min(headrooms) if headrooms else None
 
 
-def available_bytes(meminfo: Path = PROC_MEMINFO, cgroup_root: Path = CGROUP_ROOT) -> int:
-    """Bytes of host memory this process may still take; where the kernel gives no estimate
-    (not Linux), the free physical pages."""
+@dataclass(frozen=True)
+class Available:
+    """Bytes of memory this process may still take, and whether a memory cgroup's limit (a
+    container's) is what bounds them rather than the host's free memory."""
+
+    bytes: int
+    under_limit: bool
+
+
+def available_memory(meminfo: Path = PROC_MEMINFO, cgroup_root: Path = CGROUP_ROOT) -> Available:
+    """What the kernel estimates is available (MemAvailable; where it gives none, not on
+    Linux, the free physical pages), bounded by the headroom of the process's memory cgroups."""
     text = _read(meminfo)
     host = meminfo_available(text) if text is not None else None
     if host is None:
         host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     headroom = _cgroup_headroom(cgroup_root, _read(Path("/proc/self/cgroup")) or "")
-    return host if headroom is None else min(host, headroom)
+    if headroom is not None and headroom < host:
+        return Available(headroom, under_limit=True)
+    return Available(host, under_limit=False)

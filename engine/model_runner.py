@@ -18,7 +18,7 @@ from kvfleet.engine.attention_metadata import AttentionMetadata, attention_conte
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
-from kvfleet.engine.host_memory import available_bytes
+from kvfleet.engine.host_memory import Available, available_memory
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
@@ -36,17 +36,21 @@ from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-# The CPU path serves development machines and demo pods, whose memory a browser, an IDE or the
-# pod's other work shares: by default its KV cache takes this share of the memory available at
-# start (host_memory), and more only when asked (--kv-cache-memory-bytes).
+# The CPU path serves development machines, whose memory a browser and an IDE share: by default
+# its KV cache takes a small share of the memory available at start, more only when asked
+# (--kv-cache-memory-bytes). In a container whose memory limit is the bound, the limit was sized
+# for the engine: the cache takes half the headroom left after the weights, the other half for
+# activations, request buffers and the grammar workers.
 CPU_KV_SHARE = 1 / 64
+CPU_KV_SHARE_UNDER_LIMIT = 1 / 2
 
 
-def cpu_kv_budget(available: int, sequence_bytes: int, max_num_seqs: int) -> int:
-    """The CPU's default KV-cache bytes: CPU_KV_SHARE of the available memory, but at least one
+def cpu_kv_budget(available: Available, sequence_bytes: int, max_num_seqs: int) -> int:
+    """The CPU's default KV-cache bytes: a share of the available memory, but at least one
     sequence at max_model_len (so every admissible request fits) and at most max_num_seqs of
     them (what the configuration can use)."""
-    return min(max_num_seqs * sequence_bytes, max(sequence_bytes, int(available * CPU_KV_SHARE)))
+    share = CPU_KV_SHARE_UNDER_LIMIT if available.under_limit else CPU_KV_SHARE
+    return min(max_num_seqs * sequence_bytes, max(sequence_bytes, int(available.bytes * share)))
 
 
 # K/V token reads a step may add by running its prompt tokens as decode rows (each re-reads its
@@ -259,7 +263,7 @@ class ModelRunner:
             elif budget is None:
                 sequence = self.max_blocks_per_seq * self.block_bytes
                 # Plus the null block, so that the floor of one full sequence holds.
-                budget = cpu_kv_budget(available_bytes(), sequence, args.max_num_seqs)
+                budget = cpu_kv_budget(available_memory(), sequence, args.max_num_seqs)
                 budget += self.block_bytes
             num = budget // self.block_bytes
             # Every rank holds the same blocks (its own heads of them): the smallest budget wins.

@@ -1,6 +1,6 @@
-"""The CPU engine's default KV cache: a small share of the memory available to the process (a
-container's cgroup limit included), never less than one full-length sequence, never more than
-the configuration can use (issue 37: a 135M model's first run held a 4 GiB cache)."""
+"""The CPU engine's default KV cache: a small share of the host's available memory, or half of
+what a container's memory limit leaves, never less than one full-length sequence, never more
+than the configuration can use (issue 37: a 135M model's first run held a 4 GiB cache)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvfleet.engine import host_memory, model_runner
-from kvfleet.engine.host_memory import available_bytes, cgroup_headroom, meminfo_available
+from kvfleet.engine.host_memory import (
+    Available,
+    available_memory,
+    cgroup_headroom,
+    meminfo_available,
+)
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.model_runner import CPU_KV_SHARE, cpu_kv_budget
+from kvfleet.engine.model_runner import CPU_KV_SHARE, CPU_KV_SHARE_UNDER_LIMIT, cpu_kv_budget
 
 GIB = 1 << 30
 MEMINFO = "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20971520 kB\n"
@@ -56,7 +61,7 @@ def test_a_containers_limit_bounds_what_the_node_has(tmp_path, monkeypatch):
         },
     )
     monkeypatch.setattr(host_memory, "_read", _reader_with_cgroup("0::/kubepods/pod1/engine\n"))
-    assert available_bytes(meminfo, cgroups) == 3 * GIB
+    assert available_memory(meminfo, cgroups) == Available(3 * GIB, under_limit=True)
     # v1's memory controller, as a container sees it at the mount's root.
     v1 = tmp_path / "v1"
     write_tree(
@@ -64,10 +69,10 @@ def test_a_containers_limit_bounds_what_the_node_has(tmp_path, monkeypatch):
         {"memory/memory.limit_in_bytes": f"{2 * GIB}\n", "memory/memory.usage_in_bytes": "0\n"},
     )
     monkeypatch.setattr(host_memory, "_read", _reader_with_cgroup("4:memory:/docker/abc\n"))
-    assert available_bytes(meminfo, v1) == 2 * GIB
+    assert available_memory(meminfo, v1) == Available(2 * GIB, under_limit=True)
     # No limit anywhere: the node's estimate.
     monkeypatch.setattr(host_memory, "_read", _reader_with_cgroup("0::/\n"))
-    assert available_bytes(meminfo, tmp_path / "none") == 20 * GIB
+    assert available_memory(meminfo, tmp_path / "none") == Available(20 * GIB, False)
 
 
 def _reader_with_cgroup(own: str):
@@ -84,27 +89,37 @@ def _reader_with_cgroup(own: str):
 
 def test_the_budget_is_a_share_between_one_sequence_and_all_of_them():
     seq = 100 << 20
-    assert cpu_kv_budget(20 * GIB, seq, 256) == int(20 * GIB * CPU_KV_SHARE)
-    assert cpu_kv_budget(GIB, seq, 256) == seq  # a small machine still serves max_model_len
-    assert cpu_kv_budget(1024 * GIB, seq, 4) == 4 * seq  # no more than max_num_seqs can use
+    host = Available(20 * GIB, under_limit=False)
+    assert cpu_kv_budget(host, seq, 256) == int(20 * GIB * CPU_KV_SHARE)
+    pod = Available(2 * GIB, under_limit=True)  # a container's limit leaves 2 GiB
+    assert cpu_kv_budget(pod, seq, 256) == int(2 * GIB * CPU_KV_SHARE_UNDER_LIMIT)
+    assert cpu_kv_budget(Available(GIB, False), seq, 256) == seq  # max_model_len still fits
+    assert cpu_kv_budget(Available(1024 * GIB, False), seq, 4) == 4 * seq  # max_num_seqs's worth
     # The default model on this issue's 24 GB machine: SmolLM2-135M in float32 (30 layers x 3 KV
     # heads x 64 dims x K and V x 4 bytes) at 8192 tokens is 360 MiB a sequence, against ~1 GiB
     # of weights and runtime: under the 1.5 GB the issue allows.
     smollm2 = 8192 * 30 * 3 * 64 * 2 * 4
-    assert cpu_kv_budget(22 * GIB, smollm2, 256) < 500 * 10**6
+    assert cpu_kv_budget(Available(22 * GIB, False), smollm2, 256) < 500 * 10**6
 
 
-def test_a_cpu_engine_sizes_its_cache_by_the_available_memory(model_dirs, monkeypatch, caplog):
-    monkeypatch.setattr(model_runner, "available_bytes", lambda: 64 << 20)
+@pytest.mark.parametrize("under_limit", [False, True])
+def test_a_cpu_engine_sizes_its_cache_by_the_available_memory(
+    under_limit, model_dirs, monkeypatch, caplog
+):
+    available = Available(16 << 20, under_limit)
+    monkeypatch.setattr(model_runner, "available_memory", lambda: available)
     with caplog.at_level("INFO", logger="kvfleet.engine.model_runner"):
         llm = LLM(str(model_dirs["llama"]), max_model_len=64, skip_tokenizer_init=True)
     runner = llm.engine.runner
-    share = int((64 << 20) * CPU_KV_SHARE) // runner.block_bytes
-    assert runner.num_blocks == share + 1  # plus the null block
+    expected = cpu_kv_budget(available, 4 * runner.block_bytes, 256) // runner.block_bytes
+    assert expected > 4
+    assert runner.num_blocks == expected + 1  # plus the null block
     assert "--kv-cache-memory-bytes" in caplog.text
     llm.shutdown()
-    # A machine too small for a share of one sequence still gets one (and the null block).
-    monkeypatch.setattr(model_runner, "available_bytes", lambda: 0)
+
+
+def test_a_machine_too_small_for_a_share_still_holds_one_sequence(model_dirs, monkeypatch):
+    monkeypatch.setattr(model_runner, "available_memory", lambda: Available(0, False))
     llm = LLM(str(model_dirs["llama"]), max_model_len=64, skip_tokenizer_init=True)
     assert llm.engine.runner.num_blocks == 64 // 16 + 1
     llm.shutdown()
