@@ -409,7 +409,7 @@ def choice_message(plan: ToolPlan, choice: CompletionOutput) -> tuple[dict[str, 
     parser = plan.parser()
     if parser is None:
         return message, choice.finish_reason
-    result = parser.parse(choice.text)
+    result = parser.parse(choice.text, truncated=choice.finish_reason == "length")
     if not result.calls:
         return message, choice.finish_reason
     calls = result.calls[:1] if plan.single_call else result.calls
