@@ -428,9 +428,11 @@ class ToolCallParser:
         content, _ = self.feed(text)
         rest = self.finish()
         if self.malformed and truncated and self.mode in ("array", "named"):
-            done = [c for c in self.calls if c.valid]
+            done = [
+                ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in self.calls if c.valid
+            ]
             if done:
-                return ParseResult("", [ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in done])
+                return ParseResult("", done)
         if self.malformed:
             return ParseResult(text)
         calls = [ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in self.calls]
