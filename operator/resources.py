@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import importlib.resources
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from kvfleet.operator import model_download
 from kvfleet.operator.drift import with_hash
 from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
@@ -225,7 +226,10 @@ def _hf_model_dir(repo: str, revision: str) -> str:
 
 
 def model_download_script() -> str:
-    return importlib.resources.files("kvfleet.operator").joinpath("model_download.py").read_text()
+    # The module's own file: kvfleet.operator is a namespace package, which
+    # importlib.resources cannot read in pip's default editable mode (its path is a
+    # MultiplexedPath there).
+    return Path(model_download.__file__).read_text()
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
