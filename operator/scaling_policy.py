@@ -11,10 +11,10 @@ learned engine start time, a fourth: the requests in flight the trend of the las
 one engine start ahead (forecast.py), so that the replicas a steady rise will need are serving
 when it gets there rather than one start time later; never beyond the load's own cycle (a rise
 back to a level the load fell from within the last ten minutes projects nothing); it only ever
-raises the count. Then, as
-HPA does: clamp to [min, max] (with bound_replicas, which the reconciler uses too), scale up only
-to the lowest recommendation seen within the scale-up window and by a bounded step, and scale
-down only to the highest recommendation seen within the scale-down window.
+raises the count. Then, as HPA does: clamp to [min, max] (with bound_replicas, which the
+reconciler uses too), scale up only to the lowest recommendation seen within the scale-up window
+and by a bounded step, and scale down only to the highest recommendation seen within the
+scale-down window.
 A pod that did not answer, or answered with values no engine can report (not finite, negative,
 absurdly large, a KV-cache usage outside [0, 1]), is never a reason to scale: its numbers are left
 out, as if it had not answered, and it holds any scale-down. Nor is a replica still starting; a
