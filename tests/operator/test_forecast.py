@@ -328,6 +328,31 @@ def test_a_flat_or_falling_load_adds_nothing(values, every, current):
     )
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rise=st.lists(st.floats(0.0, 1.0), min_size=4, max_size=13),
+    top=st.floats(1.0, 200.0),
+    ago=st.floats(0.0, CYCLE_S - WINDOW_S - 15),
+    current=st.integers(1, 8),
+)
+def test_a_load_rising_back_towards_a_level_it_fell_from_gets_nothing_from_the_forecast(
+    rise, top, ago, current
+):
+    # Any rise in the last minute, however steady, below half a level the load reached before
+    # it and fell from (so the fall is more than three times the spread of anything in the
+    # window about its line).
+    now = T0 + 1000
+    window = [Sample(now - 5 * i, top / 2 * v) for i, v in enumerate(sorted(rise, reverse=True))]
+    then = now - WINDOW_S - 10 - ago
+    samples = (Sample(then, top), Sample(then + 5, 0.0), *reversed(window))
+    args = (current, engines(current, samples[-1].value))
+    kwargs = dict(load=samples[:-1], start_seconds=60)
+    plain = decide(*args, PLAIN, (), None, now, **kwargs)
+    ahead = decide(*args, AHEAD, (), None, now, **kwargs)
+    assert (ahead.replicas, ahead.signal) == (plain.replicas, plain.signal)
+    assert "forecast_slope" not in ahead.signals
+
+
 def test_the_forecast_keeps_to_the_scale_up_window_and_step():
     samples = tuple(Sample(T0 + t, 1 + 0.1 * t) for t in (0, 5, 10))
     windowed = ScalingPolicy(max_replicas=8, target_queue_depth=4, scale_ahead=True,
