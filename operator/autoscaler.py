@@ -20,8 +20,9 @@ to REFRESH_SECONDS early.
 
 For scaling ahead (forecast.py), each step learns the engine start time from the engine pods it
 lists (kept in status.autoscaling too: a restart keeps it; a new start is part of the content, so
-it is written when learned) and keeps the load samples of the last minute in the process only:
-after a restart the forecast waits for the window to fill again.
+it is written when learned) and keeps the load samples of the last ten minutes (the trend's
+window and the load's cycle, forecast.CYCLE_S) in the process only: after a restart the forecast
+waits for the window to fill again, and knows no cycle until the load falls again.
 
 The remembered times are checked against the operator's clock as a step reads them: one ahead
 (a skewed clock, a status written by hand) counts as now, never holding a window or the idle
@@ -340,7 +341,7 @@ class Autoscaler:
         # signal is absent for one interval.
         self._buckets: dict[str, dict[str, Buckets]] = {}
         # By uid: the engine starts learned, the engine pods seen Ready (forecast.learn), and the
-        # load samples of the trend's window.
+        # load samples the forecast reads (forecast.CYCLE_S of them).
         self._starts: dict[str, tuple[tuple[EngineStart, ...], frozenset[str]]] = {}
         self._load: dict[str, tuple[Sample, ...]] = {}
         # The last InferenceService each loop read, to report a failure that comes before the
