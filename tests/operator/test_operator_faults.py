@@ -354,8 +354,10 @@ async def test_410_answers_to_lists_and_watches_are_recovered_in_process(cluster
         k.faults.remove(listing)
         await create(k, service("during"))
         await eventually(lambda: k.live(DEPLOYMENTS, NS, "during-engine"), timeout=15)
-        lists = kopfs(k, ISVC_COLLECTION, watch=False)
-        await eventually(lambda: all(w.hits >= 4 for w in watches), timeout=15)
+        lists, isvc_watches = kopfs(k, ISVC_COLLECTION, watch=False), watches[0].hits
+        await eventually(
+            lambda: watches[0].hits - isvc_watches >= 3 and watches[1].hits >= 3, timeout=15
+        )
         assert kopfs(k, ISVC_COLLECTION, watch=False) - lists >= 2
         assert await healthz(endpoint) == 200
         for w in watches:
@@ -381,8 +383,9 @@ async def test_410_answers_to_lists_and_watches_are_recovered_in_process(cluster
 @pytest.mark.parametrize("dropped", [False, True], ids=["ended", "dropped"])
 async def test_a_watch_that_ends_at_once_is_reopened_after_a_growing_wait(cluster, dropped):
     """A watch answered 200 that ends at once with no event, or whose connection drops mid-
-    event: kopf reopened it at once, thousands of times a second. Now each failure in a row
-    waits longer (FAST_WATCH: 0.1 s doubling to 0.4 s; 1 s doubling to 30 s in production)."""
+    event, which kopf alone reopens at once (hundreds of times a second here): each failure in
+    a row waits longer (FAST_WATCH: 0.1 s doubling to 0.4 s; 1 s doubling to 30 s in
+    production), and the watch works again once the fault ends."""
     k = cluster
     ended = k.inject(EndedWatch(ISVC_COLLECTION, dropped=dropped))
     endpoint = f"http://127.0.0.1:{free_port()}/healthz"
