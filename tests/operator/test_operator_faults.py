@@ -379,15 +379,27 @@ async def test_410_answers_to_lists_and_watches_are_recovered_in_process(cluster
         assert await healthz(endpoint) == 200
 
 
+INTERNAL_ERROR = {"kind": "Status", "status": "Failure", "code": 500, "message": "etcd timeout"}
+
+
 @pytest.mark.asyncio
-@pytest.mark.parametrize("dropped", [False, True], ids=["ended", "dropped"])
-async def test_a_watch_that_ends_at_once_is_reopened_after_a_growing_wait(cluster, dropped):
+@pytest.mark.parametrize(
+    "fault",
+    [
+        EndedWatch(ISVC_COLLECTION),
+        EndedWatch(ISVC_COLLECTION, dropped=True),
+        EndedWatch(ISVC_COLLECTION, error=INTERNAL_ERROR),
+    ],
+    ids=["ended", "dropped", "error-event"],
+)
+async def test_a_watch_that_ends_at_once_is_reopened_after_a_growing_wait(cluster, fault):
     """A watch answered 200 that ends at once with no event, or whose connection drops mid-
-    event, which kopf alone reopens at once (hundreds of times a second here): each failure in
-    a row waits longer (FAST_WATCH: 0.1 s doubling to 0.4 s; 1 s doubling to 30 s in
-    production), and the watch works again once the fault ends."""
+    event, which kopf alone reopens at once (hundreds of times a second here), or that holds
+    only an ERROR event other than 410, which ended kopf: each failure in a row waits longer
+    (FAST_WATCH: 0.1 s doubling to 0.4 s; 1 s doubling to 30 s in production), and the watch
+    works again once the fault ends."""
     k = cluster
-    ended = k.inject(EndedWatch(ISVC_COLLECTION, dropped=dropped))
+    ended = k.inject(copy.deepcopy(fault))
     endpoint = f"http://127.0.0.1:{free_port()}/healthz"
     async with operator(k, endpoint, **FAST_WATCH):
         await eventually(lambda: ended.hits >= 1)

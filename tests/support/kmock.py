@@ -15,6 +15,7 @@ import contextlib
 import copy
 import datetime
 import itertools
+import json
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -129,10 +130,12 @@ class _DroppedStream(aiohttp.web.StreamResponse):
 class EndedWatch:
     """Watch requests of `path` are answered 200 and the stream ends at once with no event, as
     an API server under load or a proxy in front of it may do; with `dropped`, the connection
-    drops after part of an event instead. While `active`; `hits` counts them."""
+    drops after part of an event instead; with `error`, the stream holds that one ERROR event
+    (a Status) before it ends. While `active`; `hits` counts them."""
 
     path: str
     dropped: bool = False
+    error: dict[str, Any] | None = None
     active: bool = True
     hits: int = 0
 
@@ -142,7 +145,8 @@ class EndedWatch:
         self.hits += 1
         if self.dropped:
             return _DroppedStream(headers={"Content-Type": "application/json"})
-        return aiohttp.web.Response(body=b"", content_type="application/json")
+        event = [json.dumps({"type": "ERROR", "object": self.error})] if self.error else []
+        return aiohttp.web.Response(text="".join(event), content_type="application/json")
 
 
 class APIServer(kmock.KubernetesEmulator):
