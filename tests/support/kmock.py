@@ -15,12 +15,13 @@ import contextlib
 import copy
 import datetime
 import itertools
+import json
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp.web
 import kmock
@@ -73,10 +74,24 @@ def _merge(base: Any, patch: Any) -> Any:
     return out
 
 
+class Injected(Protocol):
+    """What APIServer.inject takes: an answer to a request it matches, else None."""
+
+    def answer(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None: ...
+
+
+InjectedT = TypeVar("InjectedT", bound=Injected)
+
+
+def is_watch(request: kmock.Request) -> bool:
+    return request.params.get("watch") == "true"
+
+
 @dataclass
 class Fault:
     """Requests `method path` are answered with `status` `times` times (None: every time), before
-    the emulator stores anything; the n-th answer's message is message(n)."""
+    the emulator stores anything; the n-th answer's message is message(n). `watch`: only watch
+    requests (True), only the others (False), or both (None)."""
 
     method: str
     path: str
@@ -84,10 +99,13 @@ class Fault:
     times: int | None = 1
     message: Callable[[int], str] = lambda n: f"injected fault #{n}"
     headers: dict[str, str] = field(default_factory=dict)
+    watch: bool | None = None
     hits: int = 0
 
     def answer(self, request: kmock.Request) -> aiohttp.web.Response | None:
         if (request.method.value, request.url.path) != (self.method, self.path):
+            return None
+        if self.watch is not None and is_watch(request) != self.watch:
             return None
         if self.times is not None and self.hits >= self.times:
             return None
@@ -97,14 +115,48 @@ class Fault:
         return aiohttp.web.json_response(status, status=self.status, headers=self.headers)
 
 
+class _DroppedStream(aiohttp.web.StreamResponse):
+    """A watch answered 200 whose connection drops after part of an event."""
+
+    async def prepare(self, request: aiohttp.web.BaseRequest) -> Any:
+        writer = await super().prepare(request)
+        await self.write(b'{"type": "ADDED", "object": {"metadata": ')
+        if request.transport is not None:
+            request.transport.abort()
+        return writer
+
+
+@dataclass
+class EndedWatch:
+    """Watch requests of `path` are answered 200 and the stream ends at once with no event, as
+    an API server under load or a proxy in front of it may do; with `dropped`, the connection
+    drops after part of an event instead; with `error`, the stream holds that one ERROR event
+    (a Status) before it ends. While `active`; `hits` counts them."""
+
+    path: str
+    dropped: bool = False
+    error: dict[str, Any] | None = None
+    active: bool = True
+    hits: int = 0
+
+    def answer(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None:
+        if not self.active or request.url.path != self.path or not is_watch(request):
+            return None
+        self.hits += 1
+        if self.dropped:
+            return _DroppedStream(headers={"Content-Type": "application/json"})
+        event = [json.dumps({"type": "ERROR", "object": self.error})] if self.error else []
+        return aiohttp.web.Response(text="".join(event), content_type="application/json")
+
+
 class APIServer(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.faults: list[Fault] = []
+        self.faults: list[Injected] = []
 
-    def inject(self, fault: Fault) -> Fault:
+    def inject(self, fault: InjectedT) -> InjectedT:
         self.faults.append(fault)
         return fault
 
