@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import kopf
 
 from kvfleet.operator import kube as k
 from kvfleet.operator.autoscaler import Autoscaler
+from kvfleet.operator.backoff import backoff_delay
 from kvfleet.operator.drift import excess, in_sync
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
@@ -117,11 +117,6 @@ class WorkQueue:
         if urgent:
             hurry.set()
 
-    def _delay(self, failures: int) -> float:
-        nominal = min(self._backoff * 2 ** (failures - 1), self._max_backoff)
-        # Jitter spreads the retries of services that failed together (an API outage).
-        return nominal * random.uniform(0.5, 1.0)
-
     async def _run(self, key: k.Key) -> None:
         dirty, hurry = self._dirty[key]
         failures = 0
@@ -136,7 +131,7 @@ class WorkQueue:
                     failures = 0
                 except Exception as e:
                     failures += 1
-                    delay = self._delay(failures)
+                    delay = backoff_delay(failures, self._backoff, self._max_backoff)
                     if isinstance(e, RetryLater):
                         logger.warning("%s/%s: %s; retrying in %.1fs", *key, e, delay)
                     else:
