@@ -17,6 +17,7 @@ import datetime
 import itertools
 import json
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,13 @@ import kopf
 import yaml
 from kubernetes_asyncio import client
 
-from kvfleet.operator.kube import Connection, Kube
+from kvfleet.operator.kube import (
+    BACKOFFS_S,
+    WRITE_BACKOFF_CAP_S,
+    WRITE_BACKOFF_FIRST_S,
+    Connection,
+    Kube,
+)
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, PolicyRule, allows
 from kvfleet.operator.resources import OperatorConfig
@@ -155,12 +162,15 @@ class APIServer(kmock.KubernetesEmulator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.faults: list[Injected] = []
+        # When each request came (time.monotonic()), by its id.
+        self.arrived: dict[int, float] = {}
 
     def inject(self, fault: InjectedT) -> InjectedT:
         self.faults.append(fault)
         return fault
 
     async def _handle(self, request: kmock.Request) -> Any:
+        self.arrived[request.id] = time.monotonic()
         for fault in self.faults:
             if (response := fault.answer(request)) is not None:
                 return response
@@ -307,13 +317,17 @@ async def operator(
         yield
 
 
-def kube_for(k: APIServer) -> Kube:
-    """The operator's client, and so kopf, pointed at the emulator."""
+def kube_for(k: APIServer, scale: float = 1.0) -> Kube:
+    """The operator's client, and so kopf, pointed at the emulator; its retry delays and its
+    writes' backoff times ``scale`` (a test's autoscaling interval over the production one
+    keeps their proportions)."""
 
     async def connect() -> Connection:
         return Connection(client.Configuration(host=str(k.url).rstrip("/")), "kmock")
 
-    return Kube(connect)
+    backoffs = tuple(delay * scale for delay in BACKOFFS_S)
+    write_backoff = (WRITE_BACKOFF_FIRST_S * scale, WRITE_BACKOFF_CAP_S * scale)
+    return Kube(connect, backoffs=backoffs, write_backoff=write_backoff)
 
 
 async def api(k: APIServer, method: str, url: str, body: Any = None) -> Any:
