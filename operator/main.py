@@ -20,7 +20,11 @@ that grows with each failure in a row, and RECONNECT_S (jittered per process) be
 (watch_recovery, which wraps kopf's watch: no public setting of kopf's reaches it). /healthz
 fails when the operator can no longer watch: a watch task of kopf's has ended, one of its watch
 streams has failed for WATCH_STALE_S with nothing listed or received since, or listing
-InferenceServices has failed for WATCH_STALE_S.
+InferenceServices has failed for WATCH_STALE_S. The operator's own writes are retried within
+the request on a transient failure; an object whose writes keep failing is then written once
+per reconcile, at the work queue's growing backoff, and by the autoscaler only after the
+object's own backoff (kube.py). A failed status write is reported in an Event, a metric and the
+log (status_writer.py).
 Prometheus metrics (kvfleet_operator_*) are served at --metrics-address.
 """
 
@@ -48,6 +52,7 @@ from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION, OperatorConfig
+from kvfleet.operator.status_writer import StatusWriter
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 
 logger = logging.getLogger("kvfleet.operator")
@@ -134,9 +139,11 @@ def build_registry(
     watch_recovery.install()
     registry = kopf.OperatorRegistry()
     api = kube or Kube()
-    reconciler = Reconciler(api, config)
+    # One for both writers of the status: a failure to write it is reported once per cause.
+    status = StatusWriter(api)
+    reconciler = Reconciler(api, config, status)
     autoscaler = Autoscaler(
-        api, interval=autoscale_interval, scrape_timeout=scrape_timeout, clock=clock
+        api, status, interval=autoscale_interval, scrape_timeout=scrape_timeout, clock=clock
     )
     register(
         registry,

@@ -60,6 +60,7 @@ from kvfleet.operator.status import (
     status_patch,
     transition_events,
 )
+from kvfleet.operator.status_writer import StatusWriter
 
 logger = logging.getLogger("kvfleet.operator")
 
@@ -175,10 +176,12 @@ class Reconciler:
         self,
         api: k.Kube,
         config: OperatorConfig,
+        status: StatusWriter,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         self._api = api
         self._config = config
+        self._status = status
         self._clock = clock
         # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
         self._replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
@@ -193,6 +196,7 @@ class Reconciler:
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
             self._replicas_seen.pop(key, None)
             self._warned.pop(key, None)
+            self._status.forget(key)
             return  # the garbage collector removes the children
         owner = Owner(name=name, namespace=namespace, uid=isvc["metadata"]["uid"])
         previous = isvc.get("status") or {}
@@ -242,7 +246,7 @@ class Reconciler:
         patch = status_patch(previous, status)
         if patch:
             try:
-                await self._api.merge_patch(f"{url}/status", {"status": patch})
+                await self._status.write(key, isvc, patch)
             except k.APINotFoundError:
                 return  # deleted meanwhile
         for event in transition_events(previous.get("conditions") or [], status["conditions"]):
