@@ -12,6 +12,10 @@ Stated rates (docs/operations.md, "API outages"), per service, in autoscaling in
   stays up, /healthz answers 200, and it lists and watches again (watch_recovery);
 * a watch that ends at once with no event, or drops mid-event, again and again: at most
   most_requests() in a window, a geometric sequence up to the backoff's cap, not a hot loop.
+* a service whose status writes fail (500, 409): at most MAX_STATUS_FAILING_PER_INTERVAL
+  requests per interval, its status writes further and further apart, one Warning Event and
+  one log warning per cause, every failed write counted, and the status written once the
+  writes succeed again (issue 36).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import asyncio
 import contextlib
 import copy
 import itertools
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp.web
@@ -29,7 +35,7 @@ import kopf
 import pytest
 from prometheus_client import REGISTRY
 
-from kvfleet.operator.autoscaler import failure_update
+from kvfleet.operator.autoscaler import REFRESH_SECONDS, failure_update
 from kvfleet.operator.main import (
     MAX_BACKOFF_S,
     WATCHER_TASK_PREFIX,
@@ -60,7 +66,11 @@ from tests.support.kmock import (
 from tests.support.net import free_port
 
 INTERVAL = 0.25
+# The client's retry delays and write backoff in their production proportion to the interval
+# (10 s), so that requests per interval are counted as production makes them.
+SCALE = INTERVAL / 10.0
 MAX_FAILING_PER_INTERVAL = 4
+MAX_STATUS_FAILING_PER_INTERVAL = 3
 MAX_OUTAGE_RPS = 5
 # Watch recovery with the test's short delays: kopf's backoff (first, cap) and its pause before
 # listing again.
@@ -159,7 +169,11 @@ async def test_the_probe_fails_once_a_watch_task_has_ended():
 
 @contextlib.asynccontextmanager
 async def operator(
-    k: APIServer, liveness_endpoint: str | None = None, **settings_changes: Any
+    k: APIServer,
+    liveness_endpoint: str | None = None,
+    scale: float = 1.0,
+    clock: Callable[[], float] = time.time,
+    **settings_changes: Any,
 ) -> AsyncIterator[None]:
     settings = build_settings()
     for name, value in settings_changes.items():
@@ -172,7 +186,8 @@ async def operator(
         backoff=0.2,
         autoscale_interval=INTERVAL,
         scrape_timeout=0.2,
-        kube=kube_for(k),
+        kube=kube_for(k, scale),
+        clock=clock,
     )
     async with run_operator(registry, settings, liveness_endpoint=liveness_endpoint):
         yield
@@ -268,6 +283,70 @@ async def test_a_failing_step_is_visible_once_and_never_holds_up_another_service
         await eventually(lambda: events_of(k, "bad", "AutoscalingRecovered"))
         await asyncio.sleep(4 * INTERVAL)
         assert len(events_of(k, "bad", "AutoscalingRecovered")) == 1
+
+
+def status_write_failures(cause: str) -> float:
+    labels = {"reason": cause}
+    return REGISTRY.get_sample_value("kvfleet_operator_status_write_failures_total", labels) or 0.0
+
+
+WRITE_WINDOW = 24  # intervals
+
+
+@pytest.mark.parametrize(("code", "cause"), [(500, "unavailable"), (409, "conflict")])
+@pytest.mark.asyncio
+async def test_a_failing_status_write_is_bounded_and_reported_elsewhere(
+    cluster, caplog, code, cause
+):
+    k = cluster
+    now = [1_750_000_000.0]
+    caplog.set_level(logging.DEBUG, logger="kvfleet.operator")
+    async with operator(k, scale=SCALE, clock=lambda: now[0]):
+        await create(k, service("bad"))
+        await eventually(lambda: status_of(k, "bad").get("autoscaling"))
+        await eventually(lambda: status_of(k, "bad").get("observedGeneration"))
+        fault = k.inject(Fault("PATCH", url(ISVCS, "bad", "status"), code, times=None))
+        before = status_write_failures(cause)
+        mark = len(k)
+        caplog.clear()
+        # A minute on: the autoscaler's memory is due to be written, at every step while the
+        # write fails (only its times changed: nothing for the reconciler to write).
+        now[0] += REFRESH_SECONDS
+        start = asyncio.get_running_loop().time()
+        await asyncio.sleep(WRITE_WINDOW * INTERVAL)
+        elapsed = asyncio.get_running_loop().time() - start
+
+        requests = requests_for(k, "bad", mark)
+        # The step under way at the end may have started its requests.
+        assert len(requests) <= MAX_STATUS_FAILING_PER_INTERVAL * (elapsed / INTERVAL + 1)
+        patches = [r for r in requests if r.method.value == "PATCH"]
+        assert len(patches) == fault.hits and fault.hits >= 6
+        # Tried again the next interval at first, then several intervals apart.
+        times = [k.arrived[r.id] for r in patches]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert gaps[0] <= 2 * INTERVAL and min(gaps[-2:]) >= 2.5 * INTERVAL, gaps
+        # Counted, and reported once: not in the status (which cannot be written), but in an
+        # Event, which is an object of its own, and in the log.
+        assert status_write_failures(cause) - before == fault.hits
+        [event] = events_of(k, "bad", "StatusWriteFailed")
+        assert event["type"] == "Warning" and f"({cause})" in event["message"]
+        assert events_of(k, "bad", "AutoscalingFailed") == []
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [r.getMessage() for r in warned if "bad" in r.getMessage()] == [
+            f"{NS}/bad: {event['message']}"
+        ]
+
+        # The fault over: the memory is written, and that is said once.
+        k.faults.remove(fault)
+        await eventually(
+            lambda: (
+                max(t for t, _ in status_of(k, "bad")["autoscaling"]["recommendations"]) >= now[0]
+            )
+        )
+        await eventually(lambda: events_of(k, "bad", "StatusWriteRecovered"))
+        await asyncio.sleep(4 * INTERVAL)
+        assert len(events_of(k, "bad", "StatusWriteRecovered")) == 1
+        assert len(events_of(k, "bad", "StatusWriteFailed")) == 1
 
 
 @pytest.mark.asyncio
