@@ -7,16 +7,18 @@ import logging
 import os
 import sys
 import types
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
-from kvfleet.engine.config import EngineArgs
+# Nothing heavy is imported here (no torch, aiohttp or the engine): --help is answered at once;
+# each command imports what it runs.
+from kvfleet.engine.engine_args import EngineArgs
+from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
+from kvfleet.protocol.byte_size import BYTE_SIZE, FORMS, byte_size_flag, format_byte_size
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, tracing_from
-
-if TYPE_CHECKING:
-    from kvfleet.engine.server.app import ServerSettings
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -36,6 +38,12 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
 
 # argparse fills in the parser's own default, so the help cannot name a stale one.
 DEFAULT = " (default: %(default)s)"
+
+
+def _is_byte_size(field: FieldInfo) -> bool:
+    """A field typed ByteSize (protocol.byte_size), alone or in a union with None."""
+    inner = [a for a in get_args(field.annotation) if get_origin(a) is Annotated]
+    return BYTE_SIZE in field.metadata or any(BYTE_SIZE in get_args(a)[1:] for a in inner)
 
 
 def with_default(help_text: str, default: Any) -> str:
@@ -61,6 +69,16 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], tit
                 help="HF model directory (config.json + *.safetensors), or a .gguf file or a "
                 "directory holding one; default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched "
                 "once into ~/.cache/kvfleet and served as smollm2-135m-instruct",
+            )
+        elif _is_byte_size(field):
+            # The default as a size ("16Mi"): argparse passes a string default through `type`.
+            default = None if field.default is None else format_byte_size(field.default)
+            group.add_argument(
+                flag,
+                type=byte_size_flag,
+                default=default,
+                metavar="SIZE",
+                help=with_default(f"{field.description}; {FORMS}", default),
             )
         elif field.annotation is bool:
             group.add_argument(
@@ -141,8 +159,6 @@ def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     """The server's settings from `serve` flags, the API key resolved (flag, file, environment)
     so that a missing or empty key file fails at startup; the default model is served under its
     short name rather than its cache path."""
-    from kvfleet.engine.server.app import ServerSettings, resolve_api_key
-
     settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
     settings.api_key = resolve_api_key(settings)
     if settings.served_model_name is None and ns.model is None:
@@ -178,8 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
     srv.add_argument("model_tag", nargs="?", default=None, help="same as --model")
     add_engine_args(srv)
-    from kvfleet.engine.server.app import ServerSettings
-
     add_model_flags(srv, ServerSettings, "server")
     add_tracing_flag(srv)
     add_log_flags(srv, defaults=False)

@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import signal
 import socket
 import time
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineArgs
@@ -25,13 +22,9 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
-from kvfleet.engine.server.tool_parsers import TOOL_CALL_PARSERS, parser_for_template
-from kvfleet.engine.server.tools import (
-    TOOL_SETTINGS,
-    ToolSettings,
-    load_chat_template,
-    plan_prompt,
-)
+from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
+from kvfleet.engine.server.tool_parsers import parser_for_template
+from kvfleet.engine.server.tools import TOOL_SETTINGS, ToolSettings, plan_prompt
 from kvfleet.engine.server.validation import (
     BODY_BYTES,
     BODY_LIMIT,
@@ -53,98 +46,11 @@ STARTED = web.AppKey("started", int)
 
 # Served even while draining or unauthenticated: probes and scrapers must keep working.
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-API_KEY_ENV = "KVFLEET_API_KEY"
 # After the shutdown deadline has aborted what was left, how long its handlers get to send their
 # error events before their connections are closed.
 _ABORT_GRACE = 1.0
 # serve()'s exit status when the engine loop was stuck in a step at shutdown and is left behind.
 EXIT_ENGINE_STUCK = 1
-
-
-class ServerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    served_model_name: list[str] | None = None
-    api_key: str | None = Field(
-        default=None,
-        description="the API key clients must send as a bearer token (visible in the process "
-        f"table: prefer --api-key-file or the {API_KEY_ENV} environment variable)",
-    )
-    api_key_file: str | None = Field(
-        default=None, description="a file holding the API key (used when --api-key is not given)"
-    )
-    max_waiting_requests: int | None = Field(
-        default=None,
-        ge=1,
-        description="sequences (prompts x n) allowed to wait for the engine; more get 429",
-    )
-    shutdown_timeout: float = Field(
-        default=30.0,
-        ge=0,
-        description="seconds in-flight requests get to finish after SIGTERM before they are "
-        "aborted; a step still running then is interrupted and the process exits 0 (1 if the "
-        "step is stuck: past its /health bound, it is left behind)",
-    )
-    max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
-    health_stall_timeout: float = Field(
-        default=60.0,
-        gt=0,
-        description="/health reports the engine stuck (503) when a step runs longer than this "
-        "plus its tokens' allowance (--health-seconds-per-token), or when no step starts for "
-        "this long while requests wait",
-    )
-    health_seconds_per_token: float | None = Field(
-        default=None,
-        gt=0,
-        description="the least time a step is allowed per token it computes, on top of "
-        "--health-stall-timeout; four times the rate of the engine's recent steps when that is "
-        "more. Default: 0.05 on the CPU, 0.001 on a GPU",
-    )
-    header_timeout: float = Field(
-        default=15.0,
-        gt=0,
-        description="seconds a connection may go without a complete request head, when new or "
-        "idle between keep-alive requests; then it is closed",
-    )
-    body_timeout: float = Field(
-        default=30.0,
-        gt=0,
-        description="seconds a client has to send a request body; then 408",
-    )
-    chat_template: str | None = Field(
-        default=None,
-        description="a Jinja chat template (a file, or the template inline) used instead of the "
-        "model's own; default: the model's, ChatML when it has none",
-    )
-    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(  # type: ignore[valid-type]
-        default=None,
-        description="how tool calls are read from the model's output; default: from the chat "
-        "template's family (Llama 3 tokens: llama3_json, Mistral's: mistral, else hermes)",
-    )
-    enable_auto_tool_choice: bool = Field(
-        default=True,
-        description='tool_choice "auto" (the default with tools): the model decides and its calls '
-        "are parsed; off, such requests get 400",
-    )
-
-    @field_validator("chat_template")
-    @classmethod
-    def _read_chat_template(cls, v: str | None) -> str | None:
-        return None if v is None else load_chat_template(v)
-
-
-def resolve_api_key(settings: ServerSettings) -> str | None:
-    """The API key from --api-key, else the file --api-key-file names, else the environment."""
-    if settings.api_key:
-        return settings.api_key
-    if settings.api_key_file:
-        key = Path(settings.api_key_file).read_text().strip()
-        if not key:
-            raise ValueError(f"the API key file {settings.api_key_file} is empty")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
 
 
 @web.middleware
