@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 import types
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-# Nothing heavy is imported here (no torch, aiohttp or the engine): --help is answered at once;
-# each command imports what it runs.
+# Nothing heavy is imported here (no torch, aiohttp or the engine): --help, a mistyped flag and
+# a model path that is not there are answered at once; each command imports what it runs.
+from kvfleet.engine.checkpoint_path import find_checkpoint
 from kvfleet.engine.engine_args import EngineArgs
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
 from kvfleet.protocol.byte_size import BYTE_SIZE, FORMS, byte_size_flag, format_byte_size
@@ -21,6 +24,10 @@ from kvfleet.telemetry.logs import add_log_flags, configure_logging
 from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, tracing_from
 
 logger = logging.getLogger("kvfleet.engine")
+
+# A start-up error (a bad setting, a model that is not there, a port in use) exits 2, as
+# argparse's usage errors do.
+EXIT_START_ERROR = 2
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
@@ -96,15 +103,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The engine's arguments from the flags, the model fetched if it is the default one, and
+    its path checked: a path that names no model is said before the engine is imported."""
     values = {name: getattr(ns, name) for name in EngineArgs.model_fields}
     if values["model"] is None:
         from kvfleet.engine.default_model import default_model_path
 
         values["model"] = str(default_model_path())
-    return EngineArgs(**values)
+    args = EngineArgs(**values)
+    find_checkpoint(args.model)
+    return args
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    args = engine_args_from(ns)
     from kvfleet.engine.llm import LLM
     from kvfleet.engine.sampling_params import SamplingParams
 
@@ -116,7 +128,6 @@ def _generate(ns: argparse.Namespace) -> int:
         seed=ns.sampling_seed,
         n=ns.n,
     )
-    args = engine_args_from(ns)
     llm = LLM(**args.model_dump())
     for prompt, out in zip(ns.prompt, llm.generate(ns.prompt, params), strict=True):
         for choice in out.outputs:
@@ -132,10 +143,10 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from kvfleet.engine.server.app import EXIT_ENGINE_STUCK, serve
-
     settings = server_settings_from(ns)
     args = engine_args_from(ns)
+    from kvfleet.engine.server.app import EXIT_ENGINE_STUCK, serve
+
     # Before the model loads: a missing SDK or a bad endpoint is said at once.
     tracing = tracing_from(ns.otlp_traces_endpoint, "engine")
     try:
@@ -168,15 +179,45 @@ def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     return settings
 
 
+class FlagParser(argparse.ArgumentParser):
+    """A parser that refuses an argument it does not know itself, naming the nearest flag. A
+    subcommand's parser so answers a mistake with its own usage: argparse hands a subcommand's
+    leftovers up to the top-level parser, whose usage and flags are not the subcommand's."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unrecognized(extras))
+        return ns, extras
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        named = []
+        for arg in extras:
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+            named.append(f"{arg} (did you mean {near[0]}?)" if arg[:1] == "-" and near else arg)
+        return (
+            f"unrecognized argument{'s' if len(extras) > 1 else ''}: {', '.join(named)}; "
+            f"{self.prog} --help lists them all"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: "--por 9999" must not be taken for "--port", or a prefix
     # could slip a managed flag past a check that looks for the full name (the operator's).
-    parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__, allow_abbrev=False)
+    parser = FlagParser(prog="kvfleet-engine", description=__doc__, allow_abbrev=False)
     add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # The usage lines are short: the flags are listed once, in --help, and a usage error is
+    # the usage line and one line of what is wrong, not the list of every flag.
     gen = sub.add_parser(
-        "generate", help="complete prompts offline and print the results", allow_abbrev=False
+        "generate",
+        help="complete prompts offline and print the results",
+        usage="%(prog)s --prompt TEXT [--prompt TEXT ...] [options]",
+        allow_abbrev=False,
     )
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeatable")
     gen.add_argument(
@@ -191,8 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(gen, defaults=False)
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
-    srv.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    srv = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        usage="%(prog)s [MODEL] [options]",
+        allow_abbrev=False,
+    )
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(srv)
     add_model_flags(srv, ServerSettings, "server")
     add_tracing_flag(srv)
@@ -211,19 +257,30 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except ValidationError as e:
         logger.error("%s", one_line(e))
-        return 2
+        return EXIT_START_ERROR
     except (ValueError, OSError, TracingUnavailable) as e:
-        logger.error("%s", e)
-        return 2
+        # One line, whatever a library put in its message.
+        logger.error("%s", " ".join(str(e).split()))
+        return EXIT_START_ERROR
 
 
 def one_line(e: ValidationError) -> str:
-    """A settings error as a person reads it: each field and what is wrong with it, no dump."""
+    """A settings error as a person reads it: each flag, the value given and what is wrong with
+    it, no dump. Settings fields are flags of the same name (max_num_seqs: --max-num-seqs)."""
     parts = []
     for err in e.errors():
-        field = ".".join(str(p) for p in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{field}: {message}" if field else message)
+        if not err["loc"]:
+            parts.append(message)
+            continue
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        # A number is shown as given; a string's own validator names it (a template would be
+        # long), and argparse has checked choices.
+        value = err.get("input")
+        given = (
+            f" {value}" if isinstance(value, int | float) and not isinstance(value, bool) else ""
+        )
+        parts.append(f"{flag}{given}: {message}")
     return "; ".join(parts)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from kvfleet.engine.checkpoint_path import find_checkpoint
 from kvfleet.engine.engine_args import EngineArgs
 from kvfleet.engine.layers.fp8 import Fp8Config, check_fp8_device, resolve_fp8
 
@@ -44,19 +45,9 @@ class ModelConfig(BaseModel):
 
         from kvfleet.engine.models import gguf_checkpoint
 
-        path = Path(args.model)
-        gguf_file = gguf_checkpoint.find_gguf(path)
-        if gguf_file is not None:
-            path = gguf_file
-            hf_config = gguf_checkpoint.load_config(gguf_file)
-        elif (path / "config.json").is_file():
-            hf_config = AutoConfig.from_pretrained(path)
-        else:
-            raise FileNotFoundError(
-                f"{args.model!r} has no config.json: kvfleet loads models from a local GGUF file "
-                "or directory (HF layout: config.json + *.safetensors); it never downloads from "
-                "a hub"
-            )
+        path = find_checkpoint(args.model)
+        gguf = path.is_file()
+        hf_config = gguf_checkpoint.load_config(path) if gguf else AutoConfig.from_pretrained(path)
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{path} names no architecture")
@@ -64,8 +55,9 @@ class ModelConfig(BaseModel):
         native_len = int(hf_config.max_position_embeddings)
         if args.max_model_len is not None and args.max_model_len > native_len:
             raise ValueError(
-                f"max_model_len={args.max_model_len} exceeds the model's "
-                f"max_position_embeddings={native_len}"
+                f"--max-model-len {args.max_model_len} is more than the model's context length "
+                f"of {native_len} tokens (its max_position_embeddings): pass {native_len} or "
+                "less, or leave it out to use the model's"
             )
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -82,7 +74,7 @@ class ModelConfig(BaseModel):
             path=path,
             hf_config=hf_config,
             architecture=archs[0],
-            dtype=_resolve_dtype(args.dtype, hf_config, device, gguf=gguf_file is not None),
+            dtype=_resolve_dtype(args.dtype, hf_config, device, gguf=gguf),
             max_model_len=args.max_model_len or native_len,
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=num_kv_heads,

@@ -150,19 +150,27 @@ class EngineArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
-        import torch
+        # torch only where the machine decides (the defaults ask nothing of it), so that the
+        # command line says a wrong model path before it loads torch.
+        if self.device == "cuda":
+            import torch
 
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but no CUDA device is visible")
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' was asked for but no CUDA device is visible")
         tp = self.tensor_parallel_size
-        if tp > 1 and self.resolved_device().type == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size={tp} needs {tp} GPUs but {torch.cuda.device_count()} "
-                "are visible"
-            )
+        if tp > 1 and self.resolved_device().type == "cuda":
+            import torch
+
+            if tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={tp} needs {tp} GPUs but {torch.cuda.device_count()} "
+                    "are visible"
+                )
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8')")
         if self.kv_cache_dtype != "auto" and self.resolved_device().type == "cuda":
+            import torch
+
             major, minor = torch.cuda.get_device_capability()
             if (major, minor) < (8, 9):
                 raise ValueError(

@@ -111,7 +111,12 @@ def resolve_api_key(settings: ServerSettings) -> str | None:
     if settings.api_key:
         return settings.api_key
     if settings.api_key_file:
-        key = Path(settings.api_key_file).read_text().strip()
+        try:
+            key = Path(settings.api_key_file).read_text().strip()
+        except OSError as e:
+            raise OSError(
+                f"--api-key-file {settings.api_key_file}: cannot read it ({e.strerror})"
+            ) from None
         if not key:
             raise ValueError(f"the API key file {settings.api_key_file} is empty")
         return key
