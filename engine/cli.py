@@ -6,10 +6,11 @@ import argparse
 import difflib
 import logging
 import os
+import signal
 import sys
 import types
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -26,8 +27,9 @@ from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, trac
 logger = logging.getLogger("kvfleet.engine")
 
 # A start-up error (a bad setting, a model that is not there, a port in use) exits 2, as
-# argparse's usage errors do.
+# argparse's usage errors do; Ctrl-C exits 130, as a shell reports a process SIGINT ended.
 EXIT_START_ERROR = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
@@ -145,25 +147,41 @@ def _serve(ns: argparse.Namespace) -> int:
 
     settings = server_settings_from(ns)
     args = engine_args_from(ns)
-    from kvfleet.engine.server.app import EXIT_ENGINE_STUCK, serve
+    from kvfleet.engine.server.app import serve
 
     # Before the model loads: a missing SDK or a bad endpoint is said at once.
     tracing = tracing_from(ns.otlp_traces_endpoint, "engine")
+    runner = asyncio.Runner()
     try:
-        code = asyncio.run(serve(args, settings, tracing))
+        code = runner.run(serve(args, settings, tracing))
+    except BaseException:
+        runner.close()
+        raise
     finally:
         if tracing is not None:
             tracing.shutdown()
-    if code == EXIT_ENGINE_STUCK:
-        # The engine thread is still in a step, inside a torch op. The interpreter's
-        # finalization would end it with pthread_exit when the op returns, an unwind through
-        # torch's C++ frames that aborts the process (SIGABRT, "terminate called without an
-        # active exception"): leave without finalizing, the logs flushed.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if code != 0:
+        # app.EXIT_ENGINE_STUCK, or a signal cut the model's load or the drain short: a thread is
+        # still inside a torch op (the load, a step). Closing the loop would wait for its
+        # threads, and the interpreter's finalization would end them with pthread_exit when
+        # the op returns, an unwind through torch's C++ frames that aborts the process
+        # (SIGABRT, "terminate called without an active exception").
+        exit_without_finalizing(code)
+    runner.close()
     return code
+
+
+def exit_without_finalizing(code: int) -> NoReturn:
+    """Exit now, the logs flushed, leaving the process's threads as they are. Its
+    multiprocessing children (tensor-parallel workers) are ended as a normal exit ends them."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
@@ -262,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         # One line, whatever a library put in its message.
         logger.error("%s", " ".join(str(e).split()))
         return EXIT_START_ERROR
+    except KeyboardInterrupt:
+        # Ctrl-C before the server's own handling of it (importing, fetching the default
+        # model) or while `generate` runs.
+        logger.warning("interrupted")
+        return EXIT_INTERRUPTED
 
 
 def one_line(e: ValidationError) -> str:

@@ -8,7 +8,9 @@ import logging
 import signal
 import socket
 import time
-from typing import Any
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -294,7 +296,16 @@ class EngineServer:
     async def start(self) -> None:
         # Loading a model takes from seconds to minutes: a port that is taken is said first.
         check_port_free(self.settings.host, self.settings.port)
-        self.engine, metrics = await asyncio.to_thread(create_engine, self.args, self.settings)
+        # On a thread of its own, not the loop's default executor: when a signal ends serve()
+        # during the load, the process exits without waiting for it, where closing the loop
+        # would join the default executor's threads, and so wait for the whole load.
+        loader = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-load")
+        try:
+            self.engine, metrics = await asyncio.get_running_loop().run_in_executor(
+                loader, create_engine, self.args, self.settings
+            )
+        finally:
+            loader.shutdown(wait=False)
         self.app = build_app(self.engine, metrics, self.settings, self.tracing)
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its
         # request and frees its KV blocks, even before the first byte was due.
@@ -329,25 +340,42 @@ class EngineServer:
         assert self._runner is not None
         return self._runner.addresses[0][1]
 
-    async def shutdown(self) -> bool:
-        """New requests get 503 while the ones in flight finish, up to shutdown_timeout; what
-        is still running then is aborted (streams end with an error event, the others get 503
-        "draining"), and the connections are closed soon after. The engine loop's step in
-        progress is interrupted; False if the loop was stuck and is left running (AsyncEngine
-        .stop), its engine not closed."""
+    async def shutdown(self, stop_now: asyncio.Event | None = None) -> bool:
+        """New requests get 503 while the ones in flight finish, up to shutdown_timeout or until
+        `stop_now` is set; what is still running then is aborted (streams end with an error
+        event, the others get 503 "draining"), and the connections are closed soon after. The
+        engine loop's step in progress is interrupted; False if the loop was stuck and is left
+        running (AsyncEngine.stop), its engine not closed, or if `stop_now` is set before the
+        loop has stopped (it is not waited for)."""
         assert self.app is not None and self.engine is not None and self._runner is not None
         self.app[SERVING].draining = True
-        deadline = time.monotonic() + self.settings.shutdown_timeout
-        logger.info("shutting down: draining %d in-flight requests", self.engine.num_unfinished)
-        while self.engine.num_unfinished and time.monotonic() < deadline:
+        timeout = self.settings.shutdown_timeout
+        deadline = time.monotonic() + timeout
+        if self.engine.num_unfinished:
+            logger.info(
+                "draining: waiting up to %gs for %d requests in flight%s",
+                timeout,
+                self.engine.num_unfinished,
+                "" if stop_now is None else "; Ctrl-C again (or a second SIGTERM) to stop now",
+            )
+        stop_now = stop_now or asyncio.Event()
+        while self.engine.num_unfinished and time.monotonic() < deadline and not stop_now.is_set():
             await asyncio.sleep(0.05)
         if self.engine.num_unfinished:
-            logger.warning("shutdown timeout: aborting %d requests", self.engine.num_unfinished)
+            logger.warning(
+                "%s: aborting %d requests",
+                "stopping now" if stop_now.is_set() else "shutdown timeout",
+                self.engine.num_unfinished,
+            )
             self.engine.abort_all("the server is shutting down")
             # Let the handlers write their error events and responses.
             await asyncio.sleep(0.1)
         await self._runner.cleanup()
-        if not await self.engine.stop():
+        stopping = await _unless(stop_now, self.engine.stop())
+        if stopping is None:
+            logger.warning("stopping now: not waiting for the engine loop to stop")
+            return False
+        if not stopping.result():
             return False
         # The server made this engine: its memory goes back with it, whoever still refers to
         # the server object.
@@ -356,14 +384,68 @@ class EngineServer:
         return True
 
 
+class StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C), from the start of serve(): the first asks for a stop (the
+    model's load is given up, a server drains), the second for an immediate one."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+        self.last = signal.SIGINT
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._received, sig)
+
+    def _received(self, sig: signal.Signals) -> None:
+        self.last = sig
+        if self.first.is_set() and not self.second.is_set():
+            logger.warning("%s again: stopping now", sig.name)
+            self.second.set()
+        self.first.set()
+
+    @property
+    def name(self) -> str:
+        return self.last.name
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the last signal's number, as a shell reports a process that signal ended."""
+        return 128 + self.last
+
+
+T = TypeVar("T")
+
+
+async def _unless(stop: asyncio.Event, work: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`work` run until it ends, or until `stop` is set first: its finished future (whose
+    result() returns or raises what `work` did), or None, `work` cancelled."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        finished = task.done()
+        if not finished:
+            task.cancel()
+    return task if finished else None
+
+
 async def serve(args: EngineArgs, settings: ServerSettings, tracing: Tracing | None = None) -> int:
-    """Serve until SIGTERM or SIGINT, then drain; 0, or EXIT_ENGINE_STUCK when the engine loop
-    was stuck in a step and is still running (the caller must exit without finalizing)."""
+    """Serve until SIGTERM or SIGINT, then drain; 0, EXIT_ENGINE_STUCK when the engine loop was
+    stuck in a step and is still running, or 128 + the signal's number when a signal came
+    during the model's load, or a second one during the drain: a thread is then left in the
+    load or a step. Unless 0, the caller must exit without finalizing (cli._serve)."""
+    signals = StopSignals()
     server = EngineServer(args, settings, tracing)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    return 0 if await server.shutdown() else EXIT_ENGINE_STUCK
+    started = await _unless(signals.first, server.start())
+    if started is None:
+        logger.warning("%s: interrupted while loading the model; exiting", signals.name)
+        return signals.exit_code
+    started.result()
+    await signals.first.wait()
+    logger.info("%s: shutting down", signals.name)
+    stopped = await server.shutdown(signals.second)
+    if signals.second.is_set():
+        return signals.exit_code
+    return 0 if stopped else EXIT_ENGINE_STUCK
