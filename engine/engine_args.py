@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvfleet.engine.host_memory import CPU_KV_SHARE, CPU_KV_SHARE_UNDER_LIMIT
 from kvfleet.protocol.byte_size import ByteSize
 
 if TYPE_CHECKING:
@@ -102,9 +103,10 @@ class EngineArgs(BaseModel):
         default=None,
         gt=0,
         description="memory for the KV cache; default on a GPU: what --gpu-memory-utilization "
-        "leaves after the weights and activations; on the CPU: 1/64 of the memory available at "
-        "start (in a container whose memory limit binds, half of what the limit leaves), at "
-        "least one --max-model-len sequence and at most --max-num-seqs of them",
+        "leaves after the weights and activations; on the CPU: "
+        f"1/{round(1 / CPU_KV_SHARE)} of the memory available at start (in a container whose "
+        f"memory limit binds, 1/{round(1 / CPU_KV_SHARE_UNDER_LIMIT)} of what the limit leaves), "
+        "at least one --max-model-len sequence and at most --max-num-seqs of them",
     )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto",

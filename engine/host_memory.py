@@ -1,8 +1,10 @@
 """Host memory this process may still take: the kernel's estimate of what is available, bounded
-by the memory cgroup it runs in (a container's limit), which the kernel's figure ignores.
+by the memory cgroup it runs in (a container's limit), which the kernel's figure ignores; and
+the CPU engine's default KV-cache budget, a share of it.
 
 In a pod, /proc/meminfo describes the node: a cache sized from it alone would be OOM-killed at
-the container's limit long before the node ran short."""
+the container's limit long before the node ran short. Torch-free: the command line's help
+states the share."""
 
 from __future__ import annotations
 
@@ -90,3 +92,20 @@ def available_memory(meminfo: Path = PROC_MEMINFO, cgroup_root: Path = CGROUP_RO
     if headroom is not None and headroom < host:
         return Available(headroom, under_limit=True)
     return Available(host, under_limit=False)
+
+
+# The CPU path serves development machines, whose memory a browser and an IDE share: by default
+# its KV cache takes a small share of the memory available at start, more only when asked
+# (--kv-cache-memory-bytes). In a container whose memory limit is the bound, the limit was sized
+# for the engine: the cache takes half the headroom left after the weights, the other half for
+# activations, request buffers and the grammar workers.
+CPU_KV_SHARE = 1 / 64
+CPU_KV_SHARE_UNDER_LIMIT = 1 / 2
+
+
+def cpu_kv_budget(available: Available, sequence_bytes: int, max_num_seqs: int) -> int:
+    """The CPU's default KV-cache bytes: a share of the available memory, but at least one
+    sequence at max_model_len (so every admissible request fits) and at most max_num_seqs of
+    them (what the configuration can use)."""
+    share = CPU_KV_SHARE_UNDER_LIMIT if available.under_limit else CPU_KV_SHARE
+    return min(max_num_seqs * sequence_bytes, max(sequence_bytes, int(available.bytes * share)))

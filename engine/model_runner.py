@@ -18,7 +18,7 @@ from kvfleet.engine.attention_metadata import AttentionMetadata, attention_conte
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
-from kvfleet.engine.host_memory import Available, available_memory
+from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
@@ -35,23 +35,6 @@ from kvfleet.engine.scheduler import SchedulerOutput
 from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-# The CPU path serves development machines, whose memory a browser and an IDE share: by default
-# its KV cache takes a small share of the memory available at start, more only when asked
-# (--kv-cache-memory-bytes). In a container whose memory limit is the bound, the limit was sized
-# for the engine: the cache takes half the headroom left after the weights, the other half for
-# activations, request buffers and the grammar workers.
-CPU_KV_SHARE = 1 / 64
-CPU_KV_SHARE_UNDER_LIMIT = 1 / 2
-
-
-def cpu_kv_budget(available: Available, sequence_bytes: int, max_num_seqs: int) -> int:
-    """The CPU's default KV-cache bytes: a share of the available memory, but at least one
-    sequence at max_model_len (so every admissible request fits) and at most max_num_seqs of
-    them (what the configuration can use)."""
-    share = CPU_KV_SHARE_UNDER_LIMIT if available.under_limit else CPU_KV_SHARE
-    return min(max_num_seqs * sequence_bytes, max(sequence_bytes, int(available.bytes * share)))
-
 
 # K/V token reads a step may add by running its prompt tokens as decode rows (each re-reads its
 # context): 32k token-positions x ~4 KB a layer for 8B-class models stays under a millisecond on

@@ -10,13 +10,15 @@ import pytest
 
 from kvfleet.engine import host_memory, model_runner
 from kvfleet.engine.host_memory import (
+    CPU_KV_SHARE,
+    CPU_KV_SHARE_UNDER_LIMIT,
     Available,
     available_memory,
     cgroup_headroom,
+    cpu_kv_budget,
     meminfo_available,
 )
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.model_runner import CPU_KV_SHARE, CPU_KV_SHARE_UNDER_LIMIT, cpu_kv_budget
 
 GIB = 1 << 30
 MEMINFO = "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20971520 kB\n"
