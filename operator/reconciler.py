@@ -73,6 +73,7 @@ CHILD_RESOURCES = (
     ("", "v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
     ("", "v1", "pods"),
 )
 
