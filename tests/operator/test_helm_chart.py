@@ -617,6 +617,7 @@ BAD_VALUES = [
     ("serviceAccount.create=yes", "/serviceAccount/create", "want boolean"),
     ("grafana.dashboard.namespace=Monitoring", "/grafana/dashboard/namespace", "pattern"),
     ("prometheusRule.sustainedFor=soon", "/prometheusRule/sustainedFor", "pattern"),
+    ("prometheusRule.sustainedFor=30s15m", "/prometheusRule/sustainedFor", "pattern"),
     (
         "prometheusRule.ttftSLO.thresholdSeconds=3",
         "/prometheusRule/ttftSLO/thresholdSeconds",

@@ -58,7 +58,10 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-DURATION = r"^([0-9]+(ms|[smhdwy]))+$"
+# The Prometheus Operator's duration: units in order, each at most once.
+DURATION = (
+    r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+)
 # The shape of a monitoring.coreos.com/v1 PrometheusRule as the Prometheus Operator's CRD
 # defines it, for the fields the chart writes (its CRD is not among Kubernetes' schemas).
 RULE_SCHEMA: dict[str, Any] = {
