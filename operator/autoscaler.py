@@ -62,6 +62,7 @@ import kopf
 from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
+from kvfleet.operator import service_metrics
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
 from kvfleet.operator.forecast import EngineStart, Sample, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
@@ -383,6 +384,7 @@ class Autoscaler:
         return set(self._tasks)
 
     def _forget(self, key: k.Key) -> None:
+        service_metrics.forget_decision(key)
         self._failing.pop(key, None)
         if body := self._seen.pop(key, None):
             uid = body["metadata"].get("uid", "")
@@ -496,6 +498,8 @@ class Autoscaler:
         )
         self._memory[uid] = (decision.history, decision.last_active)
         self._load[uid] = decision.load
+        if decision.wanted is not None:
+            service_metrics.record_decision(key, decision.wanted, spec.autoscaling.max_replicas)
         if 0 < decision.replicas < current:
             # Before the status write that makes the reconciler shrink the Deployment.
             await self._rank_for_deletion(namespace, of("engine"), metrics)

@@ -133,6 +133,9 @@ class ScaleDecision:
     # The load history the forecast reads (forecast.CYCLE_S of it), this step's included: for the
     # next decision.
     load: tuple[Sample, ...] = ()
+    # What the signals asked for before [min_replicas, max_replicas] bounded it (None: not
+    # given): above max_replicas, the service is held at its maximum.
+    wanted: int | None = None
 
 
 def bound_replicas(replicas: int, min_replicas: int, max_replicas: int) -> int:
@@ -259,6 +262,7 @@ def decide(
             signal = "idle"
         elif raw == 0:
             why, signal = f"no work for {policy.scale_to_zero_delay_s:g}s", "idle"
+    wanted = raw
     raw = bound_replicas(raw, policy.min_replicas, policy.max_replicas)
     if unanswered and raw < current:
         raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
@@ -297,7 +301,7 @@ def decide(
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
     return ScaleDecision(
-        desired, why, history, last_active, signal, signals, unanswered, problems, load
+        desired, why, history, last_active, signal, signals, unanswered, problems, load, wanted
     )
 
 

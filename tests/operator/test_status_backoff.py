@@ -30,6 +30,7 @@ from tests.support.kmock import (
     Fault,
     api,
     by_operator,
+    child_names,
     children_of,
     condition,
     create,
@@ -147,7 +148,7 @@ async def test_transient_errors_on_an_apply_are_retried_quietly(cluster):
     conflict = k.inject(Fault("PATCH", url(DEPLOYMENTS, "demo-router"), 409, 2))
     async with operator(k):
         await create(k, DEMO, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await eventually(lambda: condition(k.live(ISVCS, NS, "demo"), "Progressing"))
         await settled(k)
     assert (unavailable.hits, conflict.hits) == (2, 2)
@@ -169,7 +170,7 @@ async def test_kubectl_scale_in_builtin_mode_is_not_silently_ignored(cluster):
     demo["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
     async with operator(k):
         await create(k, demo, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await settled(k)
         mark = len(k)
         await api(k, "patch", url(ISVCS, "demo", "scale"), {"spec": {"replicas": 3}})

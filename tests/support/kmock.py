@@ -51,6 +51,7 @@ CONFIGMAPS = "v1/configmaps"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 SLICES = "discovery.k8s.io/v1/endpointslices"
+PDBS = "policy/v1/poddisruptionbudgets"
 # resource -> (kind, namespaced, subresources): what the operator and the router read and write.
 RESOURCES = {
     ISVCS: ("InferenceService", True, {"status", "scale"}),
@@ -60,6 +61,7 @@ RESOURCES = {
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
+    PDBS: ("PodDisruptionBudget", True, {"status"}),
     PODS: ("Pod", True, {"status"}),
     SLICES: ("EndpointSlice", True, set()),
     EVENTS: ("Event", True, set()),
@@ -437,13 +439,21 @@ def children_of(k: APIServer, name: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-LLAMA_CHILDREN = {
-    "ConfigMap/llama-model-download",
-    "ServiceAccount/llama-router",
-    "Role/llama-router",
-    "RoleBinding/llama-router",
-    "Service/llama-engine",
-    "Deployment/llama-engine",
-    "Deployment/llama-router",
-    "Service/llama",
-}
+def child_names(name: str, *, download: bool = False) -> set[str]:
+    """The children of InferenceService `name` ("Kind/name"); download: an hf:// source's
+    ConfigMap too."""
+    names = {
+        f"ServiceAccount/{name}-router",
+        f"Role/{name}-router",
+        f"RoleBinding/{name}-router",
+        f"Service/{name}-engine",
+        f"PodDisruptionBudget/{name}-engine",
+        f"Deployment/{name}-engine",
+        f"PodDisruptionBudget/{name}-router",
+        f"Deployment/{name}-router",
+        f"Service/{name}",
+    }
+    return names | ({f"ConfigMap/{name}-model-download"} if download else set())
+
+
+LLAMA_CHILDREN = child_names("llama", download=True)
