@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= $(shell grep -m1 '^torch==' images/torch.txt)
 PORT ?= 8000
 
-.PHONY: install install-dev tools run test lint e2e fuzz soak images image-gpu image-test clean FORCE
+.PHONY: install install-dev tools run test lint e2e fuzz soak operator-soak images image-gpu image-test clean FORCE
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -77,6 +77,14 @@ fuzz: install-dev
 SOAK_SECONDS ?= 600
 soak: install-dev
 	$(PY) bench/soak.py --duration $(SOAK_SECONDS) --out soak.json
+
+# Ten minutes of Kubernetes API faults (410s, ended watches, 409s, 500s, slow answers, resets)
+# and users' edits against the operator as its own process, 20 services on kmock's emulator
+# (bench/operator_soak.py); fails unless the process never exits, /healthz stays 200, the
+# requests stay under the stated bounds, and every service converges once the faults stop.
+OPERATOR_SOAK_SECONDS ?= 600
+operator-soak: install-dev
+	$(PY) bench/operator_soak.py --duration $(OPERATOR_SOAK_SECONDS) --out operator-soak.json
 
 # Container images (docker; where no image registry is reachable, mmdebstrap builds the base):
 # kvfleet/operator:dev and kvfleet/engine-cpu:dev, each one's build time and size printed.

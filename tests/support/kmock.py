@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import inspect
 import itertools
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -84,9 +85,13 @@ def _merge(base: Any, patch: Any) -> Any:
 
 
 class Injected(Protocol):
-    """What APIServer.inject takes: an answer to a request it matches, else None."""
+    """What APIServer.inject takes: asked about each request before it is served, an answer to
+    send instead, or None to serve it; a coroutine may first hold the request (a slow API
+    server)."""
 
-    def answer(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None: ...
+    def answer(
+        self, request: kmock.Request
+    ) -> aiohttp.web.StreamResponse | Awaitable[aiohttp.web.StreamResponse | None] | None: ...
 
 
 InjectedT = TypeVar("InjectedT", bound=Injected)
@@ -166,19 +171,93 @@ class APIServer(kmock.KubernetesEmulator):
         self.faults: list[Injected] = []
         # When each request came (time.monotonic()), by its id.
         self.arrived: dict[int, float] = {}
+        self._in_flight: set[int] = set()  # id() of the requests not answered yet
+        self._streaming: set[int] = set()  # id() of the watches whose stream has started
+        # When a list: each request moves those answered before it out of kmock's log into it
+        # (forget_served), for runs too long for kmock's log.
+        self.served: list[kmock.Request] | None = None
+        # Seconds without an event after which a watch that allows bookmarks gets one, as a
+        # real API server sends them (about every minute); None: never, kmock's own behaviour.
+        self.bookmark_every: float | None = None
 
     def inject(self, fault: InjectedT) -> InjectedT:
         self.faults.append(fault)
         return fault
 
+    def forget_served(self) -> list[kmock.Request]:
+        """Take the requests answered so far out of kmock's log, and return them.
+
+        kmock finds the reaction to each request by walking its whole log, so a run of many
+        thousand requests (a soak) slows down as the square of their number; one that takes
+        them out as it goes keeps each request's cost flat. A request not yet given to its
+        reaction (one held by a fault) stays, for kmock to find it there; a watch whose stream
+        has started is taken out as served."""
+        log: list[kmock.Request] = self._requests
+        waiting = self._in_flight - self._streaming
+        served = [r for r in log if id(r) not in waiting]
+        log[:] = [r for r in log if id(r) in waiting]
+        return served
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        self._streaming.add(id(request))
+        try:
+            if self.bookmark_every is None or not request.params.get("allowWatchBookmarks"):
+                async for event in super()._serve_watch(request):
+                    yield event
+            else:
+                async for event in self._with_bookmarks(request, self.bookmark_every):
+                    yield event
+        finally:
+            self._streaming.discard(id(request))
+
+    async def _with_bookmarks(self, request: kmock.Request, every: float) -> AsyncIterator[Any]:
+        """kmock's watch stream, with a BOOKMARK whenever ``every`` seconds pass without an
+        event."""
+        events: asyncio.Queue[Any] = asyncio.Queue()
+        end = object()
+
+        async def pump() -> None:
+            try:
+                async for event in super(APIServer, self)._serve_watch(request):
+                    events.put_nowait(event)
+            except Exception as e:
+                events.put_nowait(e)
+            events.put_nowait(end)
+
+        pumping = asyncio.create_task(pump())
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), every)
+                except TimeoutError:
+                    version = {"resourceVersion": str(next(self._versions))}
+                    event = {"type": "BOOKMARK", "object": {"metadata": version}}
+                if event is end:
+                    return
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+        finally:
+            pumping.cancel()
+
     async def _handle(self, request: kmock.Request) -> Any:
         self.arrived[request.id] = time.monotonic()
-        for fault in self.faults:
-            if (response := fault.answer(request)) is not None:
-                return response
-        if request.resource is not None and isinstance(request.data, dict):
-            self._stamp(request)
-        return await super()._handle(request)
+        # Before any await: kmock logged it just before calling this.
+        self._in_flight.add(id(request))
+        if self.served is not None:
+            self.served += self.forget_served()
+        try:
+            for fault in self.faults:
+                response = fault.answer(request)
+                if inspect.isawaitable(response):
+                    response = await response
+                if response is not None:
+                    return response
+            if request.resource is not None and isinstance(request.data, dict):
+                self._stamp(request)
+            return await super()._handle(request)
+        finally:
+            self._in_flight.discard(id(request))
 
     def _stamp(self, request: kmock.Request) -> None:
         data = request.data
@@ -214,17 +293,25 @@ class APIServer(kmock.KubernetesEmulator):
                 meta["generation"] = current["metadata"].get("generation", 1) + 1
 
     def live(self, resource: Any, namespace: str | None, name: str | None) -> dict[str, Any] | None:
+        wanted = _resource(resource)
         for (res, ns, n), obj in self.objects.items():
-            if res == resource and ns == namespace and n == name and not obj.deleted:
+            if ns == namespace and n == name and res == wanted and not obj.deleted:
                 return obj.raw
         return None
 
     def every(self, resource: str) -> list[dict[str, Any]]:
+        wanted = _resource(resource)
         return [
             obj.raw
             for (res, _, _), obj in self.objects.items()
-            if res == resource and not obj.deleted
+            if res == wanted and not obj.deleted
         ]
+
+
+def _resource(resource: Any) -> Any:
+    """kmock's resource for "group/version/plural", parsed once: kmock parses a string again
+    at each comparison with its own, which made the lookups of a long run its slowest part."""
+    return kmock.resource(resource) if isinstance(resource, str) else resource
 
 
 @contextlib.asynccontextmanager
@@ -365,13 +452,13 @@ async def eventually(check: Callable[[], T], timeout: float = 10.0) -> T:
     return result
 
 
+def from_operator(request: kmock.Request) -> bool:
+    """kopf's own requests (watches, events, peering) and those of the operator's client."""
+    return request.headers.get("User-Agent", "").startswith(("kopf/", "kvfleet-operator/"))
+
+
 def by_operator(k: APIServer, since: int = 0) -> list[kmock.Request]:
-    return [
-        r
-        for r in list(k)[since:]
-        # kopf's own requests (watches, events, peering) and those of the operator's client
-        if r.headers.get("User-Agent", "").startswith(("kopf/", "kvfleet-operator/"))
-    ]
+    return [r for r in list(k)[since:] if from_operator(r)]
 
 
 def writes(k: APIServer, since: int = 0) -> list[str]:
