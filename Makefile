@@ -46,9 +46,11 @@ tools: $(TOOLS)/helm
 
 # The main job: the OpenAI-compatible server on the built-in default model,
 # SmolLM2-135M-Instruct (a Q4_1 GGUF fetched once into ~/.cache/kvfleet, served as
-# smollm2-135m-instruct). MODEL=/path/to/hf-model-or.gguf serves another.
+# smollm2-135m-instruct). MODEL=/path/to/hf-model-or.gguf serves another; ARGS="..." passes
+# engine flags (kvfleet-engine serve --help), e.g. ARGS="--max-model-len 4096".
+ARGS ?=
 run: install
-	$(VENV)/bin/kvfleet-engine serve $(MODEL) --port $(PORT)
+	$(VENV)/bin/kvfleet-engine serve $(MODEL) --port $(PORT) $(ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check .

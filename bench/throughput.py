@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
+    from kvfleet.engine.checkpoint_path import find_gguf
     from kvfleet.engine.models import gguf_checkpoint
 
-    gguf_file = gguf_checkpoint.find_gguf(args.model)
+    gguf_file = find_gguf(args.model)
     config = (
         gguf_checkpoint.load_config(gguf_file)
         if gguf_file is not None

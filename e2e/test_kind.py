@@ -21,7 +21,9 @@ NAME = "e2e"
 NAMESPACE = "default"
 MANIFEST = Path(__file__).parent / "inferenceservice-e2e.yaml"
 MODEL = "kvfleet-tiny-random-llama"
-CHILD_KINDS = "deployments,services,serviceaccounts,roles,rolebindings,configmaps"
+CHILD_KINDS = (
+    "deployments,services,serviceaccounts,roles,rolebindings,configmaps,poddisruptionbudgets"
+)
 
 
 def kubectl(context: str, *args: str, timeout: float = 120) -> str:

@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvfleet.engine.config import EngineArgs
+    from kvfleet.engine.engine_args import EngineArgs
     from kvfleet.engine.llm import LLM
     from kvfleet.engine.outputs import CompletionOutput, RequestOutput
     from kvfleet.engine.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ __all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingPa
 # Imported on first use: a process that needs one submodule (the grammar sandbox's worker, a
 # command's --help) does not pay for torch.
 _HOMES = {
-    "EngineArgs": "kvfleet.engine.config",
+    "EngineArgs": "kvfleet.engine.engine_args",
     "LLM": "kvfleet.engine.llm",
     "CompletionOutput": "kvfleet.engine.outputs",
     "RequestOutput": "kvfleet.engine.outputs",

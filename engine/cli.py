@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import signal
 import sys
 import types
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
-from kvfleet.engine.config import EngineArgs
+# Nothing heavy is imported here (no torch, aiohttp or the engine): --help, a mistyped flag and
+# a model path that is not there are answered at once; each command imports what it runs.
+from kvfleet.engine.checkpoint_path import find_checkpoint
+from kvfleet.engine.engine_args import EngineArgs
+from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
+from kvfleet.protocol.byte_size import BYTE_SIZE, FORMS, byte_size_flag, format_byte_size
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, tracing_from
 
-if TYPE_CHECKING:
-    from kvfleet.engine.server.app import ServerSettings
-
 logger = logging.getLogger("kvfleet.engine")
+
+# A start-up error (a bad setting, a model that is not there, a port in use) exits 2, as
+# argparse's usage errors do; Ctrl-C exits 130, as a shell reports a process SIGINT ended.
+EXIT_START_ERROR = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
@@ -36,6 +47,12 @@ def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
 
 # argparse fills in the parser's own default, so the help cannot name a stale one.
 DEFAULT = " (default: %(default)s)"
+
+
+def _is_byte_size(field: FieldInfo) -> bool:
+    """A field typed ByteSize (protocol.byte_size), alone or in a union with None."""
+    inner = [a for a in get_args(field.annotation) if get_origin(a) is Annotated]
+    return BYTE_SIZE in field.metadata or any(BYTE_SIZE in get_args(a)[1:] for a in inner)
 
 
 def with_default(help_text: str, default: Any) -> str:
@@ -62,6 +79,16 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], tit
                 "directory holding one; default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched "
                 "once into ~/.cache/kvfleet and served as smollm2-135m-instruct",
             )
+        elif _is_byte_size(field):
+            # The default as a size ("16Mi"): argparse passes a string default through `type`.
+            default = None if field.default is None else format_byte_size(field.default)
+            group.add_argument(
+                flag,
+                type=byte_size_flag,
+                default=default,
+                metavar="SIZE",
+                help=with_default(f"{field.description}; {FORMS}", default),
+            )
         elif field.annotation is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
@@ -78,15 +105,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The engine's arguments from the flags, the model fetched if it is the default one, and
+    its path checked: a path that names no model is said before the engine is imported."""
     values = {name: getattr(ns, name) for name in EngineArgs.model_fields}
     if values["model"] is None:
         from kvfleet.engine.default_model import default_model_path
 
         values["model"] = str(default_model_path())
-    return EngineArgs(**values)
+    args = EngineArgs(**values)
+    find_checkpoint(args.model)
+    return args
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    args = engine_args_from(ns)
     from kvfleet.engine.llm import LLM
     from kvfleet.engine.sampling_params import SamplingParams
 
@@ -98,7 +130,6 @@ def _generate(ns: argparse.Namespace) -> int:
         seed=ns.sampling_seed,
         n=ns.n,
     )
-    args = engine_args_from(ns)
     llm = LLM(**args.model_dump())
     for prompt, out in zip(ns.prompt, llm.generate(ns.prompt, params), strict=True):
         for choice in out.outputs:
@@ -114,35 +145,49 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from kvfleet.engine.server.app import EXIT_ENGINE_STUCK, serve
-
     settings = server_settings_from(ns)
     args = engine_args_from(ns)
+    from kvfleet.engine.server.app import serve
+
     # Before the model loads: a missing SDK or a bad endpoint is said at once.
     tracing = tracing_from(ns.otlp_traces_endpoint, "engine")
+    runner = asyncio.Runner()
     try:
-        code = asyncio.run(serve(args, settings, tracing))
+        code = runner.run(serve(args, settings, tracing))
+    except BaseException:
+        runner.close()
+        raise
     finally:
         if tracing is not None:
             tracing.shutdown()
-    if code == EXIT_ENGINE_STUCK:
-        # The engine thread is still in a step, inside a torch op. The interpreter's
-        # finalization would end it with pthread_exit when the op returns, an unwind through
-        # torch's C++ frames that aborts the process (SIGABRT, "terminate called without an
-        # active exception"): leave without finalizing, the logs flushed.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if code != 0:
+        # app.EXIT_ENGINE_STUCK, or a signal cut the model's load or the drain short: a thread is
+        # still inside a torch op (the load, a step). Closing the loop would wait for its
+        # threads, and the interpreter's finalization would end them with pthread_exit when
+        # the op returns, an unwind through torch's C++ frames that aborts the process
+        # (SIGABRT, "terminate called without an active exception").
+        exit_without_finalizing(code)
+    runner.close()
     return code
+
+
+def exit_without_finalizing(code: int) -> NoReturn:
+    """Exit now, the logs flushed, leaving the process's threads as they are. Its
+    multiprocessing children (tensor-parallel workers) are ended as a normal exit ends them."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     """The server's settings from `serve` flags, the API key resolved (flag, file, environment)
     so that a missing or empty key file fails at startup; the default model is served under its
     short name rather than its cache path."""
-    from kvfleet.engine.server.app import ServerSettings, resolve_api_key
-
     settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
     settings.api_key = resolve_api_key(settings)
     if settings.served_model_name is None and ns.model is None:
@@ -152,15 +197,45 @@ def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     return settings
 
 
+class FlagParser(argparse.ArgumentParser):
+    """A parser that refuses an argument it does not know itself, naming the nearest flag. A
+    subcommand's parser so answers a mistake with its own usage: argparse hands a subcommand's
+    leftovers up to the top-level parser, whose usage and flags are not the subcommand's."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unrecognized(extras))
+        return ns, extras
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        named = []
+        for arg in extras:
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+            named.append(f"{arg} (did you mean {near[0]}?)" if arg[:1] == "-" and near else arg)
+        return (
+            f"unrecognized argument{'s' if len(extras) > 1 else ''}: {', '.join(named)}; "
+            f"{self.prog} --help lists them all"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: "--por 9999" must not be taken for "--port", or a prefix
     # could slip a managed flag past a check that looks for the full name (the operator's).
-    parser = argparse.ArgumentParser(prog="kvfleet-engine", description=__doc__, allow_abbrev=False)
+    parser = FlagParser(prog="kvfleet-engine", description=__doc__, allow_abbrev=False)
     add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # The usage lines are short: the flags are listed once, in --help, and a usage error is
+    # the usage line and one line of what is wrong, not the list of every flag.
     gen = sub.add_parser(
-        "generate", help="complete prompts offline and print the results", allow_abbrev=False
+        "generate",
+        help="complete prompts offline and print the results",
+        usage="%(prog)s --prompt TEXT [--prompt TEXT ...] [options]",
+        allow_abbrev=False,
     )
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeatable")
     gen.add_argument(
@@ -175,11 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(gen, defaults=False)
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", allow_abbrev=False)
-    srv.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    srv = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        usage="%(prog)s [MODEL] [options]",
+        allow_abbrev=False,
+    )
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(srv)
-    from kvfleet.engine.server.app import ServerSettings
-
     add_model_flags(srv, ServerSettings, "server")
     add_tracing_flag(srv)
     add_log_flags(srv, defaults=False)
@@ -197,19 +275,35 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except ValidationError as e:
         logger.error("%s", one_line(e))
-        return 2
+        return EXIT_START_ERROR
     except (ValueError, OSError, TracingUnavailable) as e:
-        logger.error("%s", e)
-        return 2
+        # One line, whatever a library put in its message.
+        logger.error("%s", " ".join(str(e).split()))
+        return EXIT_START_ERROR
+    except KeyboardInterrupt:
+        # Ctrl-C before the server's own handling of it (importing, fetching the default
+        # model) or while `generate` runs.
+        logger.warning("interrupted")
+        return EXIT_INTERRUPTED
 
 
 def one_line(e: ValidationError) -> str:
-    """A settings error as a person reads it: each field and what is wrong with it, no dump."""
+    """A settings error as a person reads it: each flag, the value given and what is wrong with
+    it, no dump. Settings fields are flags of the same name (max_num_seqs: --max-num-seqs)."""
     parts = []
     for err in e.errors():
-        field = ".".join(str(p) for p in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{field}: {message}" if field else message)
+        if not err["loc"]:
+            parts.append(message)
+            continue
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        # A number is shown as given; a string's own validator names it (a template would be
+        # long), and argparse has checked choices.
+        value = err.get("input")
+        given = (
+            f" {value}" if isinstance(value, int | float) and not isinstance(value, bool) else ""
+        )
+        parts.append(f"{flag}{given}: {message}")
     return "; ".join(parts)
 
 

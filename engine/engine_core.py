@@ -8,8 +8,10 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
+from kvfleet.engine.checkpoint_path import find_gguf
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
@@ -30,9 +32,15 @@ def load_tokenizer(path: str) -> Any:
 
     from kvfleet.engine.models import gguf_checkpoint
 
-    gguf_file = gguf_checkpoint.find_gguf(path)
+    gguf_file = find_gguf(path)
     if gguf_file is not None:
         return gguf_checkpoint.load_tokenizer(gguf_file)
+    if not Path(path).is_dir():
+        # transformers would take the name for a hub id and try to download it.
+        raise FileNotFoundError(
+            f"tokenizer {path} is not a directory: pass --tokenizer an HF tokenizer directory "
+            "(tokenizer.json, tokenizer_config.json) or a .gguf file that carries one"
+        )
     return AutoTokenizer.from_pretrained(path)
 
 

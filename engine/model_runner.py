@@ -18,6 +18,7 @@ from kvfleet.engine.attention_metadata import AttentionMetadata, attention_conte
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
+from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
@@ -34,10 +35,6 @@ from kvfleet.engine.scheduler import SchedulerOutput
 from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-# Host memory given to the KV cache on the CPU when nothing else is said (vLLM's CPU default).
-_CPU_KV_CACHE_BYTES = 4 << 30
-
 
 # K/V token reads a step may add by running its prompt tokens as decode rows (each re-reads its
 # context): 32k token-positions x ~4 KB a layer for 8B-class models stays under a millisecond on
@@ -244,14 +241,14 @@ class ModelRunner:
             num = args.num_gpu_blocks_override
         else:
             budget = args.kv_cache_memory_bytes
-            if budget is None:
-                budget = (
-                    self._cuda_kv_budget() if self.device.type == "cuda" else _CPU_KV_CACHE_BYTES
-                )
+            if budget is None and self.device.type == "cuda":
+                budget = self._cuda_kv_budget()
+            elif budget is None:
+                sequence = self.max_blocks_per_seq * self.block_bytes
+                # Plus the null block, so that the floor of one full sequence holds.
+                budget = cpu_kv_budget(available_memory(), sequence, args.max_num_seqs)
+                budget += self.block_bytes
             num = budget // self.block_bytes
-            if self.device.type == "cpu" and args.kv_cache_memory_bytes is None:
-                # No point holding more than every sequence at full length (plus the null block).
-                num = min(num, args.max_num_seqs * self.max_blocks_per_seq + 1)
             # Every rank holds the same blocks (its own heads of them): the smallest budget wins.
             num = all_reduce_min(num, self.device)
         if num < 2:
@@ -267,7 +264,7 @@ class ModelRunner:
     def _log_kv_size(self, num: int, tokens: int) -> None:
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s); max concurrency at "
-            "max_model_len=%d: %.2fx",
+            "max_model_len=%d: %.2fx (--kv-cache-memory-bytes sets the size)",
             num - 1,
             self.block_size,
             tokens,

@@ -20,8 +20,9 @@ to REFRESH_SECONDS early.
 
 For scaling ahead (forecast.py), each step learns the engine start time from the engine pods it
 lists (kept in status.autoscaling too: a restart keeps it; a new start is part of the content, so
-it is written when learned) and keeps the load samples of the last minute in the process only:
-after a restart the forecast waits for the window to fill again.
+it is written when learned) and keeps the load samples of the last ten minutes (the trend's
+window and the load's cycle, forecast.CYCLE_S) in the process only: after a restart the forecast
+waits for the window to fill again, and knows no cycle until the load falls again.
 
 The remembered times are checked against the operator's clock as a step reads them: one ahead
 (a skewed clock, a status written by hand) counts as now, never holding a window or the idle
@@ -30,10 +31,16 @@ a Warning Event ClockSkew and status.autoscaling.clockSkew (clamp_future).
 
 A step that fails (the API, a scrape or the decision raising) leaves the replica count as it is
 and is tried again the next interval. It is made visible once per cause, not once per interval:
+a log warning and a Warning Event go with each new cause and a Normal one with the recovery,
 status.autoscaling.failure names the cause (written when the cause changes, removed by the next
-step that succeeds), a Warning Event goes with each new cause and a Normal one with the recovery,
-and kvfleet_operator_autoscaling_failures_total{reason} counts every failed step. Each service has
-its own task, so one service's failures never delay another's steps.
+step that succeeds), and kvfleet_operator_autoscaling_failures_total{reason} counts every failed
+step. A step whose status write fails (StatusWriteFailed) cannot say so in the status: the
+StatusWriter reports it (status_writer.py). Each service has its own task, so one service's
+failures never delay another's steps.
+
+Each request of a step is sent once, not retried within it: the next interval is its retry. So
+a service costs at most 3 API requests an interval whatever fails (its read, its pod list, one
+status write), and its status writes back off further while they fail (kube.py).
 
 A loop ends when its service is gone: a watch event says so, or, should that event be missed
 (a watch that broke at the wrong moment), the loop's own GET answers 404.
@@ -55,6 +62,7 @@ import kopf
 from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
+from kvfleet.operator import service_metrics
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
 from kvfleet.operator.forecast import EngineStart, Sample, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
@@ -77,6 +85,7 @@ from kvfleet.operator.scaling_policy import (
 )
 from kvfleet.operator.spec import AutoscalingSpec, SpecError, engine_replicas, parse_spec
 from kvfleet.operator.status import timestamp
+from kvfleet.operator.status_writer import StatusWriter
 
 logger = logging.getLogger("kvfleet.operator.autoscaler")
 
@@ -100,10 +109,11 @@ CLOCK_SKEW_TOLERANCE_S = 5.0
 MAX_CLOCK_SKEW_MESSAGE = 1024  # the CRD's limit on status.autoscaling.clockSkew.message
 FAILURES = Counter(
     "kvfleet_operator_autoscaling_failures",
-    "Autoscaling steps that failed, by cause: APIError (reading the service or its pods, or "
-    "writing its status), ScrapeFailed, DecisionFailed.",
+    "Autoscaling steps that failed, by cause: APIError (reading the service or its pods), "
+    "ScrapeFailed, DecisionFailed, StatusWriteFailed.",
     ["reason"],
 )
+STATUS_WRITE_FAILED = "StatusWriteFailed"
 DELETION_COST_FAILURES = Counter(
     "kvfleet_operator_deletion_cost_failures",
     "Pod-deletion-cost writes that failed before a scale-down (which went ahead regardless).",
@@ -325,12 +335,14 @@ class Autoscaler:
     def __init__(
         self,
         api: k.Kube,
+        status: StatusWriter,
         *,
         interval: float = 10.0,
         scrape_timeout: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._api = api
+        self._status = status
         self._interval = interval
         self._clock = clock
         self._tasks: dict[k.Key, asyncio.Task[None]] = {}
@@ -340,11 +352,11 @@ class Autoscaler:
         # signal is absent for one interval.
         self._buckets: dict[str, dict[str, Buckets]] = {}
         # By uid: the engine starts learned, the engine pods seen Ready (forecast.learn), and the
-        # load samples of the trend's window.
+        # load samples the forecast reads (forecast.CYCLE_S of them).
         self._starts: dict[str, tuple[tuple[EngineStart, ...], frozenset[str]]] = {}
         self._load: dict[str, tuple[Sample, ...]] = {}
-        # The last InferenceService each loop read, to report a failure that comes before the
-        # next read succeeds.
+        # The last InferenceService each loop read (the watch event's until a read succeeds), to
+        # report a failure that comes before the next read succeeds.
         self._seen: dict[k.Key, dict[str, Any]] = {}
         # The cause last reported per service: kept here too, so that a status the API server
         # pruned (a CRD without the field) still gets one write and one Event per cause.
@@ -358,6 +370,7 @@ class Autoscaler:
         mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode", "builtin")
         if mode == "builtin" and not deleted and not meta.get("deletionTimestamp"):
             if key not in self._tasks:
+                self._seen.setdefault(key, dict(body))
                 self._tasks[key] = asyncio.create_task(
                     self._loop(key), name=f"autoscale {key[0]}/{key[1]}"
                 )
@@ -371,6 +384,7 @@ class Autoscaler:
         return set(self._tasks)
 
     def _forget(self, key: k.Key) -> None:
+        service_metrics.forget_decision(key)
         self._failing.pop(key, None)
         if body := self._seen.pop(key, None):
             uid = body["metadata"].get("uid", "")
@@ -393,27 +407,27 @@ class Autoscaler:
                 return
 
     async def _failed(self, key: k.Key, failure: StepFailed) -> None:
-        """Count a failed step; say so in status and an Event when its cause is new."""
+        """Count a failed step; when its cause is new, say so in the log, an Event and the
+        status (a failed status write is the StatusWriter's to report)."""
         FAILURES.labels(failure.reason).inc()
-        logger.warning("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
         isvc = self._seen.get(key)
         if isvc is None or self._failing.get(key) == failure.reason:
-            return  # never read (nothing to report on yet), or reported
+            logger.debug("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
+            return
+        self._failing[key] = failure.reason
+        if failure.reason == STATUS_WRITE_FAILED:
+            return
+        logger.warning("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
         patch = failure_update(
             isvc.get("status") or {}, failure.reason, str(failure), self._clock()
         )
-        if patch:
-            url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key)
-            try:
-                await self._api.merge_patch(f"{url}/status", {"status": patch})
-            except k.APIError as e:
-                logger.warning("%s/%s: cannot record the failure: %s", *key, e)
-                return
-        self._failing[key] = failure.reason
         if not patch:
             return  # recorded before a restart: reported then
         message = f"{failure.reason}: {failure}; the replica count stays, retried every interval"
+        # Before the write, which may fail: the Event does not depend on it.
         kopf.event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
+        with contextlib.suppress(k.APIError):  # the StatusWriter reports it
+            await self._status.write(key, isvc, patch, periodic=True)
 
     async def step(self, key: k.Key) -> ScaleDecision | Gone | None:
         """One scrape and decision; None when there is nothing to scale, GONE when the service
@@ -421,7 +435,7 @@ class Autoscaler:
         namespace, name = key
         url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         with _failing_as("APIError"):
-            isvc = await self._api.get(url)
+            isvc = await self._api.get(url, periodic=True)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
             return GONE
         self._seen[key] = isvc
@@ -436,7 +450,7 @@ class Autoscaler:
         current = engine_replicas(spec, status.get("desiredReplicas"))
 
         with _failing_as("APIError"):
-            pods = await list_pods(self._api, namespace, name)
+            pods = await list_pods(self._api, namespace, name, periodic=True)
 
         def of(component: str) -> list[dict[str, Any]]:
             return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]
@@ -484,6 +498,8 @@ class Autoscaler:
         )
         self._memory[uid] = (decision.history, decision.last_active)
         self._load[uid] = decision.load
+        if decision.wanted is not None:
+            service_metrics.record_decision(key, decision.wanted, spec.autoscaling.max_replicas)
         if 0 < decision.replicas < current:
             # Before the status write that makes the reconciler shrink the Deployment.
             await self._rank_for_deletion(namespace, of("engine"), metrics)
@@ -498,19 +514,19 @@ class Autoscaler:
             # already, so no later step would find these times again.
             logger.warning("%s/%s: %s", namespace, name, skew["message"])
             kopf.event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
-        was_failing = self._failing.pop(key, None) is not None
         recovered = failure_update(status, None, "", now)
         if recovered:
             # Merged into the memory's own patch, which replaces every other field it names.
             patch["autoscaling"] = patch.get("autoscaling", {}) | recovered["autoscaling"]
         if patch:
             try:
-                with _failing_as("APIError"):
-                    await self._api.merge_patch(f"{url}/status", {"status": patch})
-            except StepFailed as e:
-                if isinstance(e.__cause__, k.APINotFoundError):
-                    return GONE
-                raise
+                await self._status.write(key, isvc, patch, periodic=True)
+            except k.APINotFoundError:
+                return GONE
+            except k.APIError as e:
+                raise StepFailed(STATUS_WRITE_FAILED, e) from e
+        # A failed status write's recovery is the StatusWriter's to report.
+        was_failing = self._failing.pop(key, None) not in (None, STATUS_WRITE_FAILED)
         if recovered or was_failing:
             message = "autoscaling steps succeed again"
             logger.info("%s/%s: %s", namespace, name, message)
@@ -529,7 +545,8 @@ class Autoscaler:
         holding it would keep idle GPUs for a ranking."""
         for pod, patch in cost_patches(pods, deletion_costs(metrics)).items():
             try:
-                await self._api.merge_patch(k.resource_url("v1", "pods", namespace, pod), patch)
+                url = k.resource_url("v1", "pods", namespace, pod)
+                await self._api.merge_patch(url, patch, periodic=True)
             except k.APINotFoundError:
                 pass  # gone already
             except k.APIError as e:

@@ -122,6 +122,8 @@ def in_sync(desired: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
 _POD = ("spec", "template", "spec")
 EXACT_PATHS: dict[str, tuple[tuple[tuple[str, ...], bool], ...]] = {
     "Service": ((("spec", "selector"), True),),
+    # A key or expression added there would leave pods outside the budget.
+    "PodDisruptionBudget": ((("spec", "selector"), True),),
     "Deployment": (
         ((*_POD, "nodeSelector"), True),
         ((*_POD, "nodeName"), True),

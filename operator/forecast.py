@@ -9,10 +9,23 @@ outage as start-up. Each sample is capped (a pod left Pending for hours says not
 one) and the estimate is the median of the last few, so one odd start does not move it.
 
 The trend is a least-squares line through the load of the last WINDOW_S seconds. It projects
-only when it is worth believing: enough samples over a long enough span, a rising slope, and a
-line that explains most of the variance (a noisy, flat load does not project); the projected
-rise is capped by the caller. A falling or flat load projects nothing: the forecast only ever
+only when it is worth believing: enough samples over a long enough span, a rising slope, a line
+that explains most of the variance (a noisy, flat load does not project), and a load now above
+all it was in the window until MIN_SPAN_S ago (a step that has levelled off, or a ramp that has
+ended, still fits a rising line for a while, but is no longer rising); the projected rise is
+capped by the caller. A falling or flat load projects nothing: the forecast only ever
 brings a scale-up forward, never a scale-down.
+
+A rise as steady as a ramp's may still be the load's own cycle: a sawtooth, a spike or noise
+climbs for a while, then falls back, and a scale-up brought forward for it adds replicas the peak
+never uses (which the scale-down window then holds). So the load of the last CYCLE_S seconds is
+kept too, and a level the load reached and then fell from, by more than its noise about the
+trend line, is the top of its cycle. The projection goes no further above that top than the
+load itself already is: a rise back towards a top the load fell from projects nothing, a load
+just past it (the same peak again, with noise) projects little, and a trend that carries the
+load past its cycle is believed in full once it is one horizon's rise beyond the top. Before the
+load has ever fallen (a ramp, the first rise of any load) only the window counts: a first rise
+cannot be told from the start of a ramp.
 """
 
 from __future__ import annotations
@@ -34,6 +47,18 @@ WINDOW_S = 60.0
 MIN_SAMPLES = 4
 MIN_SPAN_S = 15.0
 MIN_R2 = 0.6
+# How far back the tops of the load's cycle are looked for: twice the default scale-down window
+# (300 s), so the cycles whose peaks that window holds replicas for, and some longer, are known
+# as cycles. The rise of a longer cycle is treated as a new trend.
+CYCLE_S = 600.0
+# A fall from a level marks the top of a cycle when it is larger than this many standard
+# deviations of the window's load about its trend line: the noise of a steady ramp seldom falls
+# that far below an earlier sample, a sawtooth's drop or a spike's end does.
+REVERSAL_SDS = 3.0
+# A sample this close after the one before replaces it: the memory is at most CYCLE_S / this
+# many samples a service whatever the decision interval, and repeated decisions at one time
+# (a clock that did not move) weigh as one.
+MIN_SAMPLE_GAP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,7 @@ class Projection:
     horizon: float  # seconds ahead
     value: float  # the load now
     projected: float  # the load one horizon ahead
+    top: float | None = None  # the top of the load's cycle, when it limited the projection
 
 
 def epoch(value: str) -> float:
@@ -117,17 +143,37 @@ def start_estimate(starts: tuple[EngineStart, ...]) -> float | None:
 
 
 def recent(samples: Iterable[Sample], now: float) -> tuple[Sample, ...]:
-    """The samples inside the trend's window."""
-    return tuple(s for s in samples if 0 <= now - s.time <= WINDOW_S)
+    """The samples to keep: those of the last CYCLE_S seconds."""
+    return tuple(s for s in samples if 0 <= now - s.time <= CYCLE_S)
+
+
+def remember(samples: tuple[Sample, ...], sample: Sample) -> tuple[Sample, ...]:
+    """``samples`` (in time order) with ``sample`` added as the newest, replacing the newest one
+    kept when it is less than MIN_SAMPLE_GAP_S older, and those older than CYCLE_S dropped."""
+    if samples and sample.time - samples[-1].time < MIN_SAMPLE_GAP_S:
+        samples = samples[:-1]
+    return recent((*samples, sample), sample.time)
+
+
+def cycle_top(samples: tuple[Sample, ...], fall: float) -> float | None:
+    """The highest level among ``samples`` (in time order) that a later one fell from by more
+    than ``fall``; None if the load never fell that far."""
+    top, lowest_after = None, math.inf
+    for s in reversed(samples):
+        if s.value - lowest_after > fall:
+            top = s.value if top is None else max(top, s.value)
+        lowest_after = min(lowest_after, s.value)
+    return top
 
 
 def projection(
     samples: tuple[Sample, ...], now: float, horizon: float, max_rise: float
 ) -> Projection | None:
     """The load ``horizon`` seconds after now by the trend of the window's samples, the rise
-    capped at ``max_rise``; None unless the load rises significantly (see the module's doc).
-    The last sample is the load now."""
-    window = recent(samples, now)
+    capped at ``max_rise`` and by the top of the load's cycle; None unless the load rises
+    significantly beyond its cycle (see the module's doc). The last sample is the load now."""
+    memory = recent(samples, now)
+    window = tuple(s for s in memory if now - s.time <= WINDOW_S)
     if len(window) < MIN_SAMPLES or not 0 < horizon < math.inf or not max_rise > 0:
         return None
     times = [s.time for s in window]
@@ -144,4 +190,15 @@ def projection(
     if not (slope > 0 and stv * stv / (stt * svv) >= MIN_R2):
         return None
     value = window[-1].value
-    return Projection(slope, horizon, value, value + min(slope * horizon, max_rise))
+    if not value > max(s.value for s in window if now - s.time >= MIN_SPAN_S):
+        return None  # levelled off or fell back: no longer rising
+    rise = min(slope * horizon, max_rise)
+    # The scatter about the line: what the residuals' sum of squares leaves per degree of
+    # freedom (two went into the line).
+    spread = math.sqrt(max(0.0, svv - stv * stv / stt) / (len(window) - 2))
+    top = cycle_top(memory, REVERSAL_SDS * spread)
+    if top is None or value - top >= rise:
+        return Projection(slope, horizon, value, value + rise)
+    if value <= top:
+        return None
+    return Projection(slope, horizon, value, value + (value - top), top)

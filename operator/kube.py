@@ -33,6 +33,8 @@ import aiohttp
 import kopf
 from kubernetes_asyncio import client, config
 
+from kvfleet.operator.backoff import PerKeyBackoff
+
 FIELD_MANAGER = "kvfleet-operator"
 USER_AGENT = f"kvfleet-operator/{version('kvfleet')}"
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -43,6 +45,19 @@ RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 # (AlreadyExists), or on a patch that names the resourceVersion it was computed from, is an
 # answer: sending it again cannot succeed.
 RETRIED_PATCH_STATUSES = RETRIED_STATUSES | {409}
+BACKOFFS_S = (0.5, 1.0, 2.0)  # a request's own retries after one of those, or no answer
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# An object whose last write failed so, its retries spent, backs off: a periodic caller's next
+# write to it (the autoscaler's, every interval) is sent no sooner than WRITE_BACKOFF_FIRST_S
+# later, doubling to WRITE_BACKOFF_CAP_S (each times a jitter in [0.5, 1]). 4 s continues a
+# request's own retries; a minute is as long as a recovered object waits for the autoscaler's
+# write.
+WRITE_BACKOFF_FIRST_S = 4.0
+WRITE_BACKOFF_CAP_S = 60.0
+# How long an object's failed writes are remembered after the last: longer than any caller
+# waits to write again (the work queue's 5 min), so only an object nobody writes any more (a
+# deleted one) is forgotten, and what is held is bounded by the objects written in that time.
+WRITE_FAILURES_KEPT_S = 600.0
 MAX_RETRY_AFTER_S = 10.0
 RETIRE_AFTER_S = 60.0
 Key = tuple[str, str]  # (namespace, name) of an object
@@ -59,6 +74,11 @@ class APIError(Exception):
 
 class APINotFoundError(APIError):
     pass
+
+
+class WriteDeferred(APIError):
+    """A periodic caller's write not sent: the object's last writes failed and it backs off;
+    status is the last failure's."""
 
 
 class NoClusterError(RuntimeError):
@@ -148,12 +168,18 @@ class Kube:
     def __init__(
         self,
         connect: Callable[[], Awaitable[Connection]] = load_connection,
-        backoffs: tuple[float, ...] = (0.5, 1.0, 2.0),
+        backoffs: tuple[float, ...] = BACKOFFS_S,
+        write_backoff: tuple[float, float] = (WRITE_BACKOFF_FIRST_S, WRITE_BACKOFF_CAP_S),
     ) -> None:
         self._connect = connect
         # Short: a reconcile that keeps failing is retried by the work queue with its own
         # backoff, with fresh state each time, rather than stuck in one request.
         self._backoffs = backoffs
+        # By URL (an object, or its status subresource): the writes that failed, until one
+        # succeeds.
+        self._writes: PerKeyBackoff[str] = PerKeyBackoff(
+            *write_backoff, forget_after=WRITE_FAILURES_KEPT_S
+        )
         self._connection: Connection | None = None
         self._fresh = False  # loaded since kopf last logged in
         self._client: client.ApiClient | None = None
@@ -220,14 +246,56 @@ class Kube:
         body: object | None = None,
         content_type: str = "application/json",
         query: list[tuple[str, str]] | None = None,
+        *,
+        periodic: bool = False,
+    ) -> Any:
+        """One request, retried within the call after a transient failure: a 5xx, a 429, a 409
+        on a patch without a precondition, no answer.
+
+        Except for a write to an object whose last write failed so: that is sent once, and its
+        pace is its caller's, whose own backoff (the work queue's) grows. ``periodic``: the
+        caller tries again every interval whatever happens (the autoscaler), so its requests are
+        sent once, and its write to such an object only after the object's backoff: before,
+        WriteDeferred, with no request."""
+        racy = method == "PATCH" and not _preconditioned(body)
+        transient = RETRIED_PATCH_STATUSES if racy else RETRIED_STATUSES
+        write = method in WRITES
+        failing = self._writes.failing(url) if write else None
+        if failing is not None and periodic and (wait := self._writes.wait(url)) > 0:
+            raise WriteDeferred(
+                failing.status,
+                f"not sent: backing off after {failing.failures} failed "
+                f"write{'s' * (failing.failures > 1)}, the last: {failing.last}; "
+                f"next attempt in {wait:.1f}s",
+            )
+        retry = not periodic and failing is None
+        try:
+            result = await self._attempts(
+                method, url, body, content_type, query or [], transient, retry
+            )
+        except APIError as e:
+            if write and (e.status == 0 or e.status in transient):
+                self._writes.failed(url, str(e), e.status)
+            raise
+        if write:
+            self._writes.succeeded(url)
+        return result
+
+    async def _attempts(
+        self,
+        method: str,
+        url: str,
+        body: object | None,
+        content_type: str,
+        query: list[tuple[str, str]],
+        transient: frozenset[int],
+        retry: bool,
     ) -> Any:
         reauthenticated = False
-        delays = iter(self._backoffs)
+        delays = iter(self._backoffs if retry else ())
         while True:
             try:
-                status, headers, raw = await self._send(
-                    method, url, query or [], body, content_type
-                )
+                status, headers, raw = await self._send(method, url, query, body, content_type)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 if (delay := next(delays, None)) is None:
                     raise APIError(0, f"{method} {url}: {e or type(e).__name__}") from e
@@ -243,23 +311,24 @@ class Kube:
                 except NoClusterError as e:
                     raise APIError(status, f"unauthorized; reloading credentials: {e}") from e
                 continue
-            racy = method == "PATCH" and not _preconditioned(body)
-            retried = RETRIED_PATCH_STATUSES if racy else RETRIED_STATUSES
-            if status in retried and (delay := next(delays, None)) is not None:
+            if status in transient and (delay := next(delays, None)) is not None:
                 delay = max(delay, min(_retry_after(headers), MAX_RETRY_AFTER_S))
                 logger.debug("%s %s: %d, retrying in %.1fs", method, url, status, delay)
                 await asyncio.sleep(delay)
                 continue
             raise _error(status, raw)
 
-    async def get(self, url: str) -> dict[str, Any] | None:
+    async def get(self, url: str, *, periodic: bool = False) -> dict[str, Any] | None:
         try:
-            return await self._request("GET", url)
+            return await self._request("GET", url, periodic=periodic)
         except APINotFoundError:
             return None
 
-    async def list(self, url: str, label_selector: str) -> list[dict[str, Any]]:
-        body = await self._request("GET", url, query=[("labelSelector", label_selector)])
+    async def list(
+        self, url: str, label_selector: str, *, periodic: bool = False
+    ) -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)]
+        body = await self._request("GET", url, query=query, periodic=periodic)
         return list(body.get("items") or [])
 
     async def apply(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -269,8 +338,11 @@ class Kube:
         # JSON is YAML: the apply content type takes it as is.
         return await self._request("PATCH", url, body, "application/apply-patch+yaml", query)
 
-    async def merge_patch(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._request("PATCH", url, body, "application/merge-patch+json")
+    async def merge_patch(
+        self, url: str, body: Mapping[str, Any], *, periodic: bool = False
+    ) -> dict[str, Any]:
+        ctype = "application/merge-patch+json"
+        return await self._request("PATCH", url, body, ctype, periodic=periodic)
 
     async def delete(self, url: str) -> None:
         with contextlib.suppress(APINotFoundError):

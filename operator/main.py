@@ -13,11 +13,18 @@ replica active and the others on standby, each with a random priority.
 
 Under API faults (docs/operations.md, "API outages"): every request kopf makes, watches
 included, is retried without end with exponential backoff and jitter (WatchBackoffs), so an
-outage of any length is waited out instead of ending the process; a watch stream kopf restarts
-waits RECONNECT_S (jittered per process) first. /healthz fails when the operator can no longer
-watch: a watch task of kopf's has ended, or listing InferenceServices has failed for
-WATCH_STALE_S. (An HTTP 410 answer to a list or watch, which kopf does not retry, stops all of
-kopf's tasks, its /healthz server included: the probe fails by not being answered.)
+outage of any length is waited out instead of ending the process. A watch stream that fails
+otherwise (an answer kopf does not retry, such as 410, an ERROR event, a stream that ends at once
+with no event, a dropped connection) is listed or watched again in the process, after a wait
+that grows with each failure in a row, and RECONNECT_S (jittered per process) before a list
+(watch_recovery, which wraps kopf's watch: no public setting of kopf's reaches it). /healthz
+fails when the operator can no longer watch: a watch task of kopf's has ended, one of its watch
+streams has failed for WATCH_STALE_S with nothing listed or received since, or listing
+InferenceServices has failed for WATCH_STALE_S. The operator's own writes are retried within
+the request on a transient failure; an object whose writes keep failing is then written once
+per reconcile, at the work queue's growing backoff, and by the autoscaler only after the
+object's own backoff (kube.py). A failed status write is reported in an Event, a metric and the
+log (status_writer.py).
 Prometheus metrics (kvfleet_operator_*) are served at --metrics-address.
 """
 
@@ -39,11 +46,13 @@ import prometheus_client
 import yaml
 
 from kvfleet.operator import kube as k
+from kvfleet.operator import watch_recovery
 from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
 from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION, OperatorConfig
+from kvfleet.operator.status_writer import StatusWriter
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 
 logger = logging.getLogger("kvfleet.operator")
@@ -63,10 +72,10 @@ WATCHER_TASK_PREFIX = "watcher for "  # how kopf names its watch tasks
 
 
 class WatchBackoffs:
-    """kopf's retry delays for a failed request: exponential from FIRST_BACKOFF_S to
-    MAX_BACKOFF_S with jitter, and unbounded. kopf's default is eight delays (54 s in all), after
-    which the request's error escalates and a watch's error ends the operator. Iterable anew
-    for each request (kopf iterates it per request), and not Sized, which tells kopf there is no
+    """kopf's retry delays for a failed request, and watch_recovery's between failing watches:
+    exponential from FIRST_BACKOFF_S to MAX_BACKOFF_S with jitter, and unbounded. kopf's default
+    is eight delays (54 s in all), after which the request's error escalates. Iterable anew for
+    each request (kopf iterates it per request), and not Sized, which tells kopf there is no
     last attempt."""
 
     def __init__(self, first: float = FIRST_BACKOFF_S, cap: float = MAX_BACKOFF_S) -> None:
@@ -127,11 +136,14 @@ def build_registry(
 
     clock: seconds since the epoch, for the autoscaler's windows (tests pass a fake one).
     namespaces: those served (none: all), where the liveness probe lists InferenceServices."""
+    watch_recovery.install()
     registry = kopf.OperatorRegistry()
     api = kube or Kube()
-    reconciler = Reconciler(api, config)
+    # One for both writers of the status: a failure to write it is reported once per cause.
+    status = StatusWriter(api)
+    reconciler = Reconciler(api, config, status)
     autoscaler = Autoscaler(
-        api, interval=autoscale_interval, scrape_timeout=scrape_timeout, clock=clock
+        api, status, interval=autoscale_interval, scrape_timeout=scrape_timeout, clock=clock
     )
     register(
         registry,
@@ -155,11 +167,16 @@ def build_registry(
 class WatchProbe:
     """kopf's liveness probe (raising fails /healthz): whether the operator can still watch.
 
-    kopf keeps no public record of its watches, so two signs are checked: a watch task of kopf's
-    that has ended while the operator runs (it ends one only on an error it does not retry), and
-    a list of InferenceServices, the collection the operator watches, that has not succeeded for
-    stale_after seconds. The list asks for a label nothing carries, so its answer is empty
-    whatever the cluster holds; kopf calls a probe at most every 10 s."""
+    kopf keeps no public record of its watches, so three signs are checked: a watch task of
+    kopf's that has ended while the operator runs (watch_recovery keeps them going through any
+    error of the API server's, so only a bug or a failed login ends one); a watch stream of one
+    that has failed for stale_after seconds with nothing listed or received since (its
+    WatchPacer); and a list of InferenceServices, the collection the operator watches, that has
+    not succeeded for stale_after seconds. A stream that recovers within stale_after is healthy:
+    a restart would do no more than list again. The list asks for a label nothing carries, so
+    its answer is empty whatever the cluster holds; kopf calls a probe at most every 10 s.
+
+    clock: time.monotonic, which watch_recovery times the streams by (tests pass a fake one)."""
 
     def __init__(
         self,
@@ -186,6 +203,20 @@ class WatchProbe:
         }
         if ended := sorted(t.get_name() for t in self._watchers if t.done()):
             raise kopf.PermanentError(f"no longer watching: {', '.join(ended)} ended")
+        now = self._clock()
+        failing = {
+            t.get_name().removeprefix(WATCHER_TASK_PREFIX): pacer.failing_for(now)
+            for t in self._watchers
+            if (pacer := watch_recovery.PACERS.get(t)) is not None
+        }
+        failing = {name: since for name, since in sorted(failing.items()) if since > 0}
+        if stale := [f"{n} for {s:.0f}s" for n, s in failing.items() if s >= self._stale_after]:
+            raise kopf.PermanentError(f"watches failing: {', '.join(stale)}")
+        watching = (
+            "recovering " + ", ".join(f"{n} for {s:.0f}s" for n, s in failing.items())
+            if failing
+            else "watching"
+        )
         try:
             # Bounded: the client's own retries must not outlast the kubelet's probe timeout.
             async with asyncio.timeout(PROBE_LIST_TIMEOUT_S):
@@ -198,8 +229,8 @@ class WatchProbe:
                 raise kopf.PermanentError(
                     f"cannot list InferenceServices for {since:.0f}s: {e}"
                 ) from e
-            return f"listing fails for {since:.0f}s: {e}"
-        return "watching"
+            return f"{watching}; listing fails for {since:.0f}s: {e}"
+        return watching
 
 
 async def _operate(kube: Kube, **operator_args: Any) -> int:

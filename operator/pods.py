@@ -9,11 +9,14 @@ from kvfleet.operator import kube as k
 from kvfleet.operator.resources import LABEL_ISVC
 
 
-async def list_pods(api: k.Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+async def list_pods(
+    api: k.Kube, namespace: str, name: str, *, periodic: bool = False
+) -> list[dict[str, Any]]:
     """Every pod of the InferenceService ``namespace/name``, engines and routers."""
+    url, selector = k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
     return [
         pod
-        for pod in await api.list(k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}")
+        for pod in await api.list(url, selector, periodic=periodic)
         # Filtered here too: the selector is a hint some API emulators ignore.
         if (pod["metadata"].get("labels") or {}).get(LABEL_ISVC) == name
     ]

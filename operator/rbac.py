@@ -46,6 +46,7 @@ _RULES: tuple[PolicyRule, ...] = (
         "verbs": ["update"],
     },
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": MANAGE},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": MANAGE},
     {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": MANAGE},
     # delete: the model-download ConfigMap goes when a spec stops using an hf:// source.
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": [*MANAGE, "delete"]},

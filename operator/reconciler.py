@@ -14,14 +14,16 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import kopf
+from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
+from kvfleet.operator import service_metrics
 from kvfleet.operator.autoscaler import Autoscaler
+from kvfleet.operator.backoff import backoff_delay
 from kvfleet.operator.drift import excess, in_sync
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.resources import (
@@ -60,6 +62,7 @@ from kvfleet.operator.status import (
     status_patch,
     transition_events,
 )
+from kvfleet.operator.status_writer import StatusWriter
 
 logger = logging.getLogger("kvfleet.operator")
 
@@ -72,12 +75,31 @@ CHILD_RESOURCES = (
     ("", "v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
     ("", "v1", "pods"),
 )
 
 
+# Labelled from the start, so that a first failure is an increase too.
+RECONCILE_FAILURE_REASONS = ("ApplyFailed", "NameConflict", "AddedFieldsKept", "Error")
+RECONCILE_FAILURES = Counter(
+    "kvfleet_operator_reconcile_failures",
+    "Reconciles that failed and are retried with backoff, by cause: the first child problem's "
+    "reason (ApplyFailed, NameConflict, AddedFieldsKept), or Error (an unexpected exception, "
+    "logged with its traceback).",
+    ["reason"],
+)
+for _reason in RECONCILE_FAILURE_REASONS:
+    RECONCILE_FAILURES.labels(_reason)
+
+
 class RetryLater(Exception):
-    """The reconcile did what it could and recorded why it is not done; try again later."""
+    """The reconcile did what it could and recorded why it is not done; try again later.
+    reason: the first problem's, the failure counter's label."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class WorkQueue:
@@ -117,11 +139,6 @@ class WorkQueue:
         if urgent:
             hurry.set()
 
-    def _delay(self, failures: int) -> float:
-        nominal = min(self._backoff * 2 ** (failures - 1), self._max_backoff)
-        # Jitter spreads the retries of services that failed together (an API outage).
-        return nominal * random.uniform(0.5, 1.0)
-
     async def _run(self, key: k.Key) -> None:
         dirty, hurry = self._dirty[key]
         failures = 0
@@ -136,7 +153,10 @@ class WorkQueue:
                     failures = 0
                 except Exception as e:
                     failures += 1
-                    delay = self._delay(failures)
+                    RECONCILE_FAILURES.labels(
+                        e.reason if isinstance(e, RetryLater) else "Error"
+                    ).inc()
+                    delay = backoff_delay(failures, self._backoff, self._max_backoff)
                     if isinstance(e, RetryLater):
                         logger.warning("%s/%s: %s; retrying in %.1fs", *key, e, delay)
                     else:
@@ -180,10 +200,12 @@ class Reconciler:
         self,
         api: k.Kube,
         config: OperatorConfig,
+        status: StatusWriter,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         self._api = api
         self._config = config
+        self._status = status
         self._clock = clock
         # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
         self._replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
@@ -198,6 +220,8 @@ class Reconciler:
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
             self._replicas_seen.pop(key, None)
             self._warned.pop(key, None)
+            self._status.forget(key)
+            service_metrics.forget_status(key)
             return  # the garbage collector removes the children
         owner = Owner(name=name, namespace=namespace, uid=isvc["metadata"]["uid"])
         previous = isvc.get("status") or {}
@@ -244,16 +268,17 @@ class Reconciler:
             pods=pods,
         )
         status = compute_status(observed, self._clock())
+        service_metrics.record_status(key, status)
         patch = status_patch(previous, status)
         if patch:
             try:
-                await self._api.merge_patch(f"{url}/status", {"status": patch})
+                await self._status.write(key, isvc, patch)
             except k.APINotFoundError:
                 return  # deleted meanwhile
         for event in transition_events(previous.get("conditions") or [], status["conditions"]):
             kopf.event(isvc, type=event.type, reason=event.reason, message=event.message)
         if problems:
-            raise RetryLater("; ".join(p.message for p in problems))
+            raise RetryLater("; ".join(p.message for p in problems), problems[0].reason)
 
     def _refuse_scale_request(
         self, key: k.Key, isvc: dict[str, Any], spec: InferenceServiceSpec

@@ -9,6 +9,8 @@ Per InferenceService ``<name>`` in namespace ``<ns>``:
 * ServiceAccount, Role and RoleBinding ``<name>-router``: the router may read EndpointSlices in
   its own namespace, nothing else (see rbac.py).
 * ConfigMap ``<name>-model-download`` for hf:// models: the download script of the init container.
+* PodDisruptionBudgets ``<name>-engine`` and ``<name>-router``: how many engine and router pods a
+  node drain may evict at once (spec.engine.disruptionBudget, spec.routing.disruptionBudget).
 
 Every object carries the common labels, a controller owner reference to the InferenceService
 (garbage collection deletes the children with it) and the hash annotation of drift.py.
@@ -19,13 +21,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import importlib.resources
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from kvfleet.operator import model_download
 from kvfleet.operator.drift import with_hash
 from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
+    DisruptionBudgetSpec,
     InferenceServiceSpec,
     RoutingSpec,
     desired_replicas,
@@ -46,6 +50,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "PodDisruptionBudget": "poddisruptionbudgets",
 }
 
 LABEL_NAME = "app.kubernetes.io/name"
@@ -225,7 +230,10 @@ def _hf_model_dir(repo: str, revision: str) -> str:
 
 
 def model_download_script() -> str:
-    return importlib.resources.files("kvfleet.operator").joinpath("model_download.py").read_text()
+    # The module's own file: kvfleet.operator is a namespace package, which
+    # importlib.resources cannot read in pip's default editable mode (its path is a
+    # MultiplexedPath there).
+    return Path(model_download.__file__).read_text()
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
@@ -688,6 +696,29 @@ def router_service(owner: Owner) -> dict[str, Any]:
     )
 
 
+def disruption_budget(owner: Owner, component: str, budget: DisruptionBudgetSpec) -> dict[str, Any]:
+    """The PodDisruptionBudget of the engine or router pods (component "engine" or "router").
+
+    maxUnavailable rather than minAvailable: the budget follows the replica count the autoscaler
+    sets, so a single replica may still be evicted (and rescheduled) by a node drain, and a
+    service scaled to zero has nothing to hold. Replica changes are not evictions: it never
+    holds a rollout or a scale-down. Pods that are not ready (a model loading, a crash loop)
+    serve nothing and may always be evicted, so a broken service cannot block a drain either.
+    """
+    return with_hash(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, f"{owner.name}-{component}", component),
+            "spec": {
+                "maxUnavailable": budget.max_unavailable,
+                "selector": {"matchLabels": selector_labels(owner.name, component)},
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            },
+        }
+    )
+
+
 def router_service_account(owner: Owner) -> dict[str, Any]:
     return with_hash(
         {
@@ -748,7 +779,9 @@ def build_children(
         router_role(owner),
         router_role_binding(owner),
         engine_service(owner),
+        disruption_budget(owner, "engine", spec.engine.disruption_budget),
         engine_deployment(owner, spec, config, engine_replicas),
+        disruption_budget(owner, "router", spec.routing.disruption_budget),
         router_deployment(owner, spec, config),
         router_service(owner),
     ]

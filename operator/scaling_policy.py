@@ -9,10 +9,12 @@ over a target. Each gives a replica count (with a tolerance band that ignores sm
 deviations); the largest wins, and the decision names it (``signal``). With scale_ahead and a
 learned engine start time, a fourth: the requests in flight the trend of the last minute projects
 one engine start ahead (forecast.py), so that the replicas a steady rise will need are serving
-when it gets there rather than one start time later; it only ever raises the count. Then, as
-HPA does: clamp to [min, max] (with bound_replicas, which the reconciler uses too), scale up only
-to the lowest recommendation seen within the scale-up window and by a bounded step, and scale
-down only to the highest recommendation seen within the scale-down window.
+when it gets there rather than one start time later; never beyond the load's own cycle (a rise
+back to a level the load fell from within the last ten minutes projects nothing); it only ever
+raises the count. Then, as HPA does: clamp to [min, max] (with bound_replicas, which the
+reconciler uses too), scale up only to the lowest recommendation seen within the scale-up window
+and by a bounded step, and scale down only to the highest recommendation seen within the
+scale-down window.
 A pod that did not answer, or answered with values no engine can report (not finite, negative,
 absurdly large, a KV-cache usage outside [0, 1]), is never a reason to scale: its numbers are left
 out, as if it had not answered, and it holds any scale-down. Nor is a replica still starting; a
@@ -28,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvfleet.operator.forecast import Projection, Sample, projection, recent
+from kvfleet.operator.forecast import Projection, Sample, projection, recent, remember
 from kvfleet.operator.latency import Buckets
 
 # Requests one engine or router can hold: far beyond any real batch or queue, so a larger count is
@@ -128,8 +130,12 @@ class ScaleDecision:
     signals: dict[str, float] = field(default_factory=dict)
     unanswered: tuple[str, ...] = ()
     problems: dict[str, str] = field(default_factory=dict)  # why each unanswered pod is
-    # The load history the trend is fitted to, this step's included: for the next decision.
+    # The load history the forecast reads (forecast.CYCLE_S of it), this step's included: for the
+    # next decision.
     load: tuple[Sample, ...] = ()
+    # What the signals asked for before [min_replicas, max_replicas] bounded it (None: not
+    # given): above max_replicas, the service is held at its maximum.
+    wanted: int | None = None
 
 
 def bound_replicas(replicas: int, min_replicas: int, max_replicas: int) -> int:
@@ -227,7 +233,7 @@ def decide(
         # The requests in flight the engines would hold with every replica ready: the trend's
         # quantity, unmoved by replicas joining (a per-replica figure halves when they double).
         demand = per_replica * current
-        load = (*load, Sample(now, demand))
+        load = remember(load, Sample(now, demand))
         if policy.scale_ahead and start_seconds is not None:
             # The rise is capped at doubling the demand or the current capacity, whichever is
             # more: what one decision's step may add anyway.
@@ -256,6 +262,7 @@ def decide(
             signal = "idle"
         elif raw == 0:
             why, signal = f"no work for {policy.scale_to_zero_delay_s:g}s", "idle"
+    wanted = raw
     raw = bound_replicas(raw, policy.min_replicas, policy.max_replicas)
     if unanswered and raw < current:
         raw, why = current, f"held: no metrics from {', '.join(unanswered)}"
@@ -294,17 +301,24 @@ def decide(
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
     return ScaleDecision(
-        desired, why, history, last_active, signal, signals, unanswered, problems, load
+        desired, why, history, last_active, signal, signals, unanswered, problems, load, wanted
     )
 
 
 def _forecast(current: int, ahead: Projection, policy: ScalingPolicy) -> tuple[int, str, str]:
     """The forecast's candidate: the replicas the projected requests in flight need."""
     per_replica = ahead.projected / current
+    # A projection the load's cycle limited says by what: the replicas it asks for are less than
+    # the slope alone would, and the reason should not read as if the slope were misapplied.
+    top = (
+        ""
+        if ahead.top is None
+        else f"; no further past {ahead.top:.2f}, the top the load fell from, than it is now"
+    )
     return (
         _from_ratio(current, per_replica / policy.target_queue_depth, policy.tolerance),
         f"forecast: {ahead.value:.2f} requests in flight rising {ahead.slope:.3g}/s, "
-        f"{ahead.projected:.2f} in {ahead.horizon:.0f}s (the engine start time), "
+        f"{ahead.projected:.2f} in {ahead.horizon:.0f}s (the engine start time{top}), "
         f"target {policy.target_queue_depth:g} per replica",
         "forecast",
     )

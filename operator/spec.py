@@ -139,6 +139,8 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 EXTENDED_RESOURCE_PATTERN = (
     r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
+# A PodDisruptionBudget's maxUnavailable as a percentage of the replicas, 1% to 100%.
+PERCENT_PATTERN = r"^([1-9][0-9]?|100)%$"
 
 
 def _int_to_str(value: Any) -> Any:
@@ -227,6 +229,16 @@ class EnvVar(_Model):
     value_from: dict[str, Any] | None = None
 
 
+class DisruptionBudgetSpec(_Model):
+    """The PodDisruptionBudget of the engine or router pods. maxUnavailable, never 0: a budget
+    that allows no eviction would block every node drain while the service runs."""
+
+    max_unavailable: (
+        Annotated[int, Field(ge=1, le=1000, strict=True)]
+        | Annotated[str, StringConstraints(max_length=4, pattern=PERCENT_PATTERN)]
+    ) = 1
+
+
 class EngineSpec(_Model):
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -251,6 +263,7 @@ class EngineSpec(_Model):
         default_factory=list, max_length=64
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
 
     @model_validator(mode="after")
     def _cel(self) -> EngineSpec:
@@ -333,6 +346,7 @@ class RoutingSpec(_Model):
     prefix_length: int = Field(default=256, ge=1, le=65536)
     load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
     hold_timeout_seconds: int = Field(default=120, ge=0, le=3600)
+    disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
 
 
 class ModelCacheSpec(_Model):

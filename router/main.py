@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from aiohttp import web
 from kubernetes_asyncio.config import ConfigException
 
+from kvfleet.protocol.byte_size import FORMS, byte_size_flag, format_byte_size
 from kvfleet.router.breaker import BreakerPolicy
 from kvfleet.router.endpoints import (
     EndpointSliceWatcher,
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request waits for a ready engine" + d)  # fmt: skip
     p.add_argument("--tokenizer", help="local HF tokenizer directory for token prefix keys; "
                    "default: prefix keys of characters")  # fmt: skip
-    p.add_argument("--max-body-bytes", type=int, default=BodyLimits.max_bytes,
-                   help="larger request bodies get 413" + d)  # fmt: skip
+    p.add_argument("--max-body-bytes", type=byte_size_flag, metavar="SIZE",
+                   default=format_byte_size(BodyLimits.max_bytes),
+                   help=f"larger request bodies get 413; {FORMS}" + d)  # fmt: skip
     p.add_argument("--max-json-depth", type=int, default=BodyLimits.max_depth,
                    help="deeper-nested request bodies get 400" + d)  # fmt: skip
     p.add_argument("--body-timeout", type=float, default=30.0,

@@ -1,29 +1,36 @@
 """Shared fixtures: tiny random HF checkpoints built on disk (never downloaded), HF transformers'
 own greedy generations on them as the reference, and the emulated Kubernetes cluster of the
-operator and image tests. Helpers live in tests/support."""
+operator and image tests. Helpers live in tests/support.
+
+Each fixture imports what it needs when it first runs: a module that uses none of them (the
+protocol's, the router's) starts without torch, transformers or kmock."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
 
-from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
-from tests.support.engine import MAX_TOKENS, PROMPT_LENS, hf_greedy
-from tests.support.kmock import APIServer, emulated_cluster
+if TYPE_CHECKING:
+    from tests.support.kmock import APIServer
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
+
     root = tmp_path_factory.mktemp("models")
     return {arch: build_tiny_model(root / arch, arch) for arch in ALL_ARCHITECTURES}
 
 
 @pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
+    from tests.support.engine import PROMPT_LENS
+
     rng = random.Random(1234)
     # Ids 3.. skip the special tokens; 500 < the tiny vocab of 512.
     return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
@@ -31,6 +38,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_reference(model_dirs, prompts) -> dict[str, list[list[int]]]:
+    from tests.support.engine import MAX_TOKENS, hf_greedy
+
     return {arch: hf_greedy(path, prompts, MAX_TOKENS) for arch, path in model_dirs.items()}
 
 
@@ -46,5 +55,7 @@ def smollm2_gguf() -> Path:
 @pytest_asyncio.fixture
 async def cluster() -> AsyncIterator[APIServer]:
     """kmock's Kubernetes API emulator, serving the resources the operator uses."""
+    from tests.support.kmock import emulated_cluster
+
     async with emulated_cluster() as k:
         yield k

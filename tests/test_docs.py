@@ -202,9 +202,42 @@ def test_the_readme_engine_examples_run_as_written(smollm2_gguf: Path, tmp_path:
         re.match(r"\d+ ", run.stdout)
         and len(re.findall(r" (?:length|stop)$", run.stdout, re.M)) >= 2
     )
+    # Greedy, and the token-id prompt in the model's own vocabulary: both answers are right.
+    assert "Paris" in run.stdout and "Rome" in run.stdout, run.stdout
     command = shlex.split(_readme_block("sh", "From the shell").replace("\\\n", " "))
     assert command[0] == "kvfleet-engine"
     run = subprocess.run([sys.executable, "-m", "kvfleet.engine.cli", *command[1:]], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("prompt: 'The capital of France is'"), run.stdout
+
+
+def _client_examples() -> list[tuple[str, str, str]]:
+    """(where, language, code) of every example that talks to a server: the README's and
+    docs/api.md's Python blocks (the engine's LLM example aside) and the README's local curl."""
+    found = []
+    for doc in (README, ROOT / "docs" / "api.md"):
+        for code in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S):
+            if "from kvfleet.engine import" not in code:
+                found.append((doc.name, "python", code))
+    found.append((README.name, "sh", _readme_block("sh", "## Query the local server")))
+    return found
+
+
+def test_the_client_examples_run_against_the_default_model(smollm2_gguf: Path) -> None:
+    """Each example verbatim, but for the port (README's local and port-forwarded ones,
+    :8000 and :8080, both reach one server on a free port here), against the default model
+    served as `make run` serves it, each run in a fresh interpreter or shell."""
+    from tests.support.servers import default_model_server
+
+    examples = _client_examples()
+    assert len(examples) == 5, [where for where, _, _ in examples]
+    with default_model_server(smollm2_gguf, "smollm2-135m-instruct") as s:
+        port = s.url.rsplit(":", 1)[1]
+        for where, lang, code in examples:
+            code = re.sub(r"localhost:80[08]0", f"127.0.0.1:{port}", code)
+            command = [sys.executable, "-c", code] if lang == "python" else ["bash", "-c", code]
+            run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, (where, code, run.stderr[-2000:])
+            # Every example asks for France's capital, a person or the weather in Paris.
+            assert re.search(r"Paris|name='\w+' age=\d+", run.stdout), (where, run.stdout)

@@ -140,3 +140,22 @@ def test_the_engine_imports_neither_triton_nor_torch_compile() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert out.split() == ["[]", "False"], out
+
+
+def test_a_test_module_that_needs_no_model_starts_without_torch_or_kmock() -> None:
+    """Collecting the protocol's tests loads neither torch, transformers nor the Kubernetes
+    emulator: conftest's fixtures import what they use when they run, and the plugins nothing
+    uses are off (pyproject.toml), so such a module's first test starts within a second or two
+    rather than after ~12 s of imports."""
+    heavy = ("torch", "transformers", "kmock", "langsmith")
+    module = "tests/protocol/test_json_body.py"
+    code = (
+        "import sys, pytest\n"
+        f"pytest.main(['-q', '--co', '-p', 'no:cacheprovider', {module!r}])\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout[-2000:]

@@ -17,7 +17,6 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".gguf"
 
 # GGUF's general.architecture -> the HF architecture that serves it.
 ARCHITECTURES: dict[str, str] = {
@@ -69,23 +68,6 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SKIPPED = frozenset({"rope_freqs.weight"})
 
 
-def find_gguf(model: str | Path) -> Path | None:
-    """The GGUF file `model` names: the file itself, or the only *.gguf of a directory that has
-    no HF config.json. None for anything else (an HF directory)."""
-    path = Path(model)
-    if path.suffix == SUFFIX and path.is_file():
-        return path
-    if not path.is_dir() or (path / "config.json").is_file():
-        return None
-    files = sorted(path.glob(f"*{SUFFIX}"))
-    if len(files) > 1:
-        raise ValueError(
-            f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
-            "name one of them as the model"
-        )
-    return files[0] if files else None
-
-
 def _reader(file: Path) -> Any:
     """The file's reader, shared by the config, the tokenizer check and the tensors of one load:
     GGUFReader parses every metadata field up front, ~5 s for the default model's 49k-token
@@ -99,7 +81,16 @@ def _open_reader(file: Path, mtime_ns: int, size: int) -> Any:
     # mtime and size in the key: a file replaced at the same path is read anew.
     from gguf import GGUFReader
 
-    return GGUFReader(file)
+    try:
+        return GGUFReader(file)
+    except (ValueError, IndexError) as e:
+        # What numpy says of a header or tensor table cut short ("When changing to a larger
+        # dtype...", "cannot reshape array...") names neither the file nor the problem.
+        logger.debug("GGUFReader(%s): %r", file, e)
+        raise ValueError(
+            f"{file} is a truncated or corrupt GGUF file ({size:,} bytes): download or convert "
+            "it again"
+        ) from None
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from kvfleet.engine.checkpoint_path import GGUF_SUFFIX
 from kvfleet.engine.layers.fp8 import FP8
 from kvfleet.engine.layers.layernorm import LayerNorm, RMSNorm
 from kvfleet.engine.models import gguf_checkpoint
@@ -41,7 +42,7 @@ def safetensors_files(path: Path) -> list[Path]:
 def iter_checkpoint(path: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a checkpoint. progress: a bar on stderr when it is a terminal
     (tqdm's disable=None); False for none at all (tensor-parallel ranks other than the first)."""
-    if path.suffix == gguf_checkpoint.SUFFIX:
+    if path.suffix == GGUF_SUFFIX:
         yield from gguf_checkpoint.iter_tensors(path, progress=progress)
         return
     files = safetensors_files(path)

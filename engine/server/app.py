@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import signal
 import socket
 import time
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineArgs
@@ -25,13 +24,9 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
-from kvfleet.engine.server.tool_parsers import TOOL_CALL_PARSERS, parser_for_template
-from kvfleet.engine.server.tools import (
-    TOOL_SETTINGS,
-    ToolSettings,
-    load_chat_template,
-    plan_prompt,
-)
+from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
+from kvfleet.engine.server.tool_parsers import parser_for_template
+from kvfleet.engine.server.tools import TOOL_SETTINGS, ToolSettings, plan_prompt
 from kvfleet.engine.server.validation import (
     BODY_BYTES,
     BODY_LIMIT,
@@ -53,98 +48,11 @@ STARTED = web.AppKey("started", int)
 
 # Served even while draining or unauthenticated: probes and scrapers must keep working.
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-API_KEY_ENV = "KVFLEET_API_KEY"
 # After the shutdown deadline has aborted what was left, how long its handlers get to send their
 # error events before their connections are closed.
 _ABORT_GRACE = 1.0
 # serve()'s exit status when the engine loop was stuck in a step at shutdown and is left behind.
 EXIT_ENGINE_STUCK = 1
-
-
-class ServerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    served_model_name: list[str] | None = None
-    api_key: str | None = Field(
-        default=None,
-        description="the API key clients must send as a bearer token (visible in the process "
-        f"table: prefer --api-key-file or the {API_KEY_ENV} environment variable)",
-    )
-    api_key_file: str | None = Field(
-        default=None, description="a file holding the API key (used when --api-key is not given)"
-    )
-    max_waiting_requests: int | None = Field(
-        default=None,
-        ge=1,
-        description="sequences (prompts x n) allowed to wait for the engine; more get 429",
-    )
-    shutdown_timeout: float = Field(
-        default=30.0,
-        ge=0,
-        description="seconds in-flight requests get to finish after SIGTERM before they are "
-        "aborted; a step still running then is interrupted and the process exits 0 (1 if the "
-        "step is stuck: past its /health bound, it is left behind)",
-    )
-    max_request_body_bytes: int = Field(default=16 << 20, ge=1024)
-    health_stall_timeout: float = Field(
-        default=60.0,
-        gt=0,
-        description="/health reports the engine stuck (503) when a step runs longer than this "
-        "plus its tokens' allowance (--health-seconds-per-token), or when no step starts for "
-        "this long while requests wait",
-    )
-    health_seconds_per_token: float | None = Field(
-        default=None,
-        gt=0,
-        description="the least time a step is allowed per token it computes, on top of "
-        "--health-stall-timeout; four times the rate of the engine's recent steps when that is "
-        "more. Default: 0.05 on the CPU, 0.001 on a GPU",
-    )
-    header_timeout: float = Field(
-        default=15.0,
-        gt=0,
-        description="seconds a connection may go without a complete request head, when new or "
-        "idle between keep-alive requests; then it is closed",
-    )
-    body_timeout: float = Field(
-        default=30.0,
-        gt=0,
-        description="seconds a client has to send a request body; then 408",
-    )
-    chat_template: str | None = Field(
-        default=None,
-        description="a Jinja chat template (a file, or the template inline) used instead of the "
-        "model's own; default: the model's, ChatML when it has none",
-    )
-    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(  # type: ignore[valid-type]
-        default=None,
-        description="how tool calls are read from the model's output; default: from the chat "
-        "template's family (Llama 3 tokens: llama3_json, Mistral's: mistral, else hermes)",
-    )
-    enable_auto_tool_choice: bool = Field(
-        default=True,
-        description='tool_choice "auto" (the default with tools): the model decides and its calls '
-        "are parsed; off, such requests get 400",
-    )
-
-    @field_validator("chat_template")
-    @classmethod
-    def _read_chat_template(cls, v: str | None) -> str | None:
-        return None if v is None else load_chat_template(v)
-
-
-def resolve_api_key(settings: ServerSettings) -> str | None:
-    """The API key from --api-key, else the file --api-key-file names, else the environment."""
-    if settings.api_key:
-        return settings.api_key
-    if settings.api_key_file:
-        key = Path(settings.api_key_file).read_text().strip()
-        if not key:
-            raise ValueError(f"the API key file {settings.api_key_file} is empty")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
 
 
 @web.middleware
@@ -388,7 +296,16 @@ class EngineServer:
     async def start(self) -> None:
         # Loading a model takes from seconds to minutes: a port that is taken is said first.
         check_port_free(self.settings.host, self.settings.port)
-        self.engine, metrics = await asyncio.to_thread(create_engine, self.args, self.settings)
+        # On a thread of its own, not the loop's default executor: when a signal ends serve()
+        # during the load, the process exits without waiting for it, where closing the loop
+        # would join the default executor's threads, and so wait for the whole load.
+        loader = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-load")
+        try:
+            self.engine, metrics = await asyncio.get_running_loop().run_in_executor(
+                loader, create_engine, self.args, self.settings
+            )
+        finally:
+            loader.shutdown(wait=False)
         self.app = build_app(self.engine, metrics, self.settings, self.tracing)
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its
         # request and frees its KV blocks, even before the first byte was due.
@@ -423,25 +340,42 @@ class EngineServer:
         assert self._runner is not None
         return self._runner.addresses[0][1]
 
-    async def shutdown(self) -> bool:
-        """New requests get 503 while the ones in flight finish, up to shutdown_timeout; what
-        is still running then is aborted (streams end with an error event, the others get 503
-        "draining"), and the connections are closed soon after. The engine loop's step in
-        progress is interrupted; False if the loop was stuck and is left running (AsyncEngine
-        .stop), its engine not closed."""
+    async def shutdown(self, stop_now: asyncio.Event | None = None) -> bool:
+        """New requests get 503 while the ones in flight finish, up to shutdown_timeout or until
+        `stop_now` is set; what is still running then is aborted (streams end with an error
+        event, the others get 503 "draining"), and the connections are closed soon after. The
+        engine loop's step in progress is interrupted; False if the loop was stuck and is left
+        running (AsyncEngine.stop), its engine not closed, or if `stop_now` is set before the
+        loop has stopped (it is not waited for)."""
         assert self.app is not None and self.engine is not None and self._runner is not None
         self.app[SERVING].draining = True
-        deadline = time.monotonic() + self.settings.shutdown_timeout
-        logger.info("shutting down: draining %d in-flight requests", self.engine.num_unfinished)
-        while self.engine.num_unfinished and time.monotonic() < deadline:
+        timeout = self.settings.shutdown_timeout
+        deadline = time.monotonic() + timeout
+        if self.engine.num_unfinished:
+            logger.info(
+                "draining: waiting up to %gs for %d requests in flight%s",
+                timeout,
+                self.engine.num_unfinished,
+                "" if stop_now is None else "; Ctrl-C again (or a second SIGTERM) to stop now",
+            )
+        stop_now = stop_now or asyncio.Event()
+        while self.engine.num_unfinished and time.monotonic() < deadline and not stop_now.is_set():
             await asyncio.sleep(0.05)
         if self.engine.num_unfinished:
-            logger.warning("shutdown timeout: aborting %d requests", self.engine.num_unfinished)
+            logger.warning(
+                "%s: aborting %d requests",
+                "stopping now" if stop_now.is_set() else "shutdown timeout",
+                self.engine.num_unfinished,
+            )
             self.engine.abort_all("the server is shutting down")
             # Let the handlers write their error events and responses.
             await asyncio.sleep(0.1)
         await self._runner.cleanup()
-        if not await self.engine.stop():
+        stopping = await _unless(stop_now, self.engine.stop())
+        if stopping is None:
+            logger.warning("stopping now: not waiting for the engine loop to stop")
+            return False
+        if not stopping.result():
             return False
         # The server made this engine: its memory goes back with it, whoever still refers to
         # the server object.
@@ -450,14 +384,68 @@ class EngineServer:
         return True
 
 
+class StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C), from the start of serve(): the first asks for a stop (the
+    model's load is given up, a server drains), the second for an immediate one."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+        self.last = signal.SIGINT
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._received, sig)
+
+    def _received(self, sig: signal.Signals) -> None:
+        self.last = sig
+        if self.first.is_set() and not self.second.is_set():
+            logger.warning("%s again: stopping now", sig.name)
+            self.second.set()
+        self.first.set()
+
+    @property
+    def name(self) -> str:
+        return self.last.name
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the last signal's number, as a shell reports a process that signal ended."""
+        return 128 + self.last
+
+
+T = TypeVar("T")
+
+
+async def _unless(stop: asyncio.Event, work: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`work` run until it ends, or until `stop` is set first: its finished future (whose
+    result() returns or raises what `work` did), or None, `work` cancelled."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        finished = task.done()
+        if not finished:
+            task.cancel()
+    return task if finished else None
+
+
 async def serve(args: EngineArgs, settings: ServerSettings, tracing: Tracing | None = None) -> int:
-    """Serve until SIGTERM or SIGINT, then drain; 0, or EXIT_ENGINE_STUCK when the engine loop
-    was stuck in a step and is still running (the caller must exit without finalizing)."""
+    """Serve until SIGTERM or SIGINT, then drain; 0, EXIT_ENGINE_STUCK when the engine loop was
+    stuck in a step and is still running, or 128 + the signal's number when a signal came
+    during the model's load, or a second one during the drain: a thread is then left in the
+    load or a step. Unless 0, the caller must exit without finalizing (cli._serve)."""
+    signals = StopSignals()
     server = EngineServer(args, settings, tracing)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    return 0 if await server.shutdown() else EXIT_ENGINE_STUCK
+    started = await _unless(signals.first, server.start())
+    if started is None:
+        logger.warning("%s: interrupted while loading the model; exiting", signals.name)
+        return signals.exit_code
+    started.result()
+    await signals.first.wait()
+    logger.info("%s: shutting down", signals.name)
+    stopped = await server.shutdown(signals.second)
+    if signals.second.is_set():
+        return signals.exit_code
+    return 0 if stopped else EXIT_ENGINE_STUCK

@@ -420,11 +420,19 @@ class ToolCallParser:
         self._buf = ""
         return held
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, *, truncated: bool = False) -> ParseResult:
         """A whole output: its calls, or (as vLLM does) all of it as content when a call in it
-        is malformed."""
+        is malformed. truncated: the output was cut (max_tokens); a forced call's output (array,
+        named) is then a prefix of what its grammar allows, and the calls it completed are
+        calls, the one it was writing dropped."""
         content, _ = self.feed(text)
         rest = self.finish()
+        if self.malformed and truncated and self.mode in ("array", "named"):
+            done = [
+                ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in self.calls if c.valid
+            ]
+            if done:
+                return ParseResult("", done)
         if self.malformed:
             return ParseResult(text)
         calls = [ParsedCall(c.id, c.name or "", c.arguments or "{}") for c in self.calls]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -47,19 +46,6 @@ class ToolSettings:
 
 
 TOOL_SETTINGS = web.AppKey("tool_settings", ToolSettings)
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template: a file holding a Jinja template, or the template itself inline."""
-    # Inline first: a template is no path (and may be too long to be one).
-    if "{{" in value or "{%" in value:
-        return value
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    raise ValueError(
-        f"--chat-template {value!r} is neither a readable file nor an inline Jinja template"
-    )
 
 
 @dataclass(frozen=True)
@@ -409,7 +395,7 @@ def choice_message(plan: ToolPlan, choice: CompletionOutput) -> tuple[dict[str, 
     parser = plan.parser()
     if parser is None:
         return message, choice.finish_reason
-    result = parser.parse(choice.text)
+    result = parser.parse(choice.text, truncated=choice.finish_reason == "length")
     if not result.calls:
         return message, choice.finish_reason
     calls = result.calls[:1] if plan.single_call else result.calls

@@ -99,5 +99,5 @@ def test_real_config_builds_with_dummy_weights(tmp_path, name, layers, arch):
     assert_no_leak(llm)
     if arch == "GPT2LMHeadModel":
         # Learned positions: nothing beyond n_positions exists to look up.
-        with pytest.raises(ValueError, match="max_position_embeddings=1024"):
+        with pytest.raises(ValueError, match="context length of 1024 tokens"):
             LLM(str(path), max_model_len=1025, **common)

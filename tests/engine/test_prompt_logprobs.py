@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfleet.engine.config import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from kvfleet.engine.engine_args import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams

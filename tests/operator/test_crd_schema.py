@@ -390,6 +390,20 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("toleration-effect", "llm", {"scheduling": {"tolerations": [{"effect": "Sometimes"}]}}, None),
     ("unknown-field", "llm", {"engine": {"maxTokens": 5}}, None),
     ("duplicate-env", "llm", {"engine": {"env": [{"name": "A"}, {"name": "A"}]}}, None),
+    # A budget that allows no eviction would block every node drain.
+    ("budget-zero", "llm", {"engine": {"disruptionBudget": {"maxUnavailable": 0}}}, None),
+    (
+        "budget-zero-percent",
+        "llm",
+        {"routing": {"disruptionBudget": {"maxUnavailable": "0%"}}},
+        None,
+    ),
+    (
+        "budget-count-as-text",
+        "llm",
+        {"engine": {"disruptionBudget": {"maxUnavailable": "2"}}},
+        None,
+    ),
     ("min-above-max", "llm", {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, M.MSG_MIN_MAX),
     (
         "replicas-out-of-bounds",
@@ -543,6 +557,8 @@ def test_valid_edge_cases_pass_both():
         {"resources": {"gpus": 2}},
         {"resources": {"sharedMemory": "512Mi"}},
         {"resources": {"sharedMemory": 1073741824}},
+        {"engine": {"disruptionBudget": {"maxUnavailable": "100%"}}},
+        {"routing": {"disruptionBudget": {"maxUnavailable": 3}}},
     ):
         assert crd_problems(isvc(spec)) == []
         parse_spec("llm", spec)

@@ -14,14 +14,19 @@ from hypothesis import strategies as st
 
 from kvfleet.operator.autoscaler import load_starts, policy_of, status_update
 from kvfleet.operator.forecast import (
+    CYCLE_S,
     MAX_START_S,
+    MIN_SAMPLE_GAP_S,
     MIN_SPAN_S,
     START_SAMPLES,
+    WINDOW_S,
     EngineStart,
     Sample,
+    cycle_top,
     learn,
     pod_start,
     projection,
+    remember,
     start_estimate,
 )
 from kvfleet.operator.scaling_policy import PodMetrics, Recommendation, ScalingPolicy, decide
@@ -137,6 +142,87 @@ def test_samples_older_than_the_window_do_not_count():
     assert projection(old + flat, flat[-1].time, 20, 100) is None
 
 
+def test_a_step_that_levelled_off_is_no_trend():
+    # A line through a step rises for a window after it, but the load no longer does once it
+    # has held its level for MIN_SPAN_S.
+    step = series([4] * 5 + [12] * 4)
+    assert projection(step, step[-1].time, 20, 100) is None
+    assert projection(step[:-1], step[-2].time, 20, 100) is not None  # 10 s after: not yet
+    # A ramp that stopped a sample ago still rises over the last MIN_SPAN_S; one that stopped
+    # MIN_SPAN_S ago does not.
+    assert projection(series([4, 5, 6, 7, 8, 8]), T0 + 25, 20, 100) is not None
+    assert projection(series([4, 5, 6, 7, 8, 8, 8, 8]), T0 + 35, 20, 100) is None
+
+
+# -- the load's cycle --------------------------------------------------------------------------
+
+
+def series(values, every: float = 5.0, start: float = T0) -> tuple[Sample, ...]:
+    return tuple(Sample(start + i * every, float(v)) for i, v in enumerate(values))
+
+
+def test_a_cycles_top_is_the_highest_level_the_load_fell_from_by_more_than_a_fall():
+    assert cycle_top(series([4, 8, 12, 4, 6, 9]), 1.0) == 12
+    assert cycle_top(series([4, 12, 4, 10, 7, 9]), 1.0) == 12  # 10 fell too, 12 is higher
+    assert cycle_top(series([4, 8, 12, 13]), 0.0) is None  # never fell
+    assert cycle_top(series([4, 8, 12, 11.5, 13]), 1.0) is None  # by no more than the noise
+    assert cycle_top((), 1.0) is None
+
+
+def test_the_memory_keeps_a_cycle_at_most_one_sample_a_second():
+    samples: tuple[Sample, ...] = ()
+    for i in range(300):
+        samples = remember(samples, Sample(T0 + 5 * i, i))
+    assert samples[-1].time - samples[0].time == CYCLE_S and len(samples) == CYCLE_S / 5 + 1
+    # Decisions closer together than MIN_SAMPLE_GAP_S (a clock that did not move) weigh as one,
+    # the newest value kept.
+    now = samples[-1].time
+    assert remember(samples, Sample(now, 7.0)) == (*samples[:-1], Sample(now, 7.0))
+    soon = Sample(now + MIN_SAMPLE_GAP_S / 2, 8.0)
+    assert remember(samples, soon) == (*samples[1:-1], soon)  # the oldest one out of memory
+    later = Sample(now + MIN_SAMPLE_GAP_S, 9.0)
+    assert remember(samples, later) == (*samples[1:], later)
+
+
+# A sawtooth sampled every 5 s: from 4 up to 12 over 40 s, back to 4, then up again at 0.1/s
+# (to 15), so that the second rise fills a whole window.
+FIRST = series([4, 5, 6, 7, 8, 9, 10, 11, 12])
+AGAIN = series([4 + 0.5 * i for i in range(23)], start=FIRST[-1].time + 5)
+
+
+def saw(until: float) -> tuple[Sample, ...]:
+    """The sawtooth's samples until the second rise reaches `until`."""
+    return FIRST + tuple(s for s in AGAIN if s.value <= until)
+
+
+def test_a_rise_back_towards_a_top_the_load_fell_from_projects_nothing():
+    samples = saw(11)
+    now = samples[-1].time
+    # The window alone (the last minute, all of it after the fall) is as steady as a ramp.
+    window = tuple(s for s in samples if now - s.time <= WINDOW_S)
+    assert window[0].time > FIRST[-1].time
+    assert projection(window, now, 20, 100) is not None
+    assert projection(samples, now, 20, 100) is None
+    assert projection(saw(12), now + 10, 20, 100) is None  # at the top again
+
+
+def test_past_the_top_a_rise_projects_as_far_again_until_it_is_a_horizons_rise_beyond():
+    # Rising 0.1/s, 2 in 20 s. Half a request past the top of 12: half a request more at most.
+    samples = saw(12.5)
+    p = projection(samples, samples[-1].time, 20, 100)
+    assert p is not None and (p.value, p.projected, p.top) == (12.5, 13.0, 12.0)
+    # Three past it: as far again would be more than the trend's own 2, which stands.
+    samples = saw(15)
+    p = projection(samples, samples[-1].time, 20, 100)
+    assert p is not None and p.top is None and p.projected == pytest.approx(17.0)
+
+
+def test_a_top_older_than_the_cycle_memory_does_not_count():
+    late = tuple(Sample(s.time + CYCLE_S, s.value) for s in AGAIN if s.value <= 11)
+    assert late[-1].time - FIRST[-1].time > CYCLE_S
+    assert projection(FIRST + late, late[-1].time, 20, 100) is not None
+
+
 # -- the decision ------------------------------------------------------------------------------
 
 AHEAD = ScalingPolicy(min_replicas=1, max_replicas=8, target_queue_depth=4, scale_ahead=True)
@@ -242,6 +328,31 @@ def test_a_flat_or_falling_load_adds_nothing(values, every, current):
     )
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rise=st.lists(st.floats(0.0, 1.0), min_size=4, max_size=13),
+    top=st.floats(1.0, 200.0),
+    ago=st.floats(0.0, CYCLE_S - WINDOW_S - 15),
+    current=st.integers(1, 8),
+)
+def test_a_load_rising_back_towards_a_level_it_fell_from_gets_nothing_from_the_forecast(
+    rise, top, ago, current
+):
+    # Any rise in the last minute, however steady, below half a level the load reached before
+    # it and fell from (so the fall is more than three times the spread of anything in the
+    # window about its line).
+    now = T0 + 1000
+    window = [Sample(now - 5 * i, top / 2 * v) for i, v in enumerate(sorted(rise, reverse=True))]
+    then = now - WINDOW_S - 10 - ago
+    samples = (Sample(then, top), Sample(then + 5, 0.0), *reversed(window))
+    args = (current, engines(current, samples[-1].value))
+    kwargs = dict(load=samples[:-1], start_seconds=60)
+    plain = decide(*args, PLAIN, (), None, now, **kwargs)
+    ahead = decide(*args, AHEAD, (), None, now, **kwargs)
+    assert (ahead.replicas, ahead.signal) == (plain.replicas, plain.signal)
+    assert "forecast_slope" not in ahead.signals
+
+
 def test_the_forecast_keeps_to_the_scale_up_window_and_step():
     samples = tuple(Sample(T0 + t, 1 + 0.1 * t) for t in (0, 5, 10))
     windowed = ScalingPolicy(max_replicas=8, target_queue_depth=4, scale_ahead=True,
@@ -255,6 +366,20 @@ def test_the_forecast_keeps_to_the_scale_up_window_and_step():
     d = decide(1, engines(1, 151), AHEAD, (), None, T0 + 15, load=steep, start_seconds=600)
     assert d.signals["forecast_in_flight"] == pytest.approx(302)
     assert d.replicas == 5  # queue depth asks for 38 -> at most 1 + 4 per step anyway
+
+
+def test_a_forecast_the_cycle_held_back_says_so_and_the_decision_keeps_the_cycle():
+    # One request past the top of 12 the load fell from: 14 projected, not the trend's 15.
+    samples = saw(13)
+    now, history = samples[-1].time, samples[:-1]
+    d = decide(3, engines(3, 13), AHEAD, (), None, now, load=history, start_seconds=20)
+    assert (d.replicas, d.signal) == (4, "forecast")
+    assert d.reason == (
+        "forecast: 13.00 requests in flight rising 0.1/s, 14.00 in 20s (the engine start time; "
+        "no further past 12.00, the top the load fell from, than it is now), target 4 per replica"
+    )
+    # The next decision gets the whole cycle back, not just the trend's window.
+    assert d.load == samples and samples[-1].time - samples[0].time > WINDOW_S
 
 
 def test_replicas_still_starting_hold_the_forecast():

@@ -31,6 +31,7 @@ from tests.support.kmock import (
     NS,
     PODS,
     api,
+    child_names,
     children_of,
     condition,
     create,
@@ -228,7 +229,7 @@ async def test_fp8_on_a_cpu_engine_warns_once_and_a_crash_is_quoted(cluster):
     demo["spec"].setdefault("engine", {})["kvCacheDtype"] = "fp8"
     async with operator(k):
         await create(k, demo, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await settled(k)
         [event] = await eventually(lambda: _warnings(k, "FP8OnCPU"))
         assert "reference path" in event["message"]

@@ -17,11 +17,9 @@ import functools
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -46,9 +44,9 @@ from kvfleet.operator.spec import parse_spec
 from tests.support.kmock import CONFIG as KMOCK_CONFIG
 from tests.support.kmock import eventually, kube_for, run_operator
 from tests.support.net import free_port
+from tests.support.promql import validate_prometheus_rule
+from tests.support.tools import CHART, ROOT, helm, run_helm, set_args
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kvfleet"
 # The oldest the chart supports (Chart.yaml kubeVersion), a middle one, and the newest helm knows.
 KUBE_VERSIONS = ("1.29", "1.32", "1.35")
 NAMESPACE = "kvfleet-system"
@@ -70,6 +68,9 @@ NON_DEFAULT = [
     "grafana.dashboard.enabled=true",
     "grafana.dashboard.namespace=monitoring",
     "grafana.dashboard.annotations.grafana_folder=LLM",
+    "prometheusRule.enabled=true",
+    "prometheusRule.labels.release=prometheus",
+    "prometheusRule.alertLabels.team=ml",
     "serviceAccount.name=kvfleet-sa",
     "podAnnotations.example\\.com/team=ml",
     "nodeSelector.kubernetes\\.io/os=linux",
@@ -86,37 +87,11 @@ SCENARIOS: dict[str, list[str]] = {
         "monitoring.engines.enabled=true",
         "monitoring.router.enabled=true",
         "monitoring.operator.enabled=true",
+        "prometheusRule.enabled=true",
         "replicaCount=2",
         "networkPolicy.enabled=true",
     ],
 }
-
-
-def tool(name: str, *extra: Path) -> str:
-    """The path of a tool, or a skip (a failure where the tools must be there)."""
-    for candidate in [os.environ.get(name.upper()), *map(str, extra), shutil.which(name)]:
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    message = f"{name} not found ($" + name.upper() + ", " + ", ".join(map(str, extra))
-    message += ", PATH): run `make tools`"
-    if os.environ.get("CI") or os.environ.get("KVFLEET_REQUIRE_TOOLS"):
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = tool("helm", ROOT / ".tools" / "bin" / "helm")
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=60, check=False)
-
-
-def helm(*args: str) -> str:
-    proc = run_helm(*args)
-    assert proc.returncode == 0, f"helm {' '.join(args)}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def set_args(values: list[str]) -> list[str]:
-    return [a for v in values for a in ("--set", v)]
 
 
 @functools.cache
@@ -195,6 +170,8 @@ def test_every_manifest_validates(scenario: str, kube_version: str):
             crd = crds[doc["kind"]]
             jsonschema.validate(doc, _custom_resource_schema(crd, doc["apiVersion"].split("/")[1]))
             assert (crd["spec"]["scope"] == "Namespaced") == ("namespace" in doc["metadata"])
+        elif doc["kind"] == "PrometheusRule":
+            validate_prometheus_rule(doc)
         elif group == "monitoring.coreos.com":
             _validate_monitor(doc)
         else:
@@ -450,7 +427,13 @@ def test_monitors_select_engine_and_router_metrics_ports(scenario: str):
 
 def test_no_monitors_or_network_policies_by_default():
     kinds = {d["kind"] for d in render("default")}
-    assert not kinds & {"PodMonitor", "ServiceMonitor", "NetworkPolicy", "ConfigMap"}
+    assert not kinds & {
+        "PodMonitor",
+        "ServiceMonitor",
+        "NetworkPolicy",
+        "ConfigMap",
+        "PrometheusRule",
+    }
 
 
 def test_the_grafana_dashboard_is_a_configmap_for_the_sidecar():
@@ -589,6 +572,7 @@ def readme_rows() -> dict[str, tuple[str, Any]]:
 README_TYPES: dict[str, tuple[str, Any]] = {
     "string": ("string", str), "integer": ("integer", int), "boolean": ("boolean", bool),
     "list": ("array", list), "map": ("object", dict), "list or null": ("array,null", list | None),
+    "number": ("number", int | float),
 }  # fmt: skip
 
 
@@ -632,6 +616,14 @@ BAD_VALUES = [
     ("allowList.images={registry.example.com/a b}", "/allowList/images/0", "pattern"),
     ("serviceAccount.create=yes", "/serviceAccount/create", "want boolean"),
     ("grafana.dashboard.namespace=Monitoring", "/grafana/dashboard/namespace", "pattern"),
+    ("prometheusRule.sustainedFor=soon", "/prometheusRule/sustainedFor", "pattern"),
+    ("prometheusRule.sustainedFor=30s15m", "/prometheusRule/sustainedFor", "pattern"),
+    (
+        "prometheusRule.ttftSLO.thresholdSeconds=3",
+        "/prometheusRule/ttftSLO/thresholdSeconds",
+        "one of",
+    ),
+    ("prometheusRule.alertLabels.team-name=ml", "/prometheusRule/alertLabels", "'team-name' not"),
 ]
 
 

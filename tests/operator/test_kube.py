@@ -4,6 +4,7 @@ credential loaders (kubeconfig with an exec plugin, in-cluster), shared with kop
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import logging
@@ -24,6 +25,7 @@ from kvfleet.operator.kube import (
     Connection,
     Kube,
     NoClusterError,
+    WriteDeferred,
     connection_info,
     load_connection,
     resource_url,
@@ -56,14 +58,14 @@ class FakeAPI:
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         return answer(request)
 
-    def kube(self, token: str | None = None) -> Kube:
+    def kube(self, token: str | None = None, **options: Any) -> Kube:
         async def connect() -> Connection:
             cfg = client.Configuration(host=self.url)
             if token:
                 cfg.api_key["BearerToken"] = f"Bearer {token}"
             return Connection(cfg, "test")
 
-        return Kube(connect, backoffs=BACKOFFS)
+        return Kube(connect, backoffs=BACKOFFS, **options)
 
 
 def status(code: int, message: str = "", **headers: str) -> Handler:
@@ -163,6 +165,51 @@ async def test_a_conflict_on_a_patch_with_a_precondition_is_not_retried(api: Fak
     api.answers = [status(409), lambda r: web.json_response({"kind": "Deployment"})]
     assert await kube.merge_patch(DEPLOY, {"spec": {}}) == {"kind": "Deployment"}
     assert len(api.requests) == 3
+    await kube.close()
+
+
+@pytest.mark.asyncio
+async def test_an_object_whose_writes_keep_failing_is_written_at_its_callers_pace(
+    api: FakeAPI,
+) -> None:
+    """Issue 36: an object's first failed write is retried within the call; after that each
+    call sends it once (the reconciler: its work queue's backoff paces the calls), and a
+    periodic caller's write (the autoscaler's, every interval) is not sent before the object's
+    own backoff has passed."""
+    kube = api.kube(write_backoff=(0.2, 0.4))
+    api.answers = [status(409, "conflict #1")]
+    with pytest.raises(APIError):
+        await kube.merge_patch(DEPLOY, {"spec": {}})
+    assert len(api.requests) == 1 + len(BACKOFFS)
+    api.requests.clear()
+    with pytest.raises(APIError):
+        await kube.apply(DEPLOY, {})
+    assert len(api.requests) == 1
+    with pytest.raises(WriteDeferred) as deferred:
+        await kube.merge_patch(DEPLOY, {"spec": {}}, periodic=True)
+    assert deferred.value.status == 409
+    assert "backing off after 2 failed writes, the last: conflict #1" in str(deferred.value)
+    assert len(api.requests) == 1
+    # Reads, and the writes of other objects, are not held back.
+    api.answers = [lambda _: web.json_response({"kind": "Deployment"})]
+    assert await kube.get(DEPLOY) == {"kind": "Deployment"}
+    assert await kube.merge_patch(f"{DEPLOY}/status", {}, periodic=True) == {"kind": "Deployment"}
+    # A periodic caller's requests are sent once: its next interval is its retry.
+    api.requests.clear()
+    api.answers = [status(500)]
+    with pytest.raises(APIError):
+        await kube.get(DEPLOY, periodic=True)
+    assert len(api.requests) == 1
+    api.answers = [lambda _: web.json_response({"kind": "Deployment"})]
+    # Past the backoff (0.2 s doubled, at most 0.4 s), it is sent; a success ends the backoff,
+    # so the next failure is retried within the call again.
+    await asyncio.sleep(0.4)
+    assert await kube.merge_patch(DEPLOY, {}, periodic=True) == {"kind": "Deployment"}
+    api.requests.clear()
+    api.answers = [status(503)]
+    with pytest.raises(APIError):
+        await kube.merge_patch(DEPLOY, {})
+    assert len(api.requests) == 1 + len(BACKOFFS)
     await kube.close()
 
 

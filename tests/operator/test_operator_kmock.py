@@ -27,6 +27,7 @@ from tests.support.kmock import (
     api,
     assert_rbac_covers,
     by_operator,
+    child_names,
     children_of,
     condition,
     create,
@@ -65,7 +66,7 @@ async def test_creating_an_inference_service_creates_its_owned_children(cluster)
         llama = await create(k, LLAMA, "llama")
         demo = await create(k, DEMO, "demo")
         await eventually(lambda: set(children_of(k, "llama")) == LLAMA_CHILDREN)
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await eventually(lambda: condition(k.live(ISVCS, NS, "llama"), "Progressing"))
         await settled(k)
 
@@ -248,7 +249,7 @@ async def test_status_follows_the_children(cluster):
     k = cluster
     async with operator(k):
         await create(k, DEMO, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await settled(k)
 
         await mark_ready(k, "demo-engine", 1)
@@ -319,7 +320,7 @@ async def test_a_tensor_parallel_service_is_reconciled_like_any_other(cluster):
     k = cluster
     async with operator(k):
         await create(k, QWEN_TP2, "qwen")
-        await eventually(lambda: len(children_of(k, "qwen")) == 8)
+        await eventually(lambda: set(children_of(k, "qwen")) == child_names("qwen", download=True))
         await eventually(lambda: condition(k.live(ISVCS, NS, "qwen"), "Progressing"))
         await settled(k)
 
@@ -402,7 +403,7 @@ async def test_invalid_specs_are_reported_and_the_operator_keeps_going(cluster):
 
         # Still running: a good one is served, and a good one gone bad keeps its children.
         await create(k, DEMO, "good")
-        await eventually(lambda: len(children_of(k, "good")) == 7)
+        await eventually(lambda: set(children_of(k, "good")) == child_names("good"))
         await settled(k)
         mark = len(k)
         await api(k, "patch", url(ISVCS, "good"), {"spec": {"engine": {"dtype": "int4"}}})
@@ -418,7 +419,7 @@ async def test_invalid_specs_are_reported_and_the_operator_keeps_going(cluster):
         made = writes(k, mark)
         assert made.count(f"PATCH {url(ISVCS, 'good', 'status')}") == 1
         assert set(made) == {f"PATCH {url(ISVCS, 'good', 'status')}", f"POST {url(EVENTS)}"}
-        assert len(children_of(k, "good")) == 7
+        assert set(children_of(k, "good")) == child_names("good")
     assert_rbac_covers(k)
 
 
@@ -428,7 +429,7 @@ async def test_a_restarted_operator_adopts_what_exists_without_writing(cluster):
         await create(k, LLAMA, "llama")
         await create(k, DEMO, "demo")
         await eventually(lambda: set(children_of(k, "llama")) == LLAMA_CHILDREN)
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await settled(k)
         await mark_ready(k, "demo-engine", 1)
         await mark_ready(k, "demo-router", 1)
@@ -493,7 +494,7 @@ async def test_allow_lists_keep_a_violating_service_from_rolling_out(cluster):
         good = copy.deepcopy(DEMO)
         good["spec"].setdefault("engine", {})["image"] = "registry/engine:2"
         await create(k, good, "good")
-        await eventually(lambda: len(children_of(k, "good")) == 7)
+        await eventually(lambda: set(children_of(k, "good")) == child_names("good"))
         await settled(k)
         mark = len(k)
         patch = {"spec": {"routing": {"image": "docker.io/attacker/router:1"}}}
@@ -516,7 +517,7 @@ async def test_a_namespaced_operator_needs_only_its_namespaced_roles(cluster):
     k = cluster
     async with operator(k, namespaces=[NS]):
         await create(k, DEMO, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await eventually(lambda: condition(k.live(ISVCS, NS, "demo"), "Progressing"))
         await settled(k)
     assert_rbac_covers(k, NAMESPACED_OPERATOR_RULES)

@@ -1,8 +1,9 @@
 """Issue 17: backoff that holds. Status is written only when a condition's type, status or reason
 changes; a failing reconcile backs off per service, and neither its own status writes nor its
 children's events cut the wait short; transient API errors on an apply are retried quietly; a
-`kubectl scale` in builtin mode is never silently ignored. Faults are injected into the emulator
-(tests/support/kmock.py) before it stores a write."""
+`kubectl scale` in builtin mode is never silently ignored. Issue 36: writes that keep failing
+come further and further apart, and converge once they succeed. Faults are injected into the
+emulator (tests/support/kmock.py) before it stores a write."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvfleet.operator.main import build_registry, build_settings
+from kvfleet.operator.resources import PLURALS
 from kvfleet.operator.spec import MSG_SCALE_BUILTIN
 from kvfleet.operator.status import Observed, Problem, compute_status, status_patch
 from tests.support.kmock import (
@@ -28,6 +30,7 @@ from tests.support.kmock import (
     Fault,
     api,
     by_operator,
+    child_names,
     children_of,
     condition,
     create,
@@ -145,7 +148,7 @@ async def test_transient_errors_on_an_apply_are_retried_quietly(cluster):
     conflict = k.inject(Fault("PATCH", url(DEPLOYMENTS, "demo-router"), 409, 2))
     async with operator(k):
         await create(k, DEMO, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await eventually(lambda: condition(k.live(ISVCS, NS, "demo"), "Progressing"))
         await settled(k)
     assert (unavailable.hits, conflict.hits) == (2, 2)
@@ -167,7 +170,7 @@ async def test_kubectl_scale_in_builtin_mode_is_not_silently_ignored(cluster):
     demo["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
     async with operator(k):
         await create(k, demo, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await settled(k)
         mark = len(k)
         await api(k, "patch", url(ISVCS, "demo", "scale"), {"spec": {"replicas": 3}})
@@ -179,3 +182,71 @@ async def test_kubectl_scale_in_builtin_mode_is_not_silently_ignored(cluster):
         # The autoscaler's count stands; the request is written nowhere else.
         assert k.live(DEPLOYMENTS, NS, "demo-engine")["spec"]["replicas"] == 1
         assert f"PATCH {url(DEPLOYMENTS, 'demo-engine')}" not in writes(k, mark)
+
+
+INTERVAL = 0.25
+SCALE = INTERVAL / 10.0  # the client's and the queue's delays in their production proportion
+STRETCH = 24  # intervals of conflicts
+
+
+@pytest.mark.asyncio
+async def test_writes_that_keep_conflicting_come_further_apart_then_converge(cluster):
+    """409 on every write of a service (its children, its status) for a stretch."""
+    k = cluster
+    settings = build_settings()
+    registry = build_registry(
+        settings,
+        CONFIG,
+        debounce=0.02,
+        backoff=1.0 * SCALE,
+        autoscale_interval=INTERVAL,
+        scrape_timeout=0.2,
+        kube=kube_for(k, SCALE),
+    )
+    demo = copy.deepcopy(DEMO)
+    demo["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    async with run_operator(registry, settings):
+        await create(k, demo, "demo")
+        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: condition(k.live(ISVCS, NS, "demo"), "Progressing"))
+        objects = [url(ISVCS, "demo", "status")] + [
+            url(f"{child['apiVersion']}/{PLURALS[child['kind']]}", child["metadata"]["name"])
+            for child in children_of(k, "demo").values()
+        ]
+        faults = [k.inject(Fault("PATCH", path, 409, times=None)) for path in objects]
+        mark = len(k)
+        # A change that both writers write: the engine Deployment's replicas, the status.
+        await api(k, "patch", url(ISVCS, "demo"), {"spec": {"autoscaling": {"minReplicas": 2}}})
+        await asyncio.sleep(STRETCH * INTERVAL)
+        sent = [
+            k.arrived[r.id]
+            for r in by_operator(k, mark)
+            if r.method.value == "PATCH" and r.url.path in objects
+        ]
+        # Half the writes early, the other half spread over at least three times as long.
+        mid = len(sent) // 2
+        assert sent[-1] - sent[mid] >= 3 * (sent[mid] - sent[0]), [t - sent[0] for t in sent]
+        assert [e["reason"] for e in warnings(k, "demo")] == ["StatusWriteFailed"]
+
+        for fault in faults:
+            k.faults.remove(fault)
+        await eventually(
+            lambda: k.live(DEPLOYMENTS, NS, "demo-engine")["spec"]["replicas"] == 2, timeout=15
+        )
+        isvc = await eventually(
+            lambda: (
+                (isvc := k.live(ISVCS, NS, "demo"))
+                and isvc["status"].get("observedGeneration") == isvc["metadata"]["generation"]
+                and isvc["status"].get("desiredReplicas") == 2
+                and isvc
+            ),
+            timeout=15,
+        )
+        assert condition(isvc, "Degraded")["status"] == "False"
+
+        def recovered() -> list[dict[str, Any]]:
+            return [e for e in k.every(EVENTS) if e["reason"] == "StatusWriteRecovered"]
+
+        await eventually(recovered)  # Events are posted in the background
+        await asyncio.sleep(4 * INTERVAL)
+        assert len(recovered()) == 1, recovered()

@@ -240,6 +240,16 @@ def test_cli_accepts_the_operator_contract() -> None:
             parse_args(["--endpoints", "a:1", *bad])
 
 
+def test_the_body_limit_takes_a_size_with_a_unit(capsys) -> None:
+    assert parse_args(["--endpoints", "a:1"]).max_body_bytes == 16 << 20
+    for given, size in (("8Mi", 8 << 20), ("2MB", 2_000_000), ("65536", 65536)):
+        assert parse_args(["--endpoints", "a:1", "--max-body-bytes", given]).max_body_bytes == size
+    for bad in ("8 megs", "1K"):  # not a size; under the least body allowed
+        with pytest.raises(SystemExit):
+            parse_args(["--endpoints", "a:1", "--max-body-bytes", bad])
+    assert "argument --max-body-bytes: '8 megs' is not a size" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------
 # EndpointSlices
 # ------------------------------------------------------------------------------------------

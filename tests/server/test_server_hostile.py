@@ -27,7 +27,7 @@ from kvfleet.engine.cli import build_parser, server_settings_from
 from kvfleet.engine.cli import main as cli_main
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.app import API_KEY_ENV, ServerSettings
+from kvfleet.engine.server.settings import API_KEY_ENV, ServerSettings
 from kvfleet.engine.server.tools import StreamedChoices
 from kvfleet.engine.server.validation import MAX_JSON_ITEMS
 from tests.support.net import free_port, http_call

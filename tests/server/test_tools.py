@@ -534,3 +534,21 @@ def test_streamed_choices_send_openai_tool_call_deltas() -> None:
     whole, finish = choice_message(plan, CompletionOutput(0, text, finish_reason="stop"))
     assert whole["content"] == "Checking." and finish == "tool_calls"
     assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_forced_call_cut_by_max_tokens_keeps_the_calls_it_completed(parallel) -> None:
+    """tool_choice required cut inside its second call: the first is a call (finish_reason
+    length says the output was cut), the unfinished one is dropped, nothing becomes content."""
+    plan = _plan(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+    first = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    text = f'[{first}, {{"name": "get_time", "argum'
+    message, finish = choice_message(plan, CompletionOutput(0, text, finish_reason="length"))
+    assert finish == "length" and message["content"] is None
+    calls = message["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"})
+    ]
+    # Cut before any call was whole: nothing to return as a call, the text stays content.
+    message, finish = choice_message(plan, CompletionOutput(0, text[:20], finish_reason="length"))
+    assert finish == "length" and "tool_calls" not in message and message["content"] == text[:20]

@@ -16,7 +16,9 @@ import copy
 import datetime
 import inspect
 import itertools
+import json
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,7 +31,13 @@ import kopf
 import yaml
 from kubernetes_asyncio import client
 
-from kvfleet.operator.kube import Connection, Kube
+from kvfleet.operator.kube import (
+    BACKOFFS_S,
+    WRITE_BACKOFF_CAP_S,
+    WRITE_BACKOFF_FIRST_S,
+    Connection,
+    Kube,
+)
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, PolicyRule, allows
 from kvfleet.operator.resources import OperatorConfig
@@ -44,6 +52,7 @@ CONFIGMAPS = "v1/configmaps"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 SLICES = "discovery.k8s.io/v1/endpointslices"
+PDBS = "policy/v1/poddisruptionbudgets"
 # resource -> (kind, namespaced, subresources): what the operator and the router read and write.
 RESOURCES = {
     ISVCS: ("InferenceService", True, {"status", "scale"}),
@@ -53,6 +62,7 @@ RESOURCES = {
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
+    PDBS: ("PodDisruptionBudget", True, {"status"}),
     PODS: ("Pod", True, {"status"}),
     SLICES: ("EndpointSlice", True, set()),
     EVENTS: ("Event", True, set()),
@@ -74,10 +84,28 @@ def _merge(base: Any, patch: Any) -> Any:
     return out
 
 
+class Injected(Protocol):
+    """What APIServer.inject takes: asked about each request before it is served, an answer to
+    send instead, or None to serve it; a coroutine may first hold the request (a slow API
+    server)."""
+
+    def answer(
+        self, request: kmock.Request
+    ) -> aiohttp.web.StreamResponse | Awaitable[aiohttp.web.StreamResponse | None] | None: ...
+
+
+InjectedT = TypeVar("InjectedT", bound=Injected)
+
+
+def is_watch(request: kmock.Request) -> bool:
+    return request.params.get("watch") == "true"
+
+
 @dataclass
 class Fault:
     """Requests `method path` are answered with `status` `times` times (None: every time), before
-    the emulator stores anything; the n-th answer's message is message(n)."""
+    the emulator stores anything; the n-th answer's message is message(n). `watch`: only watch
+    requests (True), only the others (False), or both (None)."""
 
     method: str
     path: str
@@ -85,10 +113,13 @@ class Fault:
     times: int | None = 1
     message: Callable[[int], str] = lambda n: f"injected fault #{n}"
     headers: dict[str, str] = field(default_factory=dict)
+    watch: bool | None = None
     hits: int = 0
 
     def answer(self, request: kmock.Request) -> aiohttp.web.Response | None:
         if (request.method.value, request.url.path) != (self.method, self.path):
+            return None
+        if self.watch is not None and is_watch(request) != self.watch:
             return None
         if self.times is not None and self.hits >= self.times:
             return None
@@ -98,13 +129,38 @@ class Fault:
         return aiohttp.web.json_response(status, status=self.status, headers=self.headers)
 
 
-class Interceptor(Protocol):
-    """What APIServer asks about each request before serving it: an answer to send instead, or
-    None to serve it; a coroutine may first hold the request (a slow API server)."""
+class _DroppedStream(aiohttp.web.StreamResponse):
+    """A watch answered 200 whose connection drops after part of an event."""
 
-    def answer(
-        self, request: kmock.Request
-    ) -> aiohttp.web.StreamResponse | Awaitable[aiohttp.web.StreamResponse | None] | None: ...
+    async def prepare(self, request: aiohttp.web.BaseRequest) -> Any:
+        writer = await super().prepare(request)
+        await self.write(b'{"type": "ADDED", "object": {"metadata": ')
+        if request.transport is not None:
+            request.transport.abort()
+        return writer
+
+
+@dataclass
+class EndedWatch:
+    """Watch requests of `path` are answered 200 and the stream ends at once with no event, as
+    an API server under load or a proxy in front of it may do; with `dropped`, the connection
+    drops after part of an event instead; with `error`, the stream holds that one ERROR event
+    (a Status) before it ends. While `active`; `hits` counts them."""
+
+    path: str
+    dropped: bool = False
+    error: dict[str, Any] | None = None
+    active: bool = True
+    hits: int = 0
+
+    def answer(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None:
+        if not self.active or request.url.path != self.path or not is_watch(request):
+            return None
+        self.hits += 1
+        if self.dropped:
+            return _DroppedStream(headers={"Content-Type": "application/json"})
+        event = [json.dumps({"type": "ERROR", "object": self.error})] if self.error else []
+        return aiohttp.web.Response(text="".join(event), content_type="application/json")
 
 
 class APIServer(kmock.KubernetesEmulator):
@@ -112,7 +168,9 @@ class APIServer(kmock.KubernetesEmulator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.faults: list[Interceptor] = []
+        self.faults: list[Injected] = []
+        # When each request came (time.monotonic()), by its id.
+        self.arrived: dict[int, float] = {}
         self._in_flight: set[int] = set()  # id() of the requests not answered yet
         self._streaming: set[int] = set()  # id() of the watches whose stream has started
         # When a list: each request moves those answered before it out of kmock's log into it
@@ -122,7 +180,7 @@ class APIServer(kmock.KubernetesEmulator):
         # real API server sends them (about every minute); None: never, kmock's own behaviour.
         self.bookmark_every: float | None = None
 
-    def inject(self, fault: Fault) -> Fault:
+    def inject(self, fault: InjectedT) -> InjectedT:
         self.faults.append(fault)
         return fault
 
@@ -183,6 +241,7 @@ class APIServer(kmock.KubernetesEmulator):
             pumping.cancel()
 
     async def _handle(self, request: kmock.Request) -> Any:
+        self.arrived[request.id] = time.monotonic()
         # Before any await: kmock logged it just before calling this.
         self._in_flight.add(id(request))
         if self.served is not None:
@@ -347,13 +406,17 @@ async def operator(
         yield
 
 
-def kube_for(k: APIServer) -> Kube:
-    """The operator's client, and so kopf, pointed at the emulator."""
+def kube_for(k: APIServer, scale: float = 1.0) -> Kube:
+    """The operator's client, and so kopf, pointed at the emulator; its retry delays and its
+    writes' backoff times ``scale`` (a test's autoscaling interval over the production one
+    keeps their proportions)."""
 
     async def connect() -> Connection:
         return Connection(client.Configuration(host=str(k.url).rstrip("/")), "kmock")
 
-    return Kube(connect)
+    backoffs = tuple(delay * scale for delay in BACKOFFS_S)
+    write_backoff = (WRITE_BACKOFF_FIRST_S * scale, WRITE_BACKOFF_CAP_S * scale)
+    return Kube(connect, backoffs=backoffs, write_backoff=write_backoff)
 
 
 async def api(k: APIServer, method: str, url: str, body: Any = None) -> Any:
@@ -463,13 +526,21 @@ def children_of(k: APIServer, name: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-LLAMA_CHILDREN = {
-    "ConfigMap/llama-model-download",
-    "ServiceAccount/llama-router",
-    "Role/llama-router",
-    "RoleBinding/llama-router",
-    "Service/llama-engine",
-    "Deployment/llama-engine",
-    "Deployment/llama-router",
-    "Service/llama",
-}
+def child_names(name: str, *, download: bool = False) -> set[str]:
+    """The children of InferenceService `name` ("Kind/name"); download: an hf:// source's
+    ConfigMap too."""
+    names = {
+        f"ServiceAccount/{name}-router",
+        f"Role/{name}-router",
+        f"RoleBinding/{name}-router",
+        f"Service/{name}-engine",
+        f"PodDisruptionBudget/{name}-engine",
+        f"Deployment/{name}-engine",
+        f"PodDisruptionBudget/{name}-router",
+        f"Deployment/{name}-router",
+        f"Service/{name}",
+    }
+    return names | ({f"ConfigMap/{name}-model-download"} if download else set())
+
+
+LLAMA_CHILDREN = child_names("llama", download=True)

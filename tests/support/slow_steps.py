@@ -27,7 +27,7 @@ SLOW_ENV = "KVFLEET_TEST_SLOW_STEPS"
 Where = Literal["layer", "step"]
 
 
-def _busy(seconds: float) -> None:
+def busy(seconds: float) -> None:
     """Spend `seconds` in short torch ops, each of which releases the GIL, as a forward pass
     does (a time.sleep would leave the thread in Python's C code, never in torch's)."""
     a = torch.ones(128, 128)
@@ -44,7 +44,7 @@ def slow_steps(where: Where, seconds: float, min_tokens: int) -> Iterator[None]:
 
         def slow_layer(self, q, k, v):
             if q.shape[0] >= min_tokens:
-                _busy(seconds)
+                busy(seconds)
             return forward(self, q, k, v)
 
         Attention.forward = slow_layer  # type: ignore[method-assign]
@@ -57,7 +57,7 @@ def slow_steps(where: Where, seconds: float, min_tokens: int) -> Iterator[None]:
 
         def slow_launch(self, out, prev=None):
             if out.num_batched_tokens >= min_tokens:
-                _busy(seconds)
+                busy(seconds)
             return launch(self, out, prev)
 
         ModelRunner.launch = slow_launch  # type: ignore[method-assign]

@@ -9,56 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import prometheus_client
 import pytest
-from prometheus_client import CollectorRegistry
 
-import kvfleet.operator.main  # noqa: F401  (registers the operator's metrics)
-from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.outputs import EngineStats
 from kvfleet.operator import metrics_scraper
-from kvfleet.router.breaker import BreakerPolicy, Breakers
-from kvfleet.router.proxy import Balancer, RouterMetrics
+from tests.support.promql import metric_names, registered
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "kvfleet" / "dashboards/kvfleet.json"
-# The series a metric family of each type is queried by.
-_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-                 "or", "unless", "offset", "inf", "nan"}  # fmt: skip
-
-
-def _series(registry: CollectorRegistry) -> set[str]:
-    return {
-        family.name + suffix
-        for family in registry.collect()
-        for suffix in _SUFFIXES.get(family.type, ("",))
-    }
-
-
-def registered() -> set[str]:
-    stats = EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
-    engine = EngineMetrics(EngineArgs(model="unused"), "m")
-    engine.collect_state(lambda: stats)
-    router = RouterMetrics(Balancer(), Breakers(BreakerPolicy()), "tokens")
-    operator = {n for n in _series(prometheus_client.REGISTRY) if n.startswith("kvfleet_")}
-    return _series(engine.registry) | _series(router.registry) | operator
-
-
-def metric_names(expr: str) -> set[str]:
-    """The series names a PromQL expression reads: what is left once strings, label matchers,
-    ranges, grouping clauses, function calls, keywords and numbers are taken out."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
-    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
-    expr = re.sub(r"(?<![\w:.])\d[\w.]*", " ", expr)  # numbers and durations (1e3, 5m)
-    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
-    names = set()
-    for match in re.finditer(r"(?<![\w:])[A-Za-z_:][\w:]*(\s*\()?", expr):
-        word = match.group(0).rstrip("( \t")
-        if match.group(1) or word.lower() in _PROMQL_WORDS or word.startswith("$"):
-            continue
-        names.add(word)
-    return names
 
 
 def _queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:

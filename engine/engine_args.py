@@ -1,0 +1,210 @@
+"""The engine's arguments, named like vLLM's: what `kvfleet-engine` and `LLM()` are started with.
+
+Importing this module costs no torch: the command line builds its parser (and prints --help) from
+these fields before anything heavy is loaded. torch is imported where a device is looked at,
+which is after the arguments are parsed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvfleet.engine.host_memory import CPU_KV_SHARE, CPU_KV_SHARE_UNDER_LIMIT
+from kvfleet.protocol.byte_size import ByteSize
+
+if TYPE_CHECKING:
+    import torch
+
+# GPUs of this much memory or more (H100, H200, A100 80 GB) run more sequences a step by
+# default, as vLLM's defaults do there: the batch, not the KV cache, then bounds throughput. On
+# an H100, Llama-3-8B 1000 x 256/256 ran 7% faster in bf16 and 11% with fp8 weights and cache
+# at 512 than at 256 (bench/RESULTS.md, twelfth session), for 7 s more of CUDA graph capture
+# and 2% less KV cache; smaller GPUs hold too few tokens of cache to gain.
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    import torch
+
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= (
+        LARGE_GPU_BYTES
+    ):
+        return 512
+    return 256
+
+
+# A step's time is what every running request waits for its next token, and a long prompt is
+# computed a chunk of this many tokens a step. On the CPU a chunk of 2,048 tokens runs tens of
+# seconds on a few cores while its cost per token is no lower than in chunks of 256 or 512 (the
+# reference attention materializes each chunk's scores over its whole context): smaller chunks
+# keep the other requests moving for no loss of throughput. The CPU's 512 still fits a decode
+# row for each of its default 256 sequences beside a chunk. vLLM's API server takes 2,048 on the
+# CPU, for many-core servers, and 8,192 on large GPUs.
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    return GPU_MAX_NUM_BATCHED_TOKENS if device.type == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+
+
+class EngineArgs(BaseModel):
+    """Everything the engine is started with. Field names follow `vllm serve` flags."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str
+    tokenizer: str | None = Field(
+        default=None,
+        description="HF tokenizer directory, for a GGUF file without one; default: the model's",
+    )
+    dtype: Literal["auto", "float32", "float", "float16", "half", "bfloat16"] = Field(
+        default="auto",
+        description="weights and activations; auto: the checkpoint's own dtype, and for GGUF "
+        "bf16 on CUDA (fp16 without bf16), fp32 on the CPU",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="auto: cuda when a GPU is visible, else cpu"
+    )
+    block_size: Literal[16] = Field(default=16, description="tokens per KV-cache block")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="longest prompt + output in tokens; default: the model's context length",
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        gt=0,
+        description="sequences run in one batch; default: 512 on a GPU of "
+        f"{LARGE_GPU_BYTES >> 30} GiB or more, 256 on a smaller GPU and on the CPU",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="tokens one step runs (prefill chunks plus decodes); default: "
+        f"{GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, {CPU_MAX_NUM_BATCHED_TOKENS} on the CPU",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="reuse the KV cache of prompt prefixes seen before"
+    )
+    num_gpu_blocks_override: int | None = Field(
+        default=None,
+        gt=1,
+        description="KV-cache blocks to allocate; default: as many as the memory budget holds",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="fraction of the GPU's memory for weights, activations and the KV cache",
+    )
+    kv_cache_memory_bytes: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="memory for the KV cache; default on a GPU: what --gpu-memory-utilization "
+        "leaves after the weights and activations; on the CPU: "
+        f"1/{round(1 / CPU_KV_SHARE)} of the memory available at start (in a container whose "
+        f"memory limit binds, 1/{round(1 / CPU_KV_SHARE_UNDER_LIMIT)} of what the limit leaves), "
+        "at least one --max-model-len sequence and at most --max-num-seqs of them",
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        default="auto",
+        description="KV-cache element type; auto: the model dtype; fp8 (= fp8_e4m3): "
+        "float8_e4m3fn with per-layer k/v scales (the checkpoint's, else 1.0, or see "
+        "--calculate-kv-scales), half the bytes of bf16, so about twice the cached tokens; "
+        "on a GPU it needs compute capability 8.9+",
+    )
+    calculate_kv_scales: bool = Field(
+        default=False,
+        description="with an fp8 KV cache: set each layer's k/v scales from the first batch's "
+        "K/V (their absolute maximum, with 2x headroom) instead of the checkpoint's or 1.0",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto", description="dummy: random weights of the architecture, for benchmarks"
+    )
+    skip_tokenizer_init: bool = Field(
+        default=False,
+        description="no tokenizer: prompts must be token ids and outputs carry no text",
+    )
+    seed: int = Field(default=0, description="seed of random sampling and of dummy weights")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"
+    )
+    enforce_eager: bool = Field(default=False, description="never use CUDA graphs")
+    async_scheduling: bool = Field(
+        default=True,
+        description="launch each step before the host has read the previous step's tokens, so "
+        "the host's work on them (grammar, stop checks, outputs) overlaps the GPU's; off: "
+        "every step waits for its tokens before the next is scheduled",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="split the model over this many GPUs of this machine, one process each",
+    )
+    quantization: Literal["fp8"] | None = Field(
+        default=None,
+        description="fp8: linear-layer weights in fp8 (per-channel scales) with fp8 activations "
+        "(per-token scales), quantized at load; needs a GPU of compute capability 8.9+. "
+        "Default: as the checkpoint is (an fp8 checkpoint's quantization_config is read)",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineArgs:
+        # torch only where the machine decides (the defaults ask nothing of it), so that the
+        # command line says a wrong model path before it loads torch.
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' was asked for but no CUDA device is visible")
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.resolved_device().type == "cuda":
+            import torch
+
+            if tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={tp} needs {tp} GPUs but {torch.cuda.device_count()} "
+                    "are visible"
+                )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8')")
+        if self.kv_cache_dtype != "auto" and self.resolved_device().type == "cuda":
+            import torch
+
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} needs a GPU of compute capability "
+                    f"8.9+ (Ada, Hopper or newer) for fp8 conversions; this GPU "
+                    f"({torch.cuda.get_device_name()}) is sm_{major}{minor}: serve with "
+                    "kv_cache_dtype='auto'"
+                )
+        return self
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        import torch
+
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+    def resolved_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch"
+
+    def resolved_device(self) -> torch.device:
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def for_device(self, device: torch.device) -> EngineArgs:
+        """These arguments with the defaults that depend on the device filled in."""
+        update: dict[str, int] = {}
+        if self.max_num_seqs is None:
+            update["max_num_seqs"] = default_max_num_seqs(device)
+        if self.max_num_batched_tokens is None:
+            update["max_num_batched_tokens"] = default_max_num_batched_tokens(device)
+        return self.model_copy(update=update) if update else self
