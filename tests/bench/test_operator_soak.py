@@ -88,21 +88,32 @@ def test_the_bounds_come_from_the_design() -> None:
     # The demo's reconcile: the service, 9 children read and written, the optional download
     # ConfigMap read, the pod list, the status, an Event.
     assert soak.reconcile_requests() == 1 + 2 * 9 + 1 + 3
-    # Six autoscaling steps of at most 4 requests, six reconciles, per minute.
-    assert soak.service_bound(10.0) == 6 * 4 + 6 * 23
-    assert soak.service_bound(2.0) == 30 * 4 + 6 * 23
+    # Per minute: 6 autoscaling steps of at most 4 requests, 8 reconciles (the backoff's
+    # delays drawn down to half), 3 retries of each of 10 writes failing for the first time.
+    assert soak.service_bound(10.0) == 6 * 4 + 8 * 23 + 3 * 10
+    assert soak.service_bound(2.0) == 30 * 4 + 8 * 23 + 3 * 10
+    # A user's change: 3 reconciles more.
+    assert soak.change_allowance() == 3 * 23
     # Six retries of a list and a watch, and six probe lists sent up to 3 times each.
     assert soak.collection_bound() == 6 * 2 + 6 * 3
 
 
 def test_a_bound_holds_over_any_minute_not_over_each_window() -> None:
-    steady = [{"t": 10.0 * i, "per_service": {"a": 30}} for i in range(1, 9)]
+    steady = [{"t": 10.0 * i, "s": 10.0, "per_service": {"a": 30}} for i in range(1, 9)]
     most, over = soak.over_bound(steady, "per_service", 150)
     assert most == 180
-    assert over[0] == {"t": 60.0, "name": "a", "requests": 180}
+    assert over[0] == {"t": 60.0, "name": "a", "requests": 180, "changes": 0}
     # Two bursts 70 s apart never share a minute.
-    bursts = [{"t": 10.0, "per_service": {"b": 100}}, {"t": 80.0, "per_service": {"b": 100}}]
+    bursts = [{"t": 10.0, "s": 10.0, "per_service": {"b": 100}},
+              {"t": 80.0, "s": 10.0, "per_service": {"b": 100}}]  # fmt: skip
     assert soak.over_bound(bursts, "per_service", 150) == (100, [])
+    # A change to a service in the minute raises its bound, not another's.
+    changes = [{"t": 35.0, "service": "a"}]
+    both = [{"t": 10.0 * i, "s": 10.0, "per_service": {"a": 30, "c": 30}} for i in range(1, 11)]
+    _, over = soak.over_bound(both, "per_service", 150, 40, changes)
+    assert {(o["name"], o["t"]) for o in over} == {("c", 10.0 * i) for i in range(6, 11)} | {
+        ("a", 100.0)  # the minute of the windows ending at 50 to 100 s began after the change
+    }
 
 
 CLEAN: dict[str, Any] = {
@@ -111,7 +122,8 @@ CLEAN: dict[str, Any] = {
     "health": {"checks": 10, "failures": 0, "first_failures": []},
     "requests": {
         "span_s": 60.0,
-        "service_bound": 162,
+        "service_bound": 238,
+        "per_change": 69,
         "services_over_bound": 0,
         "first_services_over": [],
         "collection_bound": 30,
@@ -121,7 +133,7 @@ CLEAN: dict[str, Any] = {
     "not_converged": {},
     "simulation_errors": [],
 }
-OVER = [{"t": 70.0, "name": "svc-03", "requests": 200}]
+OVER = [{"t": 70.0, "name": "svc-03", "requests": 300, "changes": 0}]
 
 
 @pytest.mark.parametrize(
@@ -132,10 +144,11 @@ OVER = [{"t": 70.0, "name": "svc-03", "requests": 200}]
         ({"health": {"checks": 10, "failures": 2, "first_failures": ["x"]}}, "failed 2 of 10"),
         ({"requests": {**CLEAN["requests"], "services_over_bound": 3,
                        "first_services_over": OVER}},
-         "3 times a service had more requests than its bound of 162 in 60 s, e.g. svc-03: 200"),
+         "3 times a service had more requests than its bound of 238 (and 69 per change to it) "
+         "in 60 s, e.g. svc-03: 300 by 70 s, 0 changes"),
         ({"requests": {**CLEAN["requests"], "collections_over_bound": 1,
                        "first_collections_over": [{"t": 9, "name": "pods", "requests": 900}]}},
-         "a collection had more requests than its bound of 30"),
+         "a collection had more lists and watches than its bound of 30"),
         ({"not_converged": {"svc-01": "Ready is False"}}, "1 services did not converge"),
         ({"simulation_errors": ["boom"]}, "the cluster simulation failed"),
     ],
