@@ -292,11 +292,23 @@ def test_engine_flags_follow_the_spec():
     assert env_of(engine)["KVFLEET_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "api-key"}}
     assert engine["image"] == "my/engine:dev"
     assert "--tensor-parallel-size" not in args
-    # Without maxNumSeqs the engine picks its default for the GPU it finds.
-    del raw["engine"]["maxNumSeqs"]
-    assert (
-        "--max-num-seqs" not in container(children(raw)["Deployment/llm-engine"], "engine")["args"]
+    # Without maxNumSeqs or maxNumBatchedTokens the engine picks its defaults for its device.
+    del raw["engine"]["maxNumSeqs"], raw["engine"]["maxNumBatchedTokens"]
+    args = container(children(raw)["Deployment/llm-engine"], "engine")["args"]
+    assert "--max-num-seqs" not in args and "--max-num-batched-tokens" not in args
+
+
+def test_a_cpu_engine_without_a_token_budget_takes_the_engines_cpu_default():
+    from kvfleet.engine.cli import build_parser
+    from kvfleet.engine.engine_args import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
+
+    raw = {"model": {"source": "/m"}, "resources": {"gpus": 0}}
+    ns = build_parser().parse_args(
+        container(children(raw)["Deployment/llm-engine"], "engine")["args"]
     )
+    engine = EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.model_fields})
+    resolved = engine.for_device(engine.resolved_device())
+    assert resolved.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
 
 
 def test_user_env_overrides_operator_defaults():
@@ -337,6 +349,7 @@ def test_the_engine_cli_accepts_the_arguments(raw):
     assert ns.command == "serve"
     assert ns.served_model_name == [served_model_name(spec)]
     assert ns.max_num_seqs == spec.engine.max_num_seqs
+    assert ns.max_num_batched_tokens == spec.engine.max_num_batched_tokens
     assert ns.enable_prefix_caching is spec.engine.enable_prefix_caching
     assert ns.port == 8000 and ns.host == "0.0.0.0"
     assert ns.tensor_parallel_size == spec.engine.tensor_parallel_size
