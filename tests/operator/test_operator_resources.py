@@ -845,6 +845,56 @@ def test_degraded_with_a_reason(pods, reason, words):
     assert cond["Ready"]["status"] == "True"
 
 
+def ready_pod(
+    name: str, component: str, ip: str | None = "10.0.0.7", **meta: Any
+) -> dict[str, Any]:
+    obj = pod(name, component, conditions=[{"type": "Ready", "status": "True"}])
+    obj["metadata"] |= meta
+    if ip is not None:
+        obj["status"]["podIP"] = ip
+    return obj
+
+
+def test_a_ready_pod_without_an_ip_is_degraded_and_not_counted_as_serving():
+    # Two ready engines, one without an IP (a network plugin that failed, a status written by
+    # hand): one still serves, and the status says which pod does not.
+    pods = [
+        ready_pod("e1", "engine", ip=None),
+        ready_pod("e2", "engine"),
+        ready_pod("r1", "router"),
+    ]
+    status = compute_status(observed(pods=pods), NOW)
+    cond = conditions(status)
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "Serving")
+    assert cond["Ready"]["message"].endswith("; without a pod IP: engine pod e1")
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "PodWithoutIP")
+    assert "engine pod e1 is Ready but has no pod IP" in cond["Degraded"]["message"]
+    events = transition_events(compute_status(observed(), NOW)["conditions"], status["conditions"])
+    assert [(e.type, e.reason) for e in events] == [("Warning", "PodWithoutIP")]
+
+    # The only ready engine has no IP: nothing serves.
+    alone = [ready_pod("e1", "engine", ip=None), ready_pod("r1", "router")]
+    cond = conditions(compute_status(observed(pods=alone, engine=deployment(1, 1)), NOW))
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "EngineWithoutIP")
+    router = [ready_pod("e1", "engine"), ready_pod("r1", "router", ip="")]
+    cond = conditions(compute_status(observed(pods=router), NOW))
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "RouterWithoutIP")
+    assert "router pod r1" in cond["Degraded"]["message"]
+
+
+def test_pods_without_an_ip_that_are_not_ready_or_leaving_are_no_problem():
+    pods = [
+        pod("e1", "engine", phase="Pending"),  # not scheduled yet: no IP is normal
+        ready_pod("e2", "engine", ip=None, deletionTimestamp="2026-01-02T03:04:05Z"),
+        ready_pod("e4", "engine"),
+    ]
+    cond = conditions(compute_status(observed(pods=pods), NOW))
+    assert (cond["Degraded"]["status"], cond["Ready"]["message"]) == (
+        "False",
+        "2 of 2 engine and 1 of 1 router replicas ready",
+    )
+
+
 def test_invalid_spec_is_degraded_and_not_progressing():
     status = compute_status(observed(spec_error="spec.x: bad", desired_replicas=None), NOW)
     cond = conditions(status)
