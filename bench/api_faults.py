@@ -19,7 +19,7 @@ starts are exponential, ``mean_gap`` on average), a kind, a target and an end. K
   connections closed with no answer, for 5 to 20 s.
 
 Cutting a watch (its connection closed under it) is what makes the operator ask again: kmock's
-watches otherwise last until the client's own timeout.
+watches otherwise last until the client gives up on them.
 """
 
 from __future__ import annotations
