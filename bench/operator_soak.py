@@ -88,14 +88,11 @@ from tests.support.kmock import (
 
 logger = logging.getLogger("kvfleet.bench.operator_soak")
 
-# Left out of the default mix until the operator survives them (issue 36), each with what it
-# does to the operator on the emulator: an HTTP 410 answer to a list or watch (gone) stops kopf,
-# and the process exits 1; a watch stream that ends at once (ended) is reopened at once, in a
-# hot loop; a cut watch (reset) is reopened as a relist, each object it replays queueing a
-# reconcile of its service, so every service is reconciled at every cut (twice a service's
-# bound); writes that fail with 409 or 500 (conflict, error) are sent again 3 times each, in
-# every reconcile and autoscaling step, and a service with failing writes exceeds its bound.
-NOT_SURVIVED_YET = ("gone", "ended", "reset", "conflict", "error")
+# The fault kinds the operator does not survive within its bounds yet, measured in the ten-minute
+# run (docs/operations.md): writes that keep failing with 409 or 500 (conflict, error) cost a
+# service up to 192 requests in a minute, over its bound, as the work queue's first retries and
+# the autoscaler's steps add up. The others (gone, ended, slow, reset) it survives.
+NOT_SURVIVED_YET = ("conflict", "error")
 WINDOW_S = 10.0
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 5.0  # the chart's livenessProbe timeoutSeconds
