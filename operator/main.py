@@ -50,7 +50,7 @@ from kvfleet.operator import watch_recovery
 from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
-from kvfleet.operator.reconciler import Reconciler, WorkQueue, register
+from kvfleet.operator.reconciler import RELIST_SETTLE_S, Reconciler, WorkQueue, register
 from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION, OperatorConfig
 from kvfleet.operator.status_writer import StatusWriter
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
@@ -130,6 +130,7 @@ def build_registry(
     kube: Kube | None = None,
     namespaces: Sequence[str] = (),
     watch_stale_s: float = WATCH_STALE_S,
+    relist_settle: float = RELIST_SETTLE_S,
 ) -> kopf.OperatorRegistry:
     """A registry with the operator's handlers; kopf logs in with the credentials of the
     operator's own client (by default the ServiceAccount in a pod, else the kubeconfig).
@@ -150,6 +151,7 @@ def build_registry(
         settings,
         WorkQueue(reconciler.reconcile, debounce=debounce, backoff=backoff),
         autoscaler,
+        relist_settle=relist_settle,
     )
     kopf.on.login(registry=registry)(api.login)
     probe = WatchProbe(api, namespaces, stale_after=watch_stale_s, clock=time.monotonic)

@@ -1,11 +1,12 @@
 """Reconciliation: kopf handlers, a per-object work queue, and the API calls of one reconcile.
 
-Level-triggered: any event of an InferenceService or of one of its children (Deployments,
+Level-triggered: any change of an InferenceService or of one of its children (Deployments,
 Services, ConfigMaps, RBAC objects, pods) queues that InferenceService, and a reconcile compares
-everything desired with everything live. Only kopf's silent ``on.event`` handlers are used: kopf
-then stores nothing on the objects (no finalizers, no progress annotations), so an object in the
-desired state sees no writes at all, and deletion is left to Kubernetes' garbage collector
-through the owner references.
+everything desired with everything live. An event that repeats what was seen (a relist) queues
+nothing, but a relist that misses a child does (watch_memory). Only kopf's silent ``on.event``
+handlers are used: kopf then stores nothing on the objects (no finalizers, no progress
+annotations), so an object in the desired state sees no writes at all, and deletion is left to
+Kubernetes' garbage collector through the owner references.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from kvfleet.operator.status import (
     transition_events,
 )
 from kvfleet.operator.status_writer import StatusWriter
+from kvfleet.operator.watch_memory import Collection, WatchMemory
 
 logger = logging.getLogger("kvfleet.operator")
 
@@ -91,6 +93,12 @@ RECONCILE_FAILURES = Counter(
 )
 for _reason in RECONCILE_FAILURE_REASONS:
     RECONCILE_FAILURES.labels(_reason)
+
+
+# How long the events of a relist may pause before it counts as over (watch_memory): longer
+# than kopf takes to hand a listed collection to the handlers, so that a late object costs at
+# most a reconcile more; a deletion no event reported is reconciled this much after its relist.
+RELIST_SETTLE_S = 5.0
 
 
 class RetryLater(Exception):
@@ -421,32 +429,65 @@ def register(
     settings: kopf.OperatorSettings,
     queue: WorkQueue,
     autoscaler: Autoscaler,
+    *,
+    relist_settle: float = RELIST_SETTLE_S,
 ) -> None:
     """Wire the kopf handlers that feed the queue and start or stop the autoscaling loops;
-    settings gain server-side label selectors."""
+    settings gain server-side label selectors.
 
-    # What each service's last queued event had of what a reconcile acts on.
-    seen: dict[k.Key, object] = {}
+    An event queues a reconcile only when its object changed since the operator last saw it
+    (watch_memory): a relist repeats every object, and a relist that changes nothing must cost
+    nothing. relist_settle: how long a relist's events may pause before it counts as over, and
+    the objects it did not bring as deleted."""
+    memory = WatchMemory()
+    ends: dict[Collection, asyncio.TimerHandle] = {}
+
+    def end_relist(collection: Collection) -> None:
+        del ends[collection]
+        for owner in memory.end_relist(collection):
+            logger.info("%s/%s: %s gone from a relist: reconciling", *owner, collection[0])
+            queue.enqueue(owner, urgent=False)
+
+    def changed(
+        plural: str, event_type: str | None, body: kopf.Body, owner: k.Key, content: object = None
+    ) -> bool:
+        """Remember the event; whether its owner needs a reconcile."""
+        collection, name = (plural, body.metadata.namespace or ""), body.metadata.name or ""
+        if event_type == "DELETED":
+            memory.forget(collection, name)
+            return True
+        version = body.metadata.get("resourceVersion")
+        seen = memory.observe(collection, name, owner, event_type, version, content)
+        if seen.relisting:
+            if handle := ends.pop(collection, None):
+                handle.cancel()
+            ends[collection] = asyncio.get_running_loop().call_later(
+                relist_settle, end_relist, collection
+            )
+        return seen.changed
 
     # async: kopf runs sync handlers in threads, and the queue belongs to the event loop.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def inference_service_event(
-        name: str, namespace: str, type: str, body: kopf.Body, **_: Any
+        name: str, namespace: str, type: str | None, body: kopf.Body, **_: Any
     ) -> None:
         key = (namespace, name)
         autoscaler.track(key, body, deleted=type == "DELETED")
-        if type == "DELETED":
-            seen.pop(key, None)
-            queue.enqueue(key)
-        elif seen.get(key) != (current := _reconcile_input(body)):
-            seen[key] = current
+        if changed(PLURAL, type, body, key, _reconcile_input(body)):
             queue.enqueue(key)
 
-    async def child_event(labels: kopf.Labels, namespace: str, **_: Any) -> None:
-        if owner := labels.get(LABEL_ISVC):
-            # Not urgent: a failing reconcile's own writes to children must not cut its
-            # backoff short.
-            queue.enqueue((namespace, owner), urgent=False)
+    def child_event(plural: str) -> Callable[..., Awaitable[None]]:
+        async def handler(
+            labels: kopf.Labels, namespace: str, type: str | None, body: kopf.Body, **_: Any
+        ) -> None:
+            if (owner := labels.get(LABEL_ISVC)) and changed(
+                plural, type, body, (namespace, owner)
+            ):
+                # Not urgent: a failing reconcile's own writes to children must not cut its
+                # backoff short.
+                queue.enqueue((namespace, owner), urgent=False)
+
+        return handler
 
     managed = {LABEL_MANAGED_BY: MANAGED_BY}
     for group, version, plural in CHILD_RESOURCES:
@@ -457,9 +498,11 @@ def register(
         )
         kopf.on.event(
             group, version, plural, labels=managed, id=f"child-{plural}", registry=registry
-        )(child_event)
+        )(child_event(plural))
 
     @kopf.on.cleanup(registry=registry)
     async def stop_queue(**_: Any) -> None:
+        for handle in ends.values():
+            handle.cancel()
         await autoscaler.stop()
         await queue.stop()

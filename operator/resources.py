@@ -322,7 +322,6 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         "--device", "cuda" if spec.resources.gpus > 0 else "cpu",
         "--dtype", e.dtype,
         "--block-size", str(e.block_size),
-        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
         "--shutdown-timeout", str(e.shutdown_timeout_seconds),
     ]  # fmt: skip
@@ -332,6 +331,8 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--max-model-len", str(e.max_model_len)]
     if e.max_num_seqs is not None:
         args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
     if e.max_waiting_requests is not None:
         args += ["--max-waiting-requests", str(e.max_waiting_requests)]
     if e.tensor_parallel_size > 1:

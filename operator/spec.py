@@ -245,7 +245,8 @@ class EngineSpec(_Model):
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     # None: the engine's default for its GPU (512 on one of 70 GiB or more, else 256).
     max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
-    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    # None: the engine's default for its device (8192 on a GPU, 512 on the CPU).
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     block_size: Literal[16] = 16
     enable_prefix_caching: bool = True

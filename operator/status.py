@@ -2,11 +2,13 @@
 
 Conditions (metav1.Condition shape, each with observedGeneration):
 
-* Ready: the router and at least one engine replica are ready, so requests are served.
+* Ready: the router and at least one engine replica are ready and have a pod IP, so requests
+  are served (a pod without an IP is in no EndpointSlice: neither the router Service nor the
+  router reaches it, however Ready the kubelet says it is).
 * Progressing: a rollout of the engine or the router is under way.
 * Degraded: something needs a human: an invalid spec, a spec the operator's allow-lists refuse
   (an image or a Secret it may not use), a child the operator cannot write, pods crash-looping,
-  images that cannot be pulled, pods that cannot be scheduled.
+  images that cannot be pulled, pods that cannot be scheduled, Ready pods without an IP.
 
 Ready describes serving, not the spec: when a spec change is invalid or refused the previous
 children keep serving (Ready=True) while Degraded=True says why the change was not applied.
@@ -39,6 +41,7 @@ SEVERITY = (
     "ReplicaFailure",
     "ProgressDeadlineExceeded",
     "Unschedulable",
+    "PodWithoutIP",
 )
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
 CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
@@ -183,6 +186,26 @@ def _pod_problems(pod: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
+def _is_ready(pod: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in _get(pod, "status", "conditions", default=[]) or []
+    )
+
+
+def _without_ip(pods: Sequence[Mapping[str, Any]], component: str) -> list[str]:
+    """The names of the component's Ready pods that have no pod IP: counted ready by their
+    Deployment, reachable by nothing."""
+    return [
+        _get(pod, "metadata", "name", default="?")
+        for pod in pods
+        if _get(pod, "metadata", "labels", LABEL_COMPONENT) == component
+        and not _get(pod, "metadata", "deletionTimestamp")
+        and _is_ready(pod)
+        and not _get(pod, "status", "podIP")  # podIPs[0], when set, is podIP
+    ]
+
+
 def _deployment_problems(dep: Mapping[str, Any] | None, component: str) -> list[Problem]:
     problems = []
     for cond in _get(dep, "status", "conditions", default=[]) or []:
@@ -273,9 +296,19 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
     problems += obs.child_problems
     problems += _deployment_problems(obs.engine, "engine")
     problems += _deployment_problems(obs.router, "router")
-    for pod in sorted(obs.pods, key=lambda p: _get(p, "metadata", "name", default="")):
+    pods = sorted(obs.pods, key=lambda p: _get(p, "metadata", "name", default=""))
+    for pod in pods:
         if not _get(pod, "metadata", "deletionTimestamp"):
             problems += _pod_problems(pod)
+    engines_without_ip = _without_ip(pods, "engine")
+    routers_without_ip = _without_ip(pods, "router")
+    unreachable = [f"engine pod {n}" for n in engines_without_ip] + [
+        f"router pod {n}" for n in routers_without_ip
+    ]
+    problems += [
+        Problem("PodWithoutIP", f"{where} is Ready but has no pod IP, so nothing reaches it")
+        for where in unreachable
+    ]
 
     # Why the spec is not applied: the first of these problems, None when it is.
     not_applied = (
@@ -293,7 +326,13 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
         f"{engine_ready} of {engine_want} engine and {router_ready} of {router_want} router "
         "replicas ready"
     )
-    if engine_ready >= 1 and router_ready >= 1:
+    if unreachable:
+        counts += f"; without a pod IP: {', '.join(unreachable)}"
+    # The ready replicas that have an address (the pods are listed after the Deployments were
+    # read, so this may be off by a pod that changed meanwhile; the next event reconciles).
+    engine_serving = max(0, engine_ready - len(engines_without_ip))
+    router_serving = max(0, router_ready - len(routers_without_ip))
+    if engine_serving >= 1 and router_serving >= 1:
         ready = _condition("Ready", True, "Serving", counts, obs, now)
     elif obs.engine is None or obs.router is None:
         reason = not_applied or "Creating"
@@ -302,10 +341,12 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
         ready = _condition(
             "Ready", False, "ScaledToZero", "no engine replicas are running", obs, now
         )
-    elif engine_ready == 0:
-        ready = _condition("Ready", False, "EngineNotReady", counts, obs, now)
+    elif engine_serving == 0:
+        reason = "EngineWithoutIP" if engine_ready else "EngineNotReady"
+        ready = _condition("Ready", False, reason, counts, obs, now)
     else:
-        ready = _condition("Ready", False, "RouterNotReady", counts, obs, now)
+        reason = "RouterWithoutIP" if router_ready else "RouterNotReady"
+        ready = _condition("Ready", False, reason, counts, obs, now)
 
     if not_applied is not None:
         progressing = _condition(

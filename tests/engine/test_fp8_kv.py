@@ -33,10 +33,11 @@ def _scales(llm: LLM) -> list[float]:
 # -- arguments -------------------------------------------------------------------------------
 
 
-def test_flags_and_their_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flags_and_their_errors(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # the command line checks the model is there
     parser = build_parser()
     ns = parser.parse_args(
-        ["serve", "--model", "m", "--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales"]
+        ["serve", "--model", str(tmp_path), "--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales"]
     )
     args = engine_args_from(ns)
     assert (args.kv_cache_dtype, args.calculate_kv_scales) == ("fp8_e4m3", True)

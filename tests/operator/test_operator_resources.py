@@ -292,11 +292,23 @@ def test_engine_flags_follow_the_spec():
     assert env_of(engine)["KVFLEET_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "api-key"}}
     assert engine["image"] == "my/engine:dev"
     assert "--tensor-parallel-size" not in args
-    # Without maxNumSeqs the engine picks its default for the GPU it finds.
-    del raw["engine"]["maxNumSeqs"]
-    assert (
-        "--max-num-seqs" not in container(children(raw)["Deployment/llm-engine"], "engine")["args"]
+    # Without maxNumSeqs or maxNumBatchedTokens the engine picks its defaults for its device.
+    del raw["engine"]["maxNumSeqs"], raw["engine"]["maxNumBatchedTokens"]
+    args = container(children(raw)["Deployment/llm-engine"], "engine")["args"]
+    assert "--max-num-seqs" not in args and "--max-num-batched-tokens" not in args
+
+
+def test_a_cpu_engine_without_a_token_budget_takes_the_engines_cpu_default():
+    from kvfleet.engine.cli import build_parser
+    from kvfleet.engine.engine_args import CPU_MAX_NUM_BATCHED_TOKENS, EngineArgs
+
+    raw = {"model": {"source": "/m"}, "resources": {"gpus": 0}}
+    ns = build_parser().parse_args(
+        container(children(raw)["Deployment/llm-engine"], "engine")["args"]
     )
+    engine = EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.model_fields})
+    resolved = engine.for_device(engine.resolved_device())
+    assert resolved.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
 
 
 def test_user_env_overrides_operator_defaults():
@@ -337,6 +349,7 @@ def test_the_engine_cli_accepts_the_arguments(raw):
     assert ns.command == "serve"
     assert ns.served_model_name == [served_model_name(spec)]
     assert ns.max_num_seqs == spec.engine.max_num_seqs
+    assert ns.max_num_batched_tokens == spec.engine.max_num_batched_tokens
     assert ns.enable_prefix_caching is spec.engine.enable_prefix_caching
     assert ns.port == 8000 and ns.host == "0.0.0.0"
     assert ns.tensor_parallel_size == spec.engine.tensor_parallel_size
@@ -830,6 +843,56 @@ def test_degraded_with_a_reason(pods, reason, words):
         assert word in cond["Degraded"]["message"]
     # One engine replica still serves: degraded, but ready.
     assert cond["Ready"]["status"] == "True"
+
+
+def ready_pod(
+    name: str, component: str, ip: str | None = "10.0.0.7", **meta: Any
+) -> dict[str, Any]:
+    obj = pod(name, component, conditions=[{"type": "Ready", "status": "True"}])
+    obj["metadata"] |= meta
+    if ip is not None:
+        obj["status"]["podIP"] = ip
+    return obj
+
+
+def test_a_ready_pod_without_an_ip_is_degraded_and_not_counted_as_serving():
+    # Two ready engines, one without an IP (a network plugin that failed, a status written by
+    # hand): one still serves, and the status says which pod does not.
+    pods = [
+        ready_pod("e1", "engine", ip=None),
+        ready_pod("e2", "engine"),
+        ready_pod("r1", "router"),
+    ]
+    status = compute_status(observed(pods=pods), NOW)
+    cond = conditions(status)
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "Serving")
+    assert cond["Ready"]["message"].endswith("; without a pod IP: engine pod e1")
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "PodWithoutIP")
+    assert "engine pod e1 is Ready but has no pod IP" in cond["Degraded"]["message"]
+    events = transition_events(compute_status(observed(), NOW)["conditions"], status["conditions"])
+    assert [(e.type, e.reason) for e in events] == [("Warning", "PodWithoutIP")]
+
+    # The only ready engine has no IP: nothing serves.
+    alone = [ready_pod("e1", "engine", ip=None), ready_pod("r1", "router")]
+    cond = conditions(compute_status(observed(pods=alone, engine=deployment(1, 1)), NOW))
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "EngineWithoutIP")
+    router = [ready_pod("e1", "engine"), ready_pod("r1", "router", ip="")]
+    cond = conditions(compute_status(observed(pods=router), NOW))
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "RouterWithoutIP")
+    assert "router pod r1" in cond["Degraded"]["message"]
+
+
+def test_pods_without_an_ip_that_are_not_ready_or_leaving_are_no_problem():
+    pods = [
+        pod("e1", "engine", phase="Pending"),  # not scheduled yet: no IP is normal
+        ready_pod("e2", "engine", ip=None, deletionTimestamp="2026-01-02T03:04:05Z"),
+        ready_pod("e4", "engine"),
+    ]
+    cond = conditions(compute_status(observed(pods=pods), NOW))
+    assert (cond["Degraded"]["status"], cond["Ready"]["message"]) == (
+        "False",
+        "2 of 2 engine and 1 of 1 router replicas ready",
+    )
 
 
 def test_invalid_spec_is_degraded_and_not_progressing():

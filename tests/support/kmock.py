@@ -179,6 +179,7 @@ class APIServer(kmock.KubernetesEmulator):
         # Seconds without an event after which a watch that allows bookmarks gets one, as a
         # real API server sends them (about every minute); None: never, kmock's own behaviour.
         self.bookmark_every: float | None = None
+        self._pumps: set[asyncio.Task[None]] = set()  # the open watch streams' (end_watches)
 
     def inject(self, fault: InjectedT) -> InjectedT:
         self.faults.append(fault)
@@ -200,19 +201,26 @@ class APIServer(kmock.KubernetesEmulator):
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         self._streaming.add(id(request))
+        asked = bool(request.params.get("allowWatchBookmarks"))
         try:
-            if self.bookmark_every is None or not request.params.get("allowWatchBookmarks"):
-                async for event in super()._serve_watch(request):
-                    yield event
-            else:
-                async for event in self._with_bookmarks(request, self.bookmark_every):
-                    yield event
+            async for event in self._with_bookmarks(
+                request, self.bookmark_every if asked else None
+            ):
+                yield event
         finally:
             self._streaming.discard(id(request))
 
-    async def _with_bookmarks(self, request: kmock.Request, every: float) -> AsyncIterator[Any]:
+    def end_watches(self) -> None:
+        """End every open watch stream, as an API server or a proxy in front of it does; the
+        clients' next watches are answered with every object again, as a relist is."""
+        for pumping in self._pumps:
+            pumping.cancel()
+
+    async def _with_bookmarks(
+        self, request: kmock.Request, every: float | None
+    ) -> AsyncIterator[Any]:
         """kmock's watch stream, with a BOOKMARK whenever ``every`` seconds pass without an
-        event."""
+        event (None: never), until end_watches."""
         events: asyncio.Queue[Any] = asyncio.Queue()
         end = object()
 
@@ -220,11 +228,14 @@ class APIServer(kmock.KubernetesEmulator):
             try:
                 async for event in super(APIServer, self)._serve_watch(request):
                     events.put_nowait(event)
+            except asyncio.CancelledError:
+                pass  # end_watches, or the stream's consumer is gone
             except Exception as e:
                 events.put_nowait(e)
             events.put_nowait(end)
 
         pumping = asyncio.create_task(pump())
+        self._pumps.add(pumping)
         try:
             while True:
                 try:
@@ -238,6 +249,7 @@ class APIServer(kmock.KubernetesEmulator):
                     raise event
                 yield event
         finally:
+            self._pumps.discard(pumping)
             pumping.cancel()
 
     async def _handle(self, request: kmock.Request) -> Any:
@@ -291,6 +303,17 @@ class APIServer(kmock.KubernetesEmulator):
             spec = current.get("spec")
             if "spec" in data and _merge(spec, data["spec"]) != spec:
                 meta["generation"] = current["metadata"].get("generation", 1) + 1
+
+    def change_unwatched(
+        self, resource: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> None:
+        """Merge `patch` into a stored object with a new resourceVersion (and generation, for a
+        spec) but no watch event: a change made while no watch was open."""
+        obj = self.objects[resource, namespace, name]
+        meta = {"resourceVersion": str(next(self._versions))}
+        if "spec" in patch:
+            meta["generation"] = obj.raw["metadata"].get("generation", 1) + 1
+        obj.patch(_merge(patch, {"metadata": meta}))
 
     def live(self, resource: Any, namespace: str | None, name: str | None) -> dict[str, Any] | None:
         wanted = _resource(resource)
