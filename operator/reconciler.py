@@ -165,7 +165,8 @@ class WorkQueue:
                         e.reason if isinstance(e, RetryLater) else "Error"
                     ).inc()
                     delay = backoff_delay(failures, self._backoff, self._max_backoff)
-                    if isinstance(e, RetryLater):
+                    if isinstance(e, RetryLater | k.APIError):
+                        # Expected in operation (an API answer, a wait): one line, no traceback.
                         logger.warning("%s/%s: %s; retrying in %.1fs", *key, e, delay)
                     else:
                         logger.exception("%s/%s: reconcile failed; retrying in %.1fs", *key, delay)

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import datetime
 import itertools
+import logging
 from typing import Any
 
 import pytest
@@ -190,9 +191,11 @@ STRETCH = 24  # intervals of conflicts
 
 
 @pytest.mark.asyncio
-async def test_writes_that_keep_conflicting_come_further_apart_then_converge(cluster):
-    """409 on every write of a service (its children, its status) for a stretch."""
+async def test_writes_that_keep_conflicting_come_further_apart_then_converge(cluster, caplog):
+    """409 on every write of a service (its children, its status) for a stretch. An API answer is
+    expected in operation: each retry logs one line, never a traceback."""
     k = cluster
+    caplog.set_level(logging.INFO, logger="kvfleet.operator")
     settings = build_settings()
     registry = build_registry(
         settings,
@@ -227,6 +230,8 @@ async def test_writes_that_keep_conflicting_come_further_apart_then_converge(clu
         mid = len(sent) // 2
         assert sent[-1] - sent[mid] >= 3 * (sent[mid] - sent[0]), [t - sent[0] for t in sent]
         assert [e["reason"] for e in warnings(k, "demo")] == ["StatusWriteFailed"]
+        retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
+        assert retries and not [r for r in retries if r.exc_info], retries
 
         for fault in faults:
             k.faults.remove(fault)
