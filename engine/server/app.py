@@ -22,7 +22,7 @@ from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.server.chat import create_chat_completion, render_chat_served
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
-from kvfleet.engine.server.protocol import DetokenizeRequest, TokenizeRequest, now
+from kvfleet.engine.server.openai_requests import DetokenizeRequest, TokenizeRequest, now
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
 from kvfleet.engine.server.tool_parsers import parser_for_template

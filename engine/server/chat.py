@@ -9,7 +9,7 @@ from aiohttp import web
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.completions import vllm_prompt_logprobs
 from kvfleet.engine.server.errors import bad_request
-from kvfleet.engine.server.protocol import ChatCompletionRequest, Usage, now, random_id
+from kvfleet.engine.server.openai_requests import ChatCompletionRequest, Usage, now, random_id
 from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext, traced
 from kvfleet.engine.server.streaming import SSEResponse, relay
 from kvfleet.engine.server.tools import (

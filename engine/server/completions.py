@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.protocol import CompletionRequest, Usage, now, random_id
+from kvfleet.engine.server.openai_requests import CompletionRequest, Usage, now, random_id
 from kvfleet.engine.server.serving import SERVING, ServingContext, traced
 from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body

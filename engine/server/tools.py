@@ -25,7 +25,7 @@ from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.engine.schema_keywords import keyword_problem, rebase_refs
 from kvfleet.engine.server.errors import bad_request
-from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from kvfleet.engine.server.openai_requests import ChatCompletionRequest, ChatTool, NamedToolChoice
 from kvfleet.engine.server.tool_parsers import (
     HERMES,
     LLAMA3_JSON,

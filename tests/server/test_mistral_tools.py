@@ -15,7 +15,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from kvfleet.engine.outputs import CompletionOutput
-from kvfleet.engine.server.protocol import ChatCompletionRequest
+from kvfleet.engine.server.openai_requests import ChatCompletionRequest
 from kvfleet.engine.server.tool_parsers import HERMES, MISTRAL
 from kvfleet.engine.server.tools import StreamedChoices, ToolSettings, choice_message, plan_tools
 from tests.support.net import http_call

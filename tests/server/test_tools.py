@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from kvfleet.engine.grammar import grammar_spec
 from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.server.app import ServerSettings
-from kvfleet.engine.server.protocol import ChatCompletionRequest
+from kvfleet.engine.server.openai_requests import ChatCompletionRequest
 from kvfleet.engine.server.tool_parsers import HERMES, LLAMA3_JSON, MISTRAL
 from kvfleet.engine.server.tools import (
     StreamedChoices,

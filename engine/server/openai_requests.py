@@ -1,4 +1,4 @@
-"""OpenAI request and response schemas, validated with pydantic. Unknown fields are rejected as
+"""OpenAI request schemas, validated with pydantic. Unknown fields are rejected as
 OpenAI rejects them; vLLM's sampling extensions (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, ...) are accepted, so clients written for vLLM work unchanged.
 
