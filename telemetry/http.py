@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestHandler
 
 from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id_from
@@ -27,7 +28,7 @@ _ID = web.RequestKey("kvfleet_request_id", str)
 
 def observe_requests(
     tracing: Tracing | None, access_log: logging.Logger, quiet_paths: Collection[str]
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+) -> Middleware:
     """The outermost middleware. quiet_paths (probes, scrapes) get a request id but neither an
     access line nor a span: they come every few seconds and say nothing about traffic."""
 
@@ -80,10 +81,18 @@ def openai_error(
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> web.Response:
-    """An error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, which
-    clients handle the same way whichever process answered."""
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    """An error in OpenAI's shape (openai_error_body), which clients handle the same way
+    whichever process answered."""
+    body = openai_error_body(message, err_type, code, param)
     return web.json_response(body, status=status, headers=headers)
+
+
+def openai_error_body(
+    message: str, err_type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``: a response's body, or the event
+    that ends a stream which failed."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 # A parser's explanation is its first line: the rest quotes the client's bytes back.
