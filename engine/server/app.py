@@ -10,7 +10,7 @@ import socket
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +22,14 @@ from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.server.chat import create_chat_completion, render_chat_served
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_response
-from kvfleet.engine.server.openai_requests import DetokenizeRequest, TokenizeRequest, now
+from kvfleet.engine.server.openai_requests import DetokenizeRequest, TokenizeRequest
+from kvfleet.engine.server.openai_responses import (
+    Detokenized,
+    ModelCard,
+    ModelList,
+    Tokens,
+    now,
+)
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
 from kvfleet.engine.server.tool_parsers import parser_for_template
@@ -148,22 +155,22 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _model_card(request: web.Request, name: str) -> dict[str, Any]:
+def _model_card(request: web.Request, name: str) -> ModelCard:
     ctx: ServingContext = request.app[SERVING]
     # The root is the served name, never the model's path on the server's disk.
-    return {
-        "id": name,
-        "object": "model",
-        "created": request.app[STARTED],
-        "owned_by": "kvfleet",
-        "root": ctx.model_name,
-        "max_model_len": ctx.max_model_len,
-    }
+    return ModelCard(
+        id=name,
+        created=request.app[STARTED],
+        owned_by="kvfleet",
+        root=ctx.model_name,
+        max_model_len=ctx.max_model_len,
+    )
 
 
 async def _models(request: web.Request) -> web.Response:
     names = request.app[SERVING].served_model_names
-    return web.json_response({"object": "list", "data": [_model_card(request, n) for n in names]})
+    models = ModelList(data=[_model_card(request, name) for name in names])
+    return web.json_response(text=models.model_dump_json())
 
 
 async def _model(request: web.Request) -> web.Response:
@@ -171,7 +178,7 @@ async def _model(request: web.Request) -> web.Response:
     which the SDK puts into the path as it is."""
     name = request.match_info["model"]
     check_model(name, request.app[SERVING].served_model_names)
-    return web.json_response(_model_card(request, name))
+    return web.json_response(text=_model_card(request, name).model_dump_json())
 
 
 async def _tokenize(request: web.Request) -> web.Response:
@@ -189,7 +196,8 @@ async def _tokenize(request: web.Request) -> web.Response:
         )  # fmt: skip
     else:
         ids = await ctx.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
-    return web.json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+    tokens = Tokens(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
+    return web.json_response(text=tokens.model_dump_json())
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -203,7 +211,8 @@ async def _detokenize(request: web.Request) -> web.Response:
                        param="tokens")  # fmt: skip
     if ctx.tokenizer is None:
         raise APIError(400, "this server runs without a tokenizer")
-    return web.json_response({"prompt": await ctx.decode(req.tokens)})
+    detokenized = Detokenized(prompt=await ctx.decode(req.tokens))
+    return web.json_response(text=detokenized.model_dump_json())
 
 
 def build_app(

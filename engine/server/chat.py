@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.completions import vllm_prompt_logprobs
+from kvfleet.engine.server.answers import Answer, Logprobs, respond, vllm_prompt_logprobs
 from kvfleet.engine.server.errors import bad_request
-from kvfleet.engine.server.openai_requests import ChatCompletionRequest, Usage, now, random_id
+from kvfleet.engine.server.openai_requests import ChatCompletionRequest
+from kvfleet.engine.server.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatRoleChoice,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    random_id,
+)
 from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext, traced
-from kvfleet.engine.server.streaming import SSEResponse, relay
 from kvfleet.engine.server.tools import (
     TOOL_SETTINGS,
     StreamedChoices,
@@ -73,23 +86,151 @@ async def render_chat_served(
     return await ctx.off_loop(len(text), OFF_LOOP_CHARS, chat_text_ids, ctx.tokenizer, text)
 
 
-def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int) -> list[dict]:
+def _logprobs_content(
+    ctx: ServingContext, choice: CompletionOutput, top_n: int
+) -> list[TokenLogprob]:
     content = []
     for token, entry in zip(choice.token_ids, choice.logprobs or [], strict=False):
         text = ctx.token_text(token)
-        top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+        top = sorted(entry.items(), key=lambda item: item[1], reverse=True)[:top_n]
+        top_logprobs = []
+        for top_token, logprob in top:
+            top_text = ctx.token_text(top_token)
+            top_logprobs.append(
+                TopLogprob(token=top_text, logprob=logprob, bytes=list(top_text.encode()))
+            )
         content.append(
-            {
-                "token": text,
-                "logprob": entry[token],
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": (t := ctx.token_text(tid)), "logprob": lp, "bytes": list(t.encode())}
-                    for tid, lp in top
-                ],
-            }
+            TokenLogprob(
+                token=text,
+                logprob=entry[token],
+                bytes=list(text.encode()),
+                top_logprobs=top_logprobs,
+            )
         )
     return content
+
+
+class _ChoiceFold:
+    """A whole choice out of its deltas: its text (whose tool calls are parsed once it is
+    whole) and its logprobs joined."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, choice: ChatChunkChoice) -> None:
+        self.index = choice.index
+        if choice.delta.content is not None:
+            self.texts.append(choice.delta.content)
+        if choice.logprobs is not None:
+            self.logprobs += choice.logprobs.content
+        self.finish_reason = choice.finish_reason
+        self.stop_reason = choice.stop_reason
+
+
+class ChatAnswer(Answer[ChatChunkChoice, _ChoiceFold]):
+    """A streamed answer's tool calls are parsed out of each choice's text as it comes; a
+    whole one's out of each whole text, where a malformed call leaves all of it content (a
+    stream has sent the call's deltas by then)."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req: ChatCompletionRequest,
+        plan: ToolPlan,
+        request_id: str,
+        model: str,
+        ids: list[int],
+    ) -> None:
+        options = req.stream_options
+        super().__init__(
+            request_id, model, [ids], stream=req.stream,
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )  # fmt: skip
+        self.ctx = ctx
+        self.req = req
+        self.plan = plan
+        self.streamed = StreamedChoices(plan) if req.stream else None
+        self.prompt_logprobs: Logprobs | None = None
+
+    def opening(self) -> ChatCompletionChunk:
+        roles = [
+            ChatRoleChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+            for index in range(self.req.n)
+        ]
+        return self._chunk(roles, self.event_usage())
+
+    def choices(self, prompt_index: int, output: RequestOutput) -> list[ChatChunkChoice]:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        choices = []
+        for choice in output.outputs:
+            if self.streamed is not None:
+                delta, finish = self.streamed.delta(choice)
+            else:
+                delta, finish = ChatDelta(content=choice.text or None), choice.finish_reason
+            # Text held back (an unfinished character, or what may start a tool call) with no
+            # logprobs or finish to carry makes no delta.
+            if delta.empty and finish is None and choice.logprobs is None:
+                continue
+            choices.append(
+                ChatChunkChoice(
+                    index=choice.index,
+                    delta=delta,
+                    logprobs=self._logprobs(choice),
+                    finish_reason=finish,
+                    stop_reason=choice.stop_reason,
+                )
+            )
+        return choices
+
+    def _logprobs(self, choice: CompletionOutput) -> ChatLogprobs | None:
+        if not self.req.logprobs:
+            return None
+        return ChatLogprobs(content=_logprobs_content(self.ctx, choice, self.req.top_logprobs or 0))
+
+    def event(self, choices: list[ChatChunkChoice], usage: Usage | None) -> ChatCompletionChunk:
+        return self._chunk(choices, usage)
+
+    def _chunk(
+        self, choices: Sequence[ChatChunkChoice | ChatRoleChoice], usage: Usage | None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=list(choices),
+            usage=usage,
+        )  # fmt: skip
+
+    def new_fold(self) -> _ChoiceFold:
+        return _ChoiceFold()
+
+    async def whole(self, folds: list[_ChoiceFold]) -> ChatCompletion:
+        choices = []
+        for fold in folds:
+            text = "".join(fold.texts)
+            # Tool calls are parsed out of each whole text, a loop over its characters.
+            message, finish = await self.ctx.parse_off_loop(
+                len(text), OFF_LOOP_CHARS, choice_message, self.plan, text, fold.finish_reason
+            )
+            logprobs = ChatLogprobs(content=fold.logprobs) if self.req.logprobs else None
+            choices.append(
+                ChatChoice(
+                    index=fold.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    stop_reason=fold.stop_reason,
+                )
+            )
+        scored = self.prompt_logprobs
+        return ChatCompletion(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=self.tally.usage(),
+            prompt_logprobs=None if scored is None else vllm_prompt_logprobs(self.ctx, scored),
+        )  # fmt: skip
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -112,121 +253,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     constraint, field = req.constraint
     constraint_param = field if constraint is not None else "tool_choice"
     request_id = random_id("chatcmpl")
-    created = now()
     model = req.model or ctx.model_name
-    top_n = req.top_logprobs or 0
     ctx.admit(req.model, req.n)
     outputs = await ctx.run(request_id, [ids], params, constraint_param=constraint_param)
     outputs = traced(request, CHAT, request_id, model, [ids], params, outputs)
-
-    def logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
-        if not req.logprobs:
-            return None
-        return {"content": _logprobs_content(ctx, choice, top_n)}
-
-    def usage(completion_tokens: int, cached: int) -> dict[str, Any]:
-        return Usage(
-            prompt_tokens=len(ids),
-            completion_tokens=completion_tokens,
-            total_tokens=len(ids) + completion_tokens,
-            prompt_tokens_details={"cached_tokens": cached},
-        ).model_dump(exclude_none=True)
-
-    if not req.stream:
-        result = (await ctx.collect(outputs, [ids], params))[0]
-        # Tool calls are parsed out of each whole text, a loop over its characters.
-        messages = [
-            await ctx.parse_off_loop(len(c.text), OFF_LOOP_CHARS, choice_message, plan, c)
-            for c in result.outputs
-        ]
-        body: dict[str, Any] = {}
-        if result.prompt_logprobs is not None:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, result.prompt_logprobs)
-        return web.json_response(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "message": message,
-                        "logprobs": logprobs(c),
-                        "finish_reason": finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    for c, (message, finish_reason) in zip(result.outputs, messages, strict=True)
-                ],
-                "usage": usage(
-                    sum(len(c.token_ids) for c in result.outputs), result.num_cached_tokens
-                ),
-                **body,
-            }
-        )
-
-    sse = SSEResponse(request)
-    await sse.start()
-    opts = req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous_usage = bool(opts and opts.continuous_usage_stats)
-    completion_tokens = 0
-    cached = 0
-
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        payload = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-        if continuous_usage:
-            payload["usage"] = usage(completion_tokens, cached)
-        return payload
-
-    await sse.send(
-        chunk(
-            [
-                {
-                    "index": j,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for j in range(req.n)
-            ]
-        )
-    )
-
-    streamed = StreamedChoices(plan)
-
-    def to_choices(_: int, delta: RequestOutput) -> list[dict[str, Any]]:
-        nonlocal completion_tokens, cached
-        cached = delta.num_cached_tokens
-        choices = []
-        for c in delta.outputs:
-            completion_tokens += len(c.token_ids)
-            message, finish = streamed.delta(c)
-            # Text held back (an unfinished character, or what may start a tool call) with no
-            # logprobs or finish to carry makes no chunk.
-            if not message and finish is None and c.logprobs is None:
-                continue
-            choices.append(
-                {
-                    "index": c.index,
-                    "delta": message,
-                    "logprobs": logprobs(c),
-                    "finish_reason": finish,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        return choices
-
-    if not await relay(sse, outputs, to_choices, chunk):
-        return await sse.finish()
-    if include_usage:
-        payload = chunk([])
-        payload["usage"] = usage(completion_tokens, cached)
-        await sse.send(payload)
-    return await sse.finish()
+    answer = ChatAnswer(ctx, req, plan, request_id, model, ids)
+    return await respond(request, answer, outputs)

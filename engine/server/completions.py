@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.openai_requests import CompletionRequest, Usage, now, random_id
+from kvfleet.engine.server.answers import Answer, Logprobs, respond, vllm_prompt_logprobs
+from kvfleet.engine.server.openai_requests import CompletionRequest
+from kvfleet.engine.server.openai_responses import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Usage,
+    random_id,
+)
 from kvfleet.engine.server.serving import SERVING, ServingContext, traced
-from kvfleet.engine.server.streaming import SSEResponse, nothing_to_send, relay
 from kvfleet.engine.server.validation import parse_body
 from kvfleet.telemetry.genai import TEXT_COMPLETION
-
-Logprobs = list[dict[int, float] | None]
 
 
 class _LogprobsBuilder:
@@ -24,83 +27,153 @@ class _LogprobsBuilder:
         self.ctx = ctx
         self.offset = 0
 
-    def build(self, token_ids: list[int], logprobs: Logprobs) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+    def build(self, token_ids: list[int], logprobs: Logprobs) -> CompletionLogprobs:
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, entry in zip(token_ids, logprobs, strict=True):
             text = self.ctx.token_text(token)
-            out["tokens"].append(text)
+            out.tokens.append(text)
             # An echoed prompt's first token: nothing predicts it, null as in OpenAI's API.
-            out["token_logprobs"].append(None if entry is None else entry[token])
+            out.token_logprobs.append(None if entry is None else entry[token])
             # As vLLM does: the top-N plus the sampled token, so up to N + 1 entries.
-            out["top_logprobs"].append(
-                None if entry is None else {self.ctx.token_text(t): lp for t, lp in entry.items()}
+            out.top_logprobs.append(
+                None
+                if entry is None
+                else {self.ctx.token_text(top): logprob for top, logprob in entry.items()}
             )
-            out["text_offset"].append(self.offset)
+            out.text_offset.append(self.offset)
             self.offset += len(text)
         return out
 
 
-def vllm_prompt_logprobs(ctx: ServingContext, logprobs: Logprobs) -> list[Any]:
-    """vLLM's `prompt_logprobs` field: per prompt token None or {token id: {logprob,
-    decoded_token}}."""
-    return [
-        None
-        if entry is None
-        else {
-            str(t): {"logprob": lp, "decoded_token": ctx.token_text(t)} for t, lp in entry.items()
-        }
-        for entry in logprobs
-    ]
+def _nothing_to_send(choice: CompletionOutput) -> bool:
+    """A token that completed no character (text held back) and carries no logprobs or finish:
+    a chunk for it would be empty noise."""
+    return not choice.text and choice.finish_reason is None and choice.logprobs is None
 
 
-def _choice(
-    ctx: ServingContext,
-    req: CompletionRequest,
-    index: int,
-    echo: str | None,
-    prompt: RequestOutput,
-    choice: CompletionOutput,
-    builder: _LogprobsBuilder,
-) -> dict[str, Any]:
-    """One choice, or one chunk of it. `echo`: the prompt's text, which this choice's first
-    chunk carries (with its logprobs, from `prompt`, when asked); None in later chunks. With
-    max_tokens 0 the token the engine generated is dropped: only the prompt is scored."""
-    scoring_only = req.max_tokens == 0
-    text = "" if scoring_only else choice.text
-    tokens: list[int] = []
-    logprobs: Logprobs = []
-    if echo is not None:
-        text = echo + text
-        if req.echo and req.logprobs is not None and prompt.prompt_logprobs is not None:
-            tokens, logprobs = list(prompt.prompt_token_ids), list(prompt.prompt_logprobs)
-    if not scoring_only and choice.logprobs is not None:
-        tokens += choice.token_ids
-        logprobs += choice.logprobs
-    body: dict[str, Any] = {
-        "index": index,
-        "text": text,
-        "logprobs": builder.build(tokens, logprobs) if req.logprobs is not None else None,
-        "finish_reason": "length" if scoring_only else choice.finish_reason,
-        "stop_reason": None if scoring_only else choice.stop_reason,
-    }
-    if req.prompt_logprobs is not None and echo is not None and prompt.prompt_logprobs:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, prompt.prompt_logprobs)
-    return body
+class _ChoiceFold:
+    """A whole choice out of its chunks: their texts and logprobs joined."""
+
+    def __init__(self) -> None:
+        self.first: CompletionChoice | None = None
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, chunk: CompletionChoice) -> None:
+        if self.first is None:
+            self.first = chunk
+        elif chunk.logprobs is not None and self.first.logprobs is not None:
+            whole, more = self.first.logprobs, chunk.logprobs
+            whole.tokens += more.tokens
+            whole.token_logprobs += more.token_logprobs
+            whole.top_logprobs += more.top_logprobs
+            whole.text_offset += more.text_offset
+        self.texts.append(chunk.text)
+        self.finish_reason = chunk.finish_reason
+        self.stop_reason = chunk.stop_reason
+
+    def choice(self) -> CompletionChoice:
+        assert self.first is not None
+        return self.first.model_copy(
+            update={
+                "text": "".join(self.texts),
+                "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason,
+            }
+        )
 
 
-def _usage(results: list[RequestOutput], completion_tokens: int) -> Usage:
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in results)
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details={"cached_tokens": sum(r.num_cached_tokens for r in results)},
-    )
+class CompletionAnswer(Answer[CompletionChoice, _ChoiceFold]):
+    """Choice i of prompt p is choice p * n + i. A choice's first chunk carries the echoed
+    prompt (with its logprobs when asked: they come with the first token) and the prompt's
+    logprobs; max_tokens 0 scores the prompt alone, the token the engine generated dropped."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req: CompletionRequest,
+        request_id: str,
+        model: str,
+        prompts: list[list[int]],
+        echoes: list[str],
+    ) -> None:
+        self.scoring_only = req.max_tokens == 0
+        super().__init__(
+            request_id, model, prompts, stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            counts_completion=not self.scoring_only,
+        )  # fmt: skip
+        self.ctx = ctx
+        self.req = req
+        self.echoes = echoes
+        self.builders: dict[int, _LogprobsBuilder] = {}  # per choice index: its offsets
+        self.scored: dict[int, RequestOutput] = {}  # per prompt: the output with its logprobs
+
+    def choices(self, prompt_index: int, output: RequestOutput) -> list[CompletionChoice]:
+        # The prompt's logprobs come once, with its first choice's first token.
+        if output.prompt_logprobs is not None:
+            self.scored[prompt_index] = output
+        scored = self.scored.get(prompt_index, output)
+        chunks = []
+        for choice in output.outputs:
+            index = prompt_index * self.req.n + choice.index
+            builder = self.builders.get(index)
+            first = builder is None
+            if builder is None:
+                builder = self.builders[index] = _LogprobsBuilder(self.ctx)
+            elif _nothing_to_send(choice):
+                continue
+            echo = self.echoes[prompt_index] if first else None
+            chunks.append(self._chunk(index, echo, scored, choice, builder))
+        return chunks
+
+    def _chunk(
+        self,
+        index: int,
+        echo: str | None,
+        prompt: RequestOutput,
+        choice: CompletionOutput,
+        builder: _LogprobsBuilder,
+    ) -> CompletionChoice:
+        """`echo`: the prompt's text, which a choice's first chunk carries; None in later ones."""
+        req = self.req
+        text = "" if self.scoring_only else choice.text
+        tokens: list[int] = []
+        logprobs: Logprobs = []
+        if echo is not None:
+            text = echo + text
+            if req.echo and req.logprobs is not None and prompt.prompt_logprobs is not None:
+                tokens, logprobs = list(prompt.prompt_token_ids), list(prompt.prompt_logprobs)
+        if not self.scoring_only and choice.logprobs is not None:
+            tokens += choice.token_ids
+            logprobs += choice.logprobs
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and echo is not None and prompt.prompt_logprobs:
+            prompt_logprobs = vllm_prompt_logprobs(self.ctx, prompt.prompt_logprobs)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=builder.build(tokens, logprobs) if req.logprobs is not None else None,
+            finish_reason="length" if self.scoring_only else choice.finish_reason,
+            stop_reason=None if self.scoring_only else choice.stop_reason,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def event(self, choices: list[CompletionChoice], usage: Usage | None) -> Completion:
+        return self._completion(choices, usage)
+
+    def new_fold(self) -> _ChoiceFold:
+        return _ChoiceFold()
+
+    async def whole(self, folds: list[_ChoiceFold]) -> Completion:
+        return self._completion([fold.choice() for fold in folds], self.tally.usage())
+
+    def _completion(self, choices: list[CompletionChoice], usage: Usage | None) -> Completion:
+        return Completion(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage,
+        )  # fmt: skip
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -122,81 +195,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         for t, ids in zip(texts, prompts, strict=True)
     ]
     request_id = random_id("cmpl")
-    created = now()
-    n = req.n
     model = req.model or ctx.model_name
     ctx.admit(req.model, num_sequences)
     outputs = await ctx.run(request_id, prompts, params, texts, req.constraint[1])
     outputs = traced(request, TEXT_COMPLETION, request_id, model, prompts, params, outputs)
-
-    if not req.stream:
-        results = await ctx.collect(outputs, prompts, params)
-        choices = []
-        completion_tokens = 0
-        for i, result in enumerate(results):
-            for choice in result.outputs:
-                completion_tokens += 0 if scoring_only else len(choice.token_ids)
-                index = i * n + choice.index
-                builder = _LogprobsBuilder(ctx)
-                choices.append(_choice(ctx, req, index, echoes[i], result, choice, builder))
-        return web.json_response(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": _usage(results, completion_tokens).model_dump(exclude_none=True),
-            }
-        )
-
-    sse = SSEResponse(request)
-    await sse.start()
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    offsets = {}
-    completion_tokens = 0
-    last: dict[int, RequestOutput] = {}
-    scored: dict[int, RequestOutput] = {}
-
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-
-    def to_choices(i: int, delta: RequestOutput) -> list[dict[str, Any]]:
-        nonlocal completion_tokens
-        last[i] = delta
-        # The prompt's logprobs come once, with its first choice's first token.
-        if delta.prompt_logprobs is not None:
-            scored[i] = delta
-        choices = []
-        for choice in delta.outputs:
-            index = i * n + choice.index
-            completion_tokens += 0 if scoring_only else len(choice.token_ids)
-            # A choice's first chunk carries the echoed prompt (and its logprobs, which come
-            # with the first token).
-            first = index not in offsets
-            builder = offsets.setdefault(index, _LogprobsBuilder(ctx))
-            if not first and nothing_to_send(choice):
-                continue
-            echo = echoes[i] if first else None
-            choices.append(_choice(ctx, req, index, echo, scored.get(i, delta), choice, builder))
-        return choices
-
-    if not await relay(sse, outputs, to_choices, chunk):
-        return await sse.finish()
-    if include_usage:
-        results = [
-            RequestOutput(
-                "", ids, [], num_cached_tokens=last[i].num_cached_tokens if i in last else 0
-            )
-            for i, ids in enumerate(prompts)
-        ]
-        payload = chunk([])
-        payload["usage"] = _usage(results, completion_tokens).model_dump(exclude_none=True)
-        await sse.send(payload)
-    return await sse.finish()
+    answer = CompletionAnswer(ctx, req, request_id, model, prompts, echoes)
+    return await respond(request, answer, outputs)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from kvfleet.engine.async_engine import EngineDeadError, RequestAbortedError, RequestFailedError
-from kvfleet.telemetry.http import openai_error
+from kvfleet.telemetry.http import openai_error, openai_error_body
 
 # What a request's output stream may raise once the engine has it.
 ENGINE_ERRORS = (EngineDeadError, RequestFailedError, RequestAbortedError)
@@ -51,15 +53,9 @@ class APIError(Exception):
             resp.force_close()
         return resp
 
-    def sse_payload(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+    def body(self) -> dict[str, Any]:
+        """The error's JSON: a response's body, or the last event of a stream."""
+        return openai_error_body(self.message, self.err_type, self.code, self.param)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

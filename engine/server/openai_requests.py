@@ -9,8 +9,6 @@ vocabulary, the context length) are checked by the serving context and the engin
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -34,11 +32,6 @@ from kvfleet.engine.sampling_params import (
     check_tag_shape,
 )
 from kvfleet.protocol.chat_template import ChatMessage
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
 
 # The sampler's generator takes a signed 64-bit seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -407,14 +400,3 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: TokenIds
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-def now() -> int:
-    return int(time.time())

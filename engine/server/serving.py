@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -17,11 +17,11 @@ from pydantic import ValidationError
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.grammar import GrammarError
-from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.request import InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
-from kvfleet.engine.server.streaming import merge_streams
+from kvfleet.engine.server.streaming import Outputs, merge_streams
 from kvfleet.engine.server.validation import (
     check_model,
     in_parse_thread,
@@ -172,7 +172,7 @@ class ServingContext:
         params: list[SamplingParams],
         texts: list[str | None] | None = None,
         constraint_param: str = "structured_outputs",
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> Outputs:
         """Admit every prompt (the engine's one check of a request), then stream their outputs
         merged. A structured-output constraint not compiled yet compiles while its prompt
         prefills, and the outputs come back only once it has: every refusal, a constraint that
@@ -213,29 +213,8 @@ class ServingContext:
             raise engine_error(e) from None
         return _prepended(first, outputs)
 
-    async def collect(
-        self,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-    ) -> list[RequestOutput]:
-        """Accumulate whole results, for non-streaming responses."""
-        results = [
-            RequestOutput("", ids, [CompletionOutput(index=j) for j in range(sp.n)])
-            for ids, sp in zip(prompts, params, strict=True)
-        ]
-        try:
-            async with aclosing(outputs) as it:
-                async for i, delta in it:
-                    results[i].add(delta)
-        except ENGINE_ERRORS as e:
-            raise engine_error(e) from None
-        return results
 
-
-async def _prepended(
-    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _prepended(first: tuple[int, RequestOutput], rest: Outputs) -> Outputs:
     async with aclosing(rest):
         yield first
         async for item in rest:
@@ -249,8 +228,8 @@ def traced(
     model: str,
     prompts: list[list[int]],
     params: list[SamplingParams],
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    outputs: Outputs,
+) -> Outputs:
     """The outputs as they are without tracing; with it, also recorded on the request's span
     as the GenAI conventions name them (settings, time to first token, usage, finish reasons)."""
     span = request.get(SPAN)
@@ -269,8 +248,8 @@ async def _recorded(
     response_id: str,
     model: str,
     input_tokens: int,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    outputs: Outputs,
+) -> Outputs:
     cached: dict[int, int] = {}
     finish_reasons: dict[tuple[int, int], str] = {}
     output_tokens = 0

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
-from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, engine_error
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.server.errors import APIError
 
-logger = logging.getLogger(__name__)
 _END = object()
+
+# A request's outputs: each step's delta tagged with its prompt's index. Closing it aborts the
+# request (what is left of it).
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 async def merge_streams(
     streams: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> Outputs:
     """Interleave outputs as they come, tagged with their stream's index. Closing the merged
     iterator (or an error in any stream) closes every stream, which aborts its request."""
     if len(streams) == 1:
@@ -72,48 +74,15 @@ class SSEResponse:
     async def start(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    async def send(self, event: BaseModel) -> None:
+        await self.response.write(b"data: " + event.model_dump_json().encode() + b"\n\n")
+
+    async def send_error(self, error: APIError) -> None:
+        """The event that ends a stream which failed, before [DONE]."""
+        data = json.dumps(error.body(), ensure_ascii=False, separators=(",", ":"))
         await self.response.write(b"data: " + data.encode() + b"\n\n")
 
     async def finish(self) -> web.StreamResponse:
         await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response
-
-
-def nothing_to_send(choice: CompletionOutput) -> bool:
-    """A token that completed no character (text held back) and carries no logprobs or finish:
-    a chunk for it would be empty noise."""
-    return not choice.text and choice.finish_reason is None and choice.logprobs is None
-
-
-Choices = list[dict[str, Any]]
-
-
-async def relay(
-    sse: SSEResponse,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    to_choices: Callable[[int, RequestOutput], Choices],
-    chunk: Callable[[Choices], dict[str, Any]],
-) -> bool:
-    """One event per engine step, carrying the choices `to_choices` makes of its delta (steps
-    that make none send nothing). False, after an error event, when the request could not be
-    finished: the engine failed it, the server aborted it, the engine died, or the server
-    failed on it (the stream has begun: its error is an event, and the stream still ends)."""
-    try:
-        async with aclosing(outputs) as it:
-            async for i, delta in it:
-                choices = to_choices(i, delta)
-                if choices:
-                    await sse.send(chunk(choices))
-    except ENGINE_ERRORS as e:
-        await sse.send(engine_error(e).sse_payload())
-        return False
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        logger.exception("unhandled error streaming %s", sse.request.path)
-        await sse.send(APIError(500, "internal server error", "server_error").sse_payload())
-        return False
-    return True

@@ -86,29 +86,12 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
 
-    def openai(self) -> dict[str, Any]:
-        if self.id is None:
-            return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {
-            "index": self.index,
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
 
 @dataclass
 class ParsedCall:
     id: str
     name: str
     arguments: str
-
-    def openai(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 class _ObjectScanner:

@@ -26,10 +26,19 @@ from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsPara
 from kvfleet.engine.schema_keywords import keyword_problem, rebase_refs
 from kvfleet.engine.server.errors import bad_request
 from kvfleet.engine.server.openai_requests import ChatCompletionRequest, ChatTool, NamedToolChoice
+from kvfleet.engine.server.openai_responses import (
+    AssistantMessage,
+    ChatDelta,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from kvfleet.engine.server.tool_parsers import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    ToolCallDelta,
     ToolCallParser,
 )
 from kvfleet.engine.server.validation import JSON_LIMITS
@@ -284,14 +293,13 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     parsed = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        ok = (
+        if not (
             isinstance(fn, dict)
             and isinstance(call.get("id"), str)
             and call.get("type", "function") == "function"
             and isinstance(fn.get("name"), str)
             and isinstance(fn.get("arguments"), str)
-        )
-        if not ok:
+        ):
             raise bad_request(
                 f"messages[{i}].tool_calls[{j}] must be {{id, type: function, function: "
                 "{name, arguments (a JSON string)}}",
@@ -389,44 +397,62 @@ def _finish_reason(finish: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish == "stop" else finish
 
 
-def choice_message(plan: ToolPlan, choice: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-    """A whole choice's message and finish reason, its tool calls parsed out."""
-    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+def choice_message(
+    plan: ToolPlan, text: str, finish_reason: str | None
+) -> tuple[AssistantMessage, str | None]:
+    """A whole choice's message and finish reason, its tool calls parsed out of its text."""
+    message = AssistantMessage(content=text)
     parser = plan.parser()
     if parser is None:
-        return message, choice.finish_reason
-    result = parser.parse(choice.text, truncated=choice.finish_reason == "length")
+        return message, finish_reason
+    result = parser.parse(text, truncated=finish_reason == "length")
     if not result.calls:
-        return message, choice.finish_reason
+        return message, finish_reason
     calls = result.calls[:1] if plan.single_call else result.calls
-    message["content"] = result.content or None
-    message["tool_calls"] = [call.openai() for call in calls]
-    return message, _finish_reason(choice.finish_reason, True)
+    message = AssistantMessage(
+        content=result.content or None,
+        tool_calls=[
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls
+        ],
+    )
+    return message, _finish_reason(finish_reason, True)
 
 
 class StreamedChoices:
-    """The delta objects of a streamed response's choices, tool calls parsed out of each
-    choice's text as it comes (one parser per choice)."""
+    """The deltas of a streamed response's choices, tool calls parsed out of each choice's
+    text as it comes (one parser per choice)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.parsers: dict[int, ToolCallParser] = {}
 
-    def delta(self, choice: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    def delta(self, choice: CompletionOutput) -> tuple[ChatDelta, str | None]:
         finish = choice.finish_reason
-        if self.plan.parse_mode is None:
-            return ({"content": choice.text} if choice.text else {}), finish
         parser = self.parsers.get(choice.index)
         if parser is None:
-            parser = self.parsers[choice.index] = self.plan.parser()  # type: ignore[assignment]
+            parser = self.plan.parser()
+            if parser is None:
+                return ChatDelta(content=choice.text or None), finish
+            self.parsers[choice.index] = parser
         content, calls = parser.feed(choice.text)
         if finish is not None:
             content += parser.finish()
-        delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
         if self.plan.single_call:
-            calls = [d for d in calls if d.index == 0]
-        if calls:
-            delta["tool_calls"] = [d.openai() for d in calls]
+            calls = [call for call in calls if call.index == 0]
+        delta = ChatDelta(
+            content=content or None, tool_calls=[_delta_call(call) for call in calls] or None
+        )
         return delta, _finish_reason(finish, parser.called)
+
+
+def _delta_call(call: ToolCallDelta) -> DeltaToolCall:
+    """A piece of a call as OpenAI streams it: id, type and name with the first."""
+    if call.id is None:
+        return DeltaToolCall(index=call.index, function=DeltaFunction(arguments=call.arguments))
+    return DeltaToolCall(
+        index=call.index,
+        id=call.id,
+        type="function",
+        function=DeltaFunction(name=call.name, arguments=call.arguments),
+    )

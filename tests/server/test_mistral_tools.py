@@ -174,21 +174,19 @@ def _plan(family: str, messages: list[dict[str, Any]] = QUESTION, **body: Any):
 
 
 def test_parsed_calls_get_mistral_ids_streamed_and_whole() -> None:
-    whole, finish = choice_message(
-        _plan(MISTRAL), CompletionOutput(0, MODEL_CALLS, finish_reason="stop")
-    )
-    assert finish == "tool_calls" and whole["content"] == "Let me check."
-    ids = [c["id"] for c in whole["tool_calls"]]
+    whole, finish = choice_message(_plan(MISTRAL), MODEL_CALLS, "stop")
+    assert finish == "tool_calls" and whole.content == "Let me check."
+    ids = [c.id for c in whole.tool_calls or []]
     assert len(set(ids)) == 2 and all(MISTRAL_ID.match(i) for i in ids)
     streamed = StreamedChoices(_plan(MISTRAL))
     deltas = [streamed.delta(CompletionOutput(0, ch))[0] for ch in MODEL_CALLS]
-    headers = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
-    assert [c["index"] for c in headers] == [0, 1]
-    assert all(MISTRAL_ID.match(c["id"]) for c in headers)
+    headers = [c for d in deltas for c in d.tool_calls or [] if c.id is not None]
+    assert [c.index for c in headers] == [0, 1]
+    assert all(c.id and MISTRAL_ID.match(c.id) for c in headers)
     # Other families keep OpenAI's ids.
     hermes = '<tool_call>{"name": "get_time", "arguments": {"zone": "JST"}}</tool_call>'
-    message, _ = choice_message(_plan(HERMES), CompletionOutput(0, hermes, finish_reason="stop"))
-    assert message["tool_calls"][0]["id"].startswith("call_")
+    message, _ = choice_message(_plan(HERMES), hermes, "stop")
+    assert message.tool_calls and message.tool_calls[0].id.startswith("call_")
 
 
 def test_forced_calls_get_the_server_familys_ids() -> None:
@@ -197,10 +195,8 @@ def test_forced_calls_get_the_server_familys_ids() -> None:
         ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
          '{"zone": "JST"}'),
     ):  # fmt: skip
-        message, _ = choice_message(
-            _plan(MISTRAL, **body), CompletionOutput(0, text, finish_reason="stop")
-        )
-        assert MISTRAL_ID.match(message["tool_calls"][0]["id"]), message
+        message, _ = choice_message(_plan(MISTRAL, **body), text, "stop")
+        assert message.tool_calls and MISTRAL_ID.match(message.tool_calls[0].id), message
 
 
 def test_an_id_is_new_within_its_response_and_conversation(monkeypatch) -> None:
@@ -210,5 +206,5 @@ def test_an_id_is_new_within_its_response_and_conversation(monkeypatch) -> None:
     monkeypatch.setattr("kvfleet.engine.server.tool_parsers.secrets.choice", lambda _: next(draws))
     earlier = [{"id": "AAAAAAAAA", "name": "get_time", "arguments": "{}"}]
     plan = _plan(MISTRAL, _history(earlier))
-    message, _ = choice_message(plan, CompletionOutput(0, MODEL_CALLS, finish_reason="stop"))
-    assert [c["id"] for c in message["tool_calls"]] == ["BBBBBBBBB", "CCCCCCCCC"]
+    message, _ = choice_message(plan, MODEL_CALLS, "stop")
+    assert [c.id for c in message.tool_calls or []] == ["BBBBBBBBB", "CCCCCCCCC"]

@@ -464,8 +464,8 @@ def test_fallback_prompt_asks_for_what_the_parser_reads(family: str) -> None:
     assert [e["role"] for e in conv] == ["system", "user", "assistant", "user"]
     assert "call_9" in conv[3]["content"] and '{"temperature": 21}' in conv[3]["content"]
     # the assistant's earlier call, as the model is asked to write calls, parses back
-    echoed = choice_message(plan, CompletionOutput(0, conv[2]["content"], finish_reason="stop"))
-    assert echoed[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    echoed = choice_message(plan, conv[2]["content"], "stop")
+    assert echoed[0].tool_calls and echoed[0].tool_calls[0].function.name == "get_weather"
     assert echoed[1] == "tool_calls"
 
 
@@ -504,14 +504,12 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
         f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "{z}"}}}}</tool_call>'
         for z in ("UTC", "CET")
     )
-    whole, finish = choice_message(plan, CompletionOutput(0, text, finish_reason="stop"))
+    whole, finish = choice_message(plan, text, "stop")
     assert finish == "tool_calls"
-    assert [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]] == [
-        {"zone": "UTC"}
-    ]
+    assert [json.loads(c.function.arguments) for c in whole.tool_calls or []] == [{"zone": "UTC"}]
     streamed = StreamedChoices(plan)
     deltas = [streamed.delta(CompletionOutput(0, ch))[0] for ch in text]
-    assert {c["index"] for d in deltas for c in d.get("tool_calls", [])} == {0}
+    assert {c.index for d in deltas for c in d.tool_calls or []} == {0}
 
 
 def test_streamed_choices_send_openai_tool_call_deltas() -> None:
@@ -524,16 +522,16 @@ def test_streamed_choices_send_openai_tool_call_deltas() -> None:
         last = k == len(pieces) - 1
         deltas.append(streamed.delta(CompletionOutput(0, piece, finish_reason="stop" if last
                                                       else None)))  # fmt: skip
-    content = "".join(d.get("content", "") for d, _ in deltas)
-    calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+    content = "".join(d.content or "" for d, _ in deltas)
+    calls = [c.model_dump(exclude_none=True) for d, _ in deltas for c in d.tool_calls or []]
     assert content == "Checking." and deltas[-1][1] == "tool_calls"
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
     assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
     assert all(set(c) == {"index", "function"} for c in calls[1:])
     assert json.loads("".join(c["function"]["arguments"] for c in calls[1:])) == {"zone": "UTC"}
-    whole, finish = choice_message(plan, CompletionOutput(0, text, finish_reason="stop"))
-    assert whole["content"] == "Checking." and finish == "tool_calls"
-    assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
+    whole, finish = choice_message(plan, text, "stop")
+    assert whole.content == "Checking." and finish == "tool_calls" and whole.tool_calls
+    assert json.loads(whole.tool_calls[0].function.arguments) == {"zone": "UTC"}
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -543,12 +541,12 @@ def test_a_forced_call_cut_by_max_tokens_keeps_the_calls_it_completed(parallel) 
     plan = _plan(tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
     first = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
     text = f'[{first}, {{"name": "get_time", "argum'
-    message, finish = choice_message(plan, CompletionOutput(0, text, finish_reason="length"))
-    assert finish == "length" and message["content"] is None
-    calls = message["tool_calls"]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+    message, finish = choice_message(plan, text, "length")
+    assert finish == "length" and message.content is None
+    calls = message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo", "unit": "celsius"})
     ]
     # Cut before any call was whole: nothing to return as a call, the text stays content.
-    message, finish = choice_message(plan, CompletionOutput(0, text[:20], finish_reason="length"))
-    assert finish == "length" and "tool_calls" not in message and message["content"] == text[:20]
+    message, finish = choice_message(plan, text[:20], "length")
+    assert finish == "length" and message.tool_calls is None and message.content == text[:20]
