@@ -257,12 +257,12 @@ async def _recorded(
         async with aclosing(outputs) as it:
             async for i, delta in it:
                 cached[i] = delta.num_cached_tokens
-                for c in delta.outputs:
-                    if c.token_ids:
+                for choice in delta.outputs:
+                    if choice.token_ids:
                         gen.first_token()
-                        output_tokens += len(c.token_ids)
-                    if c.finish_reason is not None:
-                        finish_reasons[i, c.index] = c.finish_reason
+                        output_tokens += len(choice.token_ids)
+                    if choice.finish_reason is not None:
+                        finish_reasons[i, choice.index] = choice.finish_reason
                 yield i, delta
     finally:
         # Also when the request fails or is aborted: what was generated until then.

@@ -132,12 +132,12 @@ class _ObjectScanner:
         base = self.length
         self._pieces.append(chunk)
         self.length += len(chunk)
-        for n, ch in enumerate(chunk):
+        for used, char in enumerate(chunk):
             if self.stage == "done" or self.error:
-                self._pieces = [self.text[: base + n]]
-                self.length = base + n
-                return n
-            self._step(ch, base + n)
+                self._pieces = [self.text[: base + used]]
+                self.length = base + used
+                return used
+            self._step(char, base + used)
         return len(chunk)
 
     def _step(self, ch: str, i: int) -> None:
