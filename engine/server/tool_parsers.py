@@ -1,22 +1,7 @@
-"""Tool calls out of generated text, per model family, as vLLM's `--tool-call-parser` names them:
-
-- ``hermes`` (Hermes, Qwen 2.5/3, and the ChatML models this engine falls back to):
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated, after optional content;
-- ``llama3_json`` (Llama 3.x): ``{"name": ..., "parameters": {...}}``, optionally after
-  ``<|python_tag|>``, several separated by ``;``, and only at the start of the output;
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional content.
-  Its calls get ids of 9 letters and digits, the only ids Mistral's chat templates take back.
-
-Besides these, the output of a grammar-constrained request (``tool_choice`` ``required``: a JSON
-array of calls; a named function: its arguments object) is read by the same machinery.
-
-One incremental parser serves streaming and whole texts alike (a whole text is one big chunk), so
-a streamed response's calls are exactly the non-streamed one's. Pure: no I/O, no engine.
-
-A call is JSON the model wrote, bounded as a request's JSON is: one that nests deeper than
-:data:`CALL_LIMITS` allows is malformed the moment it does (``json.loads`` would recurse past
-Python's limit on it), and a malformed call leaves the output as content, as vLLM's parsers do.
-"""
+"""Tool calls out of generated text, in each family's format (vLLM's --tool-call-parser names,
+docs/api.md#tool-calling) or as the JSON a forced call's grammar makes. One incremental parser
+serves streamed and whole texts, so a stream's calls are the whole text's; a malformed call
+(one nested past CALL_LIMITS included) leaves the output as content, as vLLM's parsers do."""
 
 from __future__ import annotations
 
