@@ -34,6 +34,7 @@ from kvfleet.kernels.dependent_launch import (
     prefetch_l2,
     wait_for_prior,
 )
+from kvfleet.kernels.launch import kernel
 
 # Tokens a call may have: the MMA's N side, padded.
 MAX_TOKENS = 16
@@ -63,7 +64,7 @@ def _scale_and_store(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < n) & (toks[None, :] < m))
 
 
-@triton.jit
+@kernel
 def _small_batch_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     m, n, k, stride_x, stride_w, stride_o,

@@ -24,10 +24,11 @@ import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.fp8_quant import store_fp8_row
+from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
-@triton.jit
+@kernel
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
