@@ -133,7 +133,9 @@ def _outside_strings(text: bytes) -> bytes:
     inside = False
     start = 0
     while start < len(text):
-        end = _BACKSLASHES.match(text, min(start + _CUT_SLICE, len(text))).end()
+        run = _BACKSLASHES.match(text, min(start + _CUT_SLICE, len(text)))
+        assert run is not None  # it matches the empty string too
+        end = run.end()
         if text[end - 1 : end] == b"\\":
             end += 1
         parts = text[start:end].replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')
