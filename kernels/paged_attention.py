@@ -1,42 +1,12 @@
-"""Paged attention in Triton (twin of ``reference.paged_attention``).
+"""Paged attention in Triton, the twin of ``reference.paged_attention`` (tested against it).
 
-Two kernels:
-
-* ``paged_decode_attention``: one query token per sequence, split-KV ("flash decoding"). Grid
-  ``(num_seqs, num_kv_heads, num_splits)``; one program handles every query head of one KV head
-  (the GQA group, padded to >= 16 rows so the score and value products run on tensor cores) over
-  one contiguous slice of that sequence's visible KV range. Each sequence's range is cut into
-  ``num_splits`` slices on the device, from its own length, so the grid depends only on the batch
-  size and the caller's ``num_splits`` (CUDA-graph safe) and short and long sequences in one batch
-  both spread over all splits. With several splits, per-split partials (running max, sum and
-  unnormalised output, fp32) go to scratch and a second kernel merges them.
-* Cascade decoding (``prefix_len`` given): when every sequence of a decode batch starts with the
-  same physical blocks (a shared system prompt served from the prefix cache), a third kernel
-  attends all the batch's queries to that shared prefix at once, as the rows of one tile, so each
-  prefix K/V tile is read once per step instead of once per sequence; the split kernel then covers
-  only each sequence's own suffix, and the merge takes the prefix's partials beside the splits'.
-  The prefix length is read on the device, so a CUDA graph captured with the cascade serves any
-  prefix, including none (0).
-* ``paged_prefill_attention``: flash attention over variable-length query chunks, each chunk the
-  newest ``q_len`` tokens of its sequence, attending causally to its whole paged context. The
-  rows of one program are ``BLOCK_Q`` query tokens times the (padded) GQA group, so each K/V tile
-  is loaded once per KV head rather than once per query head. Grid ``(num_tokens // BLOCK_Q +
-  num_seqs, num_kv_heads)``: programs are laid out flat over the batch's tokens and each finds
-  its sequence from ``query_start_loc``, so a ragged batch launches no empty tiles. KV tiles
-  hidden by causality or the window are skipped, and tiles every row sees run without masks.
-  Chunks of a few tokens (the decode rows of a mixed batch) go to a second launch with a 16-row
-  tile, one program per sequence and KV head, instead of occupying a 128-row one.
-
-Scores are computed in fp32 and kept in the log2 domain (``exp2`` is the native instruction).
-Running maxima start at a large finite negative number instead of -inf, so rows or splits that
-see no key (empty splits, padding rows with seq_len 0) give exp2(-inf - finite) == 0 and a zero
-sum instead of NaN; the final division guards a zero sum and writes zeros.
-
-An FP8 cache (``KV_FP8``) is read as e4m3 and widened exactly to fp16, the dot dtype then (see
-``_dot_dtype``); its dequantization scales are applied in fp32 where they cost one multiply per
-program rather than one per element: K's is folded into the score scale, V's into the output
-accumulator (attention is linear in V). With a cache of the model dtype the branch is compiled
-out.
+Decode is split-KV ("flash decoding"): each sequence's range is cut into slices on the device,
+so the grid depends only on static sizes (CUDA-graph safe), and a second kernel merges the
+slices' partials; a batch that shares a cached prefix reads it once for all its queries
+(cascade). Prefill is flash attention over ragged query chunks. Both put a KV head's whole GQA
+group in one tile, so each K/V tile is read once per KV head. Scores are fp32 in the log2
+domain, and running maxima start finite, so a row that sees no key gives zeros, not NaN. The
+measurements behind the tiles and split counts are in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -59,13 +29,10 @@ _MIN_TOKENS_PER_SPLIT = 256
 # Query rows (sequence x query head) per program of the cascade kernel's shared-prefix pass.
 _PREFIX_BLOCK_M = 64
 # Prefill's big tile by the operands' element size and head_dim: (BLOCK_M rows, BLOCK_N keys,
-# num_warps, num_stages). 16-bit: the fastest of a small sweep on an H200 (bf16, 32/8 heads,
-# 4 x 4096 prompts and a chunk beside 64 decodes); up to ~220 KB of shared memory, Hopper-sized.
-# 1: 16-bit queries over an FP8 cache; at head_dim 128 the fastest of a sweep on an H100 (the
-# same workloads): 21% faster than the 16-bit tile on 4 x 4096 prompts and 10% on the chunk.
-# The 16-bit tile's 128 keys of V by dimension sit in shared memory with 8 pages on the same
-# banks (bench/kernel_sass.py, bench/RESULTS.md); a 64-key tile has 4 such pages. fp32
-# (ieee products, a correctness path) gets tiles that fit the same memory.
+# num_warps, num_stages), each the fastest of a sweep (bench/RESULTS.md); the 16-bit tiles use
+# up to ~220 KB of shared memory, Hopper-sized. 1: 16-bit queries over an FP8 cache, whose V by
+# dimension puts 8 pages of a 128-key tile on the same shared-memory banks (4 with 64 keys).
+# fp32 (ieee products, a correctness path) gets tiles that fit the same memory.
 _PREFILL_TILE = {
     1: {64: (128, 64, 4, 2), 128: (128, 64, 4, 3), 256: (128, 64, 8, 2)},
     2: {64: (128, 64, 4, 2), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)},
@@ -550,15 +517,12 @@ def choose_num_splits(
     num_sms: int = 132,
     kv_fp8: bool = False,
 ) -> int:
-    """Decode splits per (sequence, KV head): enough programs for about two per SM (one with an
-    FP8 cache), rounded up to a power of two (context lengths split evenly in whole tiles), but
-    no split shorter than _MIN_TOKENS_PER_SPLIT tokens at max_model_len. Measured (bf16, 32/8
-    heads, head_dim 128; H100 and H200 alike): batch 64 x 2048 is fastest at 1-4 splits, batch
-    8 x 16384 at 8-16, batch 1 x 32768 at 32; extra splits cost a few percent (partials written
-    and merged). An FP8 split reads half the bytes for the same keys, so those fixed costs weigh
-    twice as much: on H100s, 8 x 16384 read 83.4-86.3% of copy bandwidth at 4 splits (seven
-    measurements, median 85.8%) and 82.7-84.8% at 8 (three). A pure function of static sizes,
-    so CUDA graphs can capture the result."""
+    """Decode splits per (sequence, KV head): enough programs for about two per SM, rounded up
+    to a power of two (context lengths split evenly in whole tiles), but no split shorter than
+    _MIN_TOKENS_PER_SPLIT tokens at max_model_len, since each split writes a partial that is
+    merged after. An FP8 split reads half the bytes for the same keys, so that fixed cost weighs
+    double: one program per SM. A pure function of static sizes, so CUDA graphs can capture the
+    result. The split sweeps that set these rules are in bench/RESULTS.md."""
     programs = (1 if kv_fp8 else 2) * num_sms
     want = triton.next_power_of_2(triton.cdiv(programs, max(batch_size * num_kv_heads, 1)))
     cap = triton.cdiv(max_model_len, _MIN_TOKENS_PER_SPLIT)
@@ -583,12 +547,9 @@ def _kv_tile_tokens(head_dim: int, itemsize: int) -> int:
     return min(64, max(16, 16384 // (head_dim * itemsize)))
 
 
-# The decode split kernel's (num_warps, num_stages) for an FP8 cache: the fastest of a sweep on an
-# H100 (32/8 heads, head_dim 128, 64 x 2048 and 8 x 16384) with the token-major V of before,
-# against 51-54% of copy bandwidth with the bf16 cache's (4, 3). Fewer warps per program leave
-# room for more programs per SM and deeper pipelines of the half-size tiles. With V by dimension,
-# three interleaved rounds of (2 or 4 warps) x (3, 4 or 6 stages) x (64 or 128 keys) on an H100
-# kept it: 86.6% at 64 x 2048 and 85.8% at 8 x 16384 (4 splits), no other launch faster at both.
+# The decode split kernel's (num_warps, num_stages) for an FP8 cache, the fastest of the sweeps in
+# bench/RESULTS.md: fewer warps per program leave room for more programs per SM and deeper
+# pipelines of the half-size tiles.
 _FP8_DECODE_LAUNCH = (2, 6)
 
 
@@ -598,8 +559,8 @@ def _dot_dtype(query: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
         return tl.float32
     if is_fp8(kv_cache):
         # e4m3 -> fp16 is exact and one instruction per pair, where e4m3 -> bf16 takes a detour
-        # that made decode compute-bound (57% of copy bandwidth against 80% measured on an
-        # H100). fp16 carries more mantissa than bf16, and queries stay far inside its range.
+        # that made decode compute-bound (bench/RESULTS.md). fp16 carries more mantissa than
+        # bf16, and queries stay far inside its range.
         return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[query.dtype]
 
@@ -640,9 +601,23 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # fp32 scalars on the device: an FP8 cache only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """With ``prefix_len``, the caller guarantees that block-table row 0's first
-    ``prefix_len // block_size`` blocks head every row's table, that ``prefix_len`` is a whole
-    number of blocks no longer than any real row's length, and that no sliding window applies."""
+    """One query token per sequence. Grid ``(num_seqs, num_kv_heads, num_splits)``: a program
+    takes one KV head's GQA group (padded to >= 16 rows, for the tensor cores) over one slice of
+    its sequence's range; the slices are cut on the device from each sequence's own length, so
+    short and long sequences in one batch both spread over all splits. With several splits the
+    partials (running max, sum, unnormalised output, fp32) go to scratch and a reduce kernel
+    merges them.
+
+    Cascade (``prefix_len``): a first kernel attends all the batch's queries to the shared
+    prefix as the rows of one tile, so each prefix tile is read once per step, and the splits
+    cover only each sequence's own suffix. ``prefix_len`` is read on the device, so a captured
+    graph serves any prefix, none (0) included. The caller guarantees that block-table row 0's
+    first ``prefix_len // block_size`` blocks head every row's table, that ``prefix_len`` is a
+    whole number of blocks no longer than any real row's length, and that no sliding window
+    applies.
+
+    An FP8 cache is widened to fp16 for the dots (``_dot_dtype``); K's scale is folded into the
+    score scale and V's into the output, one multiply per program."""
     if prefix_len is not None and sliding_window is not None:
         raise ValueError("cascade decoding (prefix_len) does not support a sliding window")
     if query.stride(-1) != 1:
@@ -783,6 +758,11 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,  # fp32 scalars on the device: an FP8 cache only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Each chunk is the newest ``q_len`` tokens of its sequence and attends causally to its
+    whole paged context. A program's rows are ``BLOCK_M`` (token, query head) pairs of one KV
+    head; programs are laid out flat over the batch's tokens and each finds its sequence from
+    ``query_start_loc``, so a ragged batch launches no empty tiles. K/V tiles hidden by causality
+    or the window are skipped, and tiles every row sees run without masks."""
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
