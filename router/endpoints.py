@@ -1,18 +1,9 @@
 """Where the engines are: a static list, or the ready addresses of the engine Service's
 EndpointSlices, watched through the Kubernetes API with kubernetes_asyncio (the pod's
-ServiceAccount in a cluster, the kubeconfig outside one).
-
-The watch is the plain list-then-watch protocol: list the slices (label
-``kubernetes.io/service-name=<service>``), then watch from the list's resourceVersion with
-bookmarks, resuming from the last event or bookmark seen when the stream ends, and listing afresh
-when the API says the version is gone (410). Failures, streams that end at once without an
-event, and a 410 again before any stream stayed open (an API that keeps expiring what it just
-listed), are retried after a backoff with jitter. While the API cannot be reached the last known
-endpoints stay in use: a control plane outage must not take the data path down with it.
-
-The requests go through the generated DiscoveryV1Api (URL, credentials, TLS) but the responses
-are read raw: the slices are folded as plain dicts, the same shape the tests and ``kubectl``
-show, and a watch line is split from chunks however long it is.
+ServiceAccount in a cluster, the kubeconfig outside one). While the API cannot be reached the
+last known endpoints stay in use: a control plane outage must not take the data path down with
+it. Requests go through the generated DiscoveryV1Api (URL, credentials, TLS), but responses are
+read raw, as plain dicts: the shape the tests and ``kubectl`` show.
 """
 
 from __future__ import annotations
@@ -148,6 +139,14 @@ class Backoff:
 
 
 class EndpointSliceWatcher:
+    """The plain list-then-watch protocol over the slices labelled
+    ``kubernetes.io/service-name=<service>``: watch from the list's resourceVersion with
+    bookmarks, resume from the last event or bookmark seen when the stream ends, list afresh
+    when the API says the version is gone (410). Failures, streams that end at once without an
+    event, and a 410 again before any stream stayed open (an API that keeps expiring what it just
+    listed) are retried after a backoff with jitter. A watch line is split from chunks however
+    long it is."""
+
     def __init__(
         self,
         connect: Connect,
