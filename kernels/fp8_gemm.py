@@ -27,6 +27,8 @@ from kvfleet.kernels.dependent_launch import (
     wait_for_prior,
 )
 
+# Pyright reads Triton's typing, in which `kernel[grid]` has the kernel's own signature: the
+# launch options (num_warps, num_stages) are ignored for it where the kernel is launched.
 # Tokens a call may have: the MMA's N side, padded.
 MAX_TOKENS = 16
 _LINE = tl.constexpr(LINE)
@@ -192,6 +194,6 @@ def small_batch_gemm(
         _counters(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=tile.split_k, BLOCK_M=MAX_TOKENS,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PREFETCH_K=prefetch,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,  # pyright: ignore[reportCallIssue]
     )  # fmt: skip
     return out

@@ -18,6 +18,10 @@ import triton.language as tl
 from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.reference import is_fp8, kv_scales
 
+# Pyright reads Triton's typing, which does not describe JIT code: `kernel[grid]` has the
+# kernel's own signature (no launch options), a tl.constexpr parameter takes no plain value,
+# tl.range iterates only under @triton.jit, and reductions may be tuples. The pyright ignores
+# below are those four.
 _LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_INIT = tl.constexpr(-1.0e30)
 # Stands in for "no sliding window": k_pos > q_pos - 2**30 holds for every real position, so one
@@ -148,7 +152,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")
+    acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")  # pyright: ignore[reportArgumentType]
     return m_new, l_i, acc
 
 
@@ -227,12 +231,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for start in tl.range(tok_start, tok_end, BLOCK_N):
+    for start in tl.range(tok_start, tok_end, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         # Not CAUSAL: the one query sees all of [lo, tok_end); `lo` fills the unused q_pos.
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, start, lo, tok_end, lo, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
@@ -325,11 +329,11 @@ def _decode_prefix_kernel(
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in tl.range(tok_start, tok_end, BLOCK_N):
+    for start in tl.range(tok_start, tok_end, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, block_tables_ptr, start, 0, tok_end,
             0, 0, scale, soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
@@ -369,7 +373,7 @@ def _decode_reduce_kernel(
     w = tl.exp2(m - tl.max(m, 0))
     denom = tl.sum(w * l_s, 0)
     acc = tl.sum(o * w[:, None], 0)
-    acc = acc / tl.where(denom > 0.0, denom, 1.0)
+    acc = acc / tl.where(denom > 0.0, denom, 1.0)  # pyright: ignore[reportOperatorIssue]
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims,
         acc.to(out_ptr.dtype.element_ty),
@@ -425,7 +429,7 @@ def _prefill_kernel(
         idx = tl.arange(0, BLOCK_SEQS)
         firsts = tl.load(query_start_loc_ptr + idx, mask=idx < num_seqs, other=1 << 30)
         owners = firsts.to(tl.int32) // BLOCK_Q + idx
-        seq = tl.sum((owners <= pid).to(tl.int32), 0) - 1
+        seq = tl.sum((owners <= pid).to(tl.int32), 0) - 1  # pyright: ignore[reportOperatorIssue]
         q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
         first_q = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     else:
@@ -474,25 +478,25 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for kv_start in tl.range(start, tl.minimum(all_seen, hi), BLOCK_N):
+    for kv_start in tl.range(start, tl.minimum(all_seen, hi), BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
-    for kv_start in tl.range(all_seen, diag, BLOCK_N):
+    for kv_start in tl.range(all_seen, diag, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=False, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=False, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
-    for kv_start in tl.range(tl.maximum(all_seen, diag), hi, BLOCK_N):
+    for kv_start in tl.range(tl.maximum(all_seen, diag), hi, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
@@ -679,8 +683,8 @@ def paged_decode_attention(
             HAS_SOFT_CAP=logits_soft_cap is not None,
             DOT_DTYPE=_dot_dtype(query, kv_cache),
             KV_FP8=is_fp8(kv_cache),
-            num_warps=4,
-            num_stages=2,
+            num_warps=4,  # pyright: ignore[reportCallIssue]
+            num_stages=2,  # pyright: ignore[reportCallIssue]
             **pdl_args(query.device),
         )
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -717,8 +721,8 @@ def paged_decode_attention(
         HAS_SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=_dot_dtype(query, kv_cache),
         KV_FP8=is_fp8(kv_cache),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=num_warps,  # pyright: ignore[reportCallIssue]
+        num_stages=num_stages,  # pyright: ignore[reportCallIssue]
         **pdl_args(query.device),
     )
     if num_parts > 1:
@@ -732,7 +736,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             NUM_PARTS=num_parts,
             BLOCK_S=triton.next_power_of_2(num_parts),
-            num_warps=4,
+            num_warps=4,  # pyright: ignore[reportCallIssue]
             **pdl_args(query.device),
         )
     return out
@@ -781,7 +785,10 @@ def paged_prefill_attention(
     small_m = max(16, group_pad)
     small_q = small_m // group_pad
     small_tile = (small_m, _kv_tile_tokens(head_dim, itemsize), 4, 2)
-    launches = [((num_seqs, num_kv_heads), 0, small_tile, 0, small_q)]
+    # (grid, BLOCK_SEQS, tile, min_q, max_q) of each launch.
+    launches: list[tuple[tuple[int, int], int, tuple[int, int, int, int], int, int]] = [
+        ((num_seqs, num_kv_heads), 0, small_tile, 0, small_q)
+    ]
     if max_query_len > small_q:
         block_m, block_n, num_warps, num_stages = prefill_tile(itemsize, is_fp8(kv_cache), head_dim)
         block_m = max(block_m, group_pad)
@@ -822,7 +829,7 @@ def paged_prefill_attention(
             DOT_DTYPE=_dot_dtype(query, kv_cache),
             BLOCK_SEQS=block_seqs,
             KV_FP8=is_fp8(kv_cache),
-            num_warps=num_warps,
-            num_stages=num_stages,
+            num_warps=num_warps,  # pyright: ignore[reportCallIssue]
+            num_stages=num_stages,  # pyright: ignore[reportCallIssue]
         )
     return out

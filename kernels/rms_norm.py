@@ -129,7 +129,8 @@ def rms_norm(
             QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
             FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE,
-            num_warps=min(max(block // 256, 1), 16),
+            # Triton types kernel[grid] as the kernel itself, without launch options.
+            num_warps=min(max(block // 256, 1), 16),  # pyright: ignore[reportCallIssue]
             **pdl_args(x.device),
         )
     out = out.view(x.shape)
