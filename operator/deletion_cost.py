@@ -45,7 +45,7 @@ def cost_patches(
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name")
-        if name not in costs:
+        if not isinstance(name, str) or name not in costs:
             continue
         value = str(costs[name])
         if (meta.get("annotations") or {}).get(DELETION_COST) != value:

@@ -125,6 +125,7 @@ async def load_connection(
 async def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     """The same credentials in kopf's terms."""
     cfg = connection.configuration
+    assert cfg.host is not None, "a loaded configuration names its API server"
     scheme = token = None
     if authorization := await cfg.get_api_key_with_prefix("BearerToken"):
         scheme, _, token = authorization.strip().partition(" ")

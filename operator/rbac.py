@@ -87,7 +87,14 @@ def allows(rules: tuple[PolicyRule, ...], group: str, resource: str, verb: str) 
 
 def as_manifest(rules: tuple[PolicyRule, ...]) -> list[dict[str, list[str]]]:
     """Rules as fresh lists (no list shared between rules, so YAML has no anchors)."""
-    return [{key: list(value) for key, value in rule.items()} for rule in rules]
+    return [
+        {
+            "apiGroups": list(rule["apiGroups"]),
+            "resources": list(rule["resources"]),
+            "verbs": list(rule["verbs"]),
+        }
+        for rule in rules
+    ]
 
 
 def cluster_role(name: str = "kvfleet-operator") -> dict[str, Any]:

@@ -129,7 +129,9 @@ def _outside_strings(text: bytes) -> bytes:
     inside = False
     start = 0
     while start < len(text):
-        end = _BACKSLASHES.match(text, min(start + _CUT_SLICE, len(text))).end()
+        backslashes = _BACKSLASHES.match(text, min(start + _CUT_SLICE, len(text)))
+        assert backslashes is not None  # a run of none matches too
+        end = backslashes.end()
         if text[end - 1 : end] == b"\\":
             end += 1
         parts = text[start:end].replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')

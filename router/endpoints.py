@@ -219,8 +219,10 @@ class EndpointSliceWatcher:
                 await api_client.close()
 
     async def _list_and_watch(self, api: client.DiscoveryV1Api) -> None:
+        # With _preload_content=False the generated client returns the raw response, not the
+        # model its annotation names (here and in _watch).
         body = await self._read_json(
-            await api.list_namespaced_endpoint_slice(
+            await api.list_namespaced_endpoint_slice(  # pyright: ignore[reportArgumentType]
                 self.namespace,
                 label_selector=self._selector,
                 _preload_content=False,
@@ -265,14 +267,14 @@ class EndpointSliceWatcher:
     async def _watch(self, api: client.DiscoveryV1Api, version: str) -> tuple[str, int]:
         """One watch stream; returns the version to resume from when the server ends it and
         how many events (bookmarks included) it delivered."""
-        resp: aiohttp.ClientResponse = await api.list_namespaced_endpoint_slice(
+        resp: aiohttp.ClientResponse = await api.list_namespaced_endpoint_slice(  # pyright: ignore[reportAssignmentType]
             self.namespace,
             label_selector=self._selector,
-            # Strings: the client would send Python's "True", which the API server accepts
-            # but proxies and emulators need not.
-            watch="true",
+            # Strings, though annotated bool: the client would send Python's "True", which the
+            # API server accepts but proxies and emulators need not.
+            watch="true",  # pyright: ignore[reportArgumentType]
             resource_version=version,
-            allow_watch_bookmarks="true",
+            allow_watch_bookmarks="true",  # pyright: ignore[reportArgumentType]
             timeout_seconds=self.watch_timeout_s,
             _preload_content=False,
             # No total timeout: a watch is a long poll the server ends (timeoutSeconds).
