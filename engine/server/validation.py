@@ -1,4 +1,4 @@
-"""Turning an HTTP body into a validated request, and the checks that need the engine's limits."""
+"""Turning an HTTP body into a validated request."""
 
 from __future__ import annotations
 
@@ -113,26 +113,3 @@ def check_model(requested: str | None, served: list[str]) -> None:
             "model",
             "model_not_found",
         )
-
-
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
-    """The completion budget for a prompt, or a 400 saying why the request cannot fit."""
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
-            param="messages" if requested is None else "prompt",
-            code="context_length_exceeded",
-        )
-    room = max_model_len - num_prompt_tokens
-    if requested is None:
-        return room
-    if requested > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-            f"prompt, {requested} for the completion). Reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
