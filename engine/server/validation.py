@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -46,7 +47,8 @@ _PARSE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-parse")
 async def in_parse_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) on the parse thread, in the caller's context (its request id, for logs)."""
     context = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(_PARSE_THREAD, context.run, fn, *args)
+    call = partial(context.run, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_THREAD, call)
 
 
 def refused(e: RequestRefused, close_connection: bool = False) -> APIError:
