@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # so texts that cannot fit the context are refused by their length before (check_prompt_chars).
 OFF_LOOP_CHARS = 4096
 OFF_LOOP_TOKENS = 1024
+
+# A request's outputs, tagged with the index of the prompt they are for; closing it aborts
+# whatever of the request is still running.
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -200,9 +204,7 @@ class ServingContext:
             jobs.append(job)
         return Admitted(requests, jobs, constraint_param)
 
-    async def run(
-        self, request_id: str, admitted: Admitted
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run(self, request_id: str, admitted: Admitted) -> Outputs:
         """Queue admitted prompts, once the waiting queue has room for them still (other
         requests may have come while this one was tokenized), and stream their outputs merged.
         A constraint not compiled yet compiles while its prompt prefills, and the outputs come
@@ -230,9 +232,7 @@ class ServingContext:
             raise engine_error(e) from None
         return _prepended(first, outputs)
 
-    async def collect(
-        self, outputs: AsyncIterator[tuple[int, RequestOutput]], requests: list[EngineRequest]
-    ) -> list[RequestOutput]:
+    async def collect(self, outputs: Outputs, requests: list[EngineRequest]) -> list[RequestOutput]:
         """Accumulate whole results, for non-streaming responses."""
         results = [
             RequestOutput(
@@ -249,9 +249,7 @@ class ServingContext:
         return results
 
 
-async def _prepended(
-    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _prepended(first: tuple[int, RequestOutput], rest: Outputs) -> Outputs:
     async with aclosing(rest):
         yield first
         async for item in rest:
@@ -264,8 +262,8 @@ def traced(
     response_id: str,
     model: str,
     requests: list[EngineRequest],
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    outputs: Outputs,
+) -> Outputs:
     """The outputs as they are without tracing; with it, also recorded on the request's span
     as the GenAI conventions name them (settings, time to first token, usage, finish reasons)."""
     span = request.get(SPAN)
@@ -284,8 +282,8 @@ async def _recorded(
     response_id: str,
     model: str,
     input_tokens: int,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    outputs: Outputs,
+) -> Outputs:
     cached: dict[int, int] = {}
     finish_reasons: dict[tuple[int, int], str] = {}
     output_tokens = 0
