@@ -26,8 +26,8 @@ from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
 from kvfleet.engine.structured_output import StructuredOutputs, apply_bitmask
-from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.engine import assert_no_leak
+from tests.support.tiny_model import tiny_model_path
 
 # A finite language: every constrained sequence must end, with "stop", well within max_tokens.
 SCHEMA = {

@@ -16,10 +16,10 @@ from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.app import ServerSettings
-from kvfleet.engine.tiny_model import tiny_model_path
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.net import http_call
 from tests.support.servers import engine_server, runner_in_thread
+from tests.support.tiny_model import tiny_model_path
 
 MODEL = "tiny"
 PROMPT = [11, 12, 13, 14, 15]
