@@ -112,6 +112,34 @@ def test_the_rule_check_sees_lazy_imports(tmp_path: Path) -> None:
     assert _project_imports(module) == {"engine", "router"}
 
 
+def _attribute_reads(path: Path, name: str) -> list[int]:
+    """The lines where a module reads an attribute of this name, of whatever object."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == name
+    )
+
+
+def test_the_server_reaches_the_engine_only_through_its_async_facade() -> None:
+    """The engine's server uses AsyncEngine's public members, each of which says which thread
+    may call it; the EngineCore behind it belongs to the engine thread, so no server module
+    reads an engine's `.core` (the server builds one, in create_engine, before any thread)."""
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "engine" / "server").rglob("*.py"))
+        if (lines := _attribute_reads(path, "core"))
+    }
+    assert not found, f"server modules reach past AsyncEngine into .core (lines): {found}"
+
+
+def test_the_facade_rule_sees_any_core_attribute(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f(ctx):\n    x = ctx.engine.core\n    return x.tokenizer, core\n")
+    assert _attribute_reads(module, "core") == [2]
+
+
 @pytest.mark.parametrize(
     "code",
     [

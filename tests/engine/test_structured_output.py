@@ -72,7 +72,7 @@ def _allowed(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
 def _req(rid: str, structured: StructuredOutputs, so: dict | None, **sp) -> Request:
     params = SamplingParams(structured_outputs=so, **sp)
     grammar = None if so is None else structured.grammar(params.structured_outputs)
-    return Request(rid, [5, 6, 7], params, frozenset([1]), 512, grammar=grammar)
+    return Request(rid, [5, 6, 7], params, frozenset([1]), max_tokens=16, grammar=grammar)
 
 
 # -- the constraint ---------------------------------------------------------------------------

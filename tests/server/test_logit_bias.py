@@ -108,7 +108,7 @@ def test_logit_bias_through_the_router(server) -> None:
 
 def test_the_sampler_biases_each_row_alone_and_skips_failed_rows(monkeypatch) -> None:
     def req(rid: str, **sp) -> Request:
-        return Request(rid, [5], SamplingParams(**sp), frozenset({1}), max_model_len=100)
+        return Request(rid, [5], SamplingParams(**sp), frozenset({1}), max_tokens=16)
 
     sampler = Sampler(vocab_size=6, device=torch.device("cpu"), seed=0)
     reqs = [
