@@ -22,8 +22,8 @@ from kvfleet.engine.server.openai_responses import (
     Usage,
     now,
 )
-from kvfleet.engine.server.serving import ServingContext
-from kvfleet.engine.server.streaming import Outputs, SSEResponse
+from kvfleet.engine.server.serving import Outputs, ServingContext
+from kvfleet.engine.server.streaming import SSEResponse
 
 logger = logging.getLogger(__name__)
 

@@ -236,7 +236,7 @@ class ChatAnswer(Answer[ChatChunkChoice, _ChoiceFold]):
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
-    ctx.admit(req.model, req.n)
+    ctx.check_can_queue(req.model, req.n)
     tool_settings = request.app[TOOL_SETTINGS]
     plan = await ctx.parse_off_loop(
         request[BODY_BYTES], OFF_LOOP_BYTES, plan_tools, req, tool_settings
@@ -245,17 +245,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
         (plan, tool_settings),
     )  # fmt: skip
-    params = ctx.prepare(
+    constraint, field = req.constraint
+    admitted = ctx.admit_prompts(
         [ids],
         req.requested_max_tokens,
         lambda max_tokens: plan.sampling(req.sampling_params(max_tokens)),
+        prompt_param="messages",
+        constraint_param=field if constraint is not None else "tool_choice",
     )
-    constraint, field = req.constraint
-    constraint_param = field if constraint is not None else "tool_choice"
     request_id = random_id("chatcmpl")
     model = req.model or ctx.model_name
-    ctx.admit(req.model, req.n)
-    outputs = await ctx.run(request_id, [ids], params, constraint_param=constraint_param)
-    outputs = traced(request, CHAT, request_id, model, [ids], params, outputs)
+    outputs = await ctx.run(request_id, admitted)
+    outputs = traced(request, CHAT, request_id, model, admitted.requests, outputs)
     answer = ChatAnswer(ctx, req, plan, request_id, model, ids)
     return await respond(request, answer, outputs)

@@ -181,7 +181,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, CompletionRequest)
     raw_prompts = req.prompts()
     num_sequences = len(raw_prompts) * req.n
-    ctx.admit(req.model, num_sequences)
+    ctx.check_can_queue(req.model, num_sequences)
     for p in raw_prompts:
         if isinstance(p, str):
             ctx.check_prompt_chars(len(p), "prompt")
@@ -189,15 +189,21 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     texts = [p if isinstance(p, str) else None for p in raw_prompts]
     # max_tokens 0 (echo only) still runs one step: the prompt's last position samples.
     scoring_only = req.max_tokens == 0
-    params = ctx.prepare(prompts, 1 if scoring_only else req.max_tokens, req.sampling_params)
+    admitted = ctx.admit_prompts(
+        prompts,
+        1 if scoring_only else req.max_tokens,
+        req.sampling_params,
+        texts,
+        prompt_param="prompt",
+        constraint_param=req.constraint[1],
+    )
     echoes = [
         (t if t is not None else await ctx.decode(ids)) if req.echo else ""
         for t, ids in zip(texts, prompts, strict=True)
     ]
     request_id = random_id("cmpl")
     model = req.model or ctx.model_name
-    ctx.admit(req.model, num_sequences)
-    outputs = await ctx.run(request_id, prompts, params, texts, req.constraint[1])
-    outputs = traced(request, TEXT_COMPLETION, request_id, model, prompts, params, outputs)
+    outputs = await ctx.run(request_id, admitted)
+    outputs = traced(request, TEXT_COMPLETION, request_id, model, admitted.requests, outputs)
     answer = CompletionAnswer(ctx, req, request_id, model, prompts, echoes)
     return await respond(request, answer, outputs)

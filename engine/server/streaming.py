@@ -15,14 +15,10 @@ from kvfleet.engine.server.errors import APIError
 
 _END = object()
 
-# A request's outputs: each step's delta tagged with its prompt's index. Closing it aborts the
-# request (what is left of it).
-Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
-
 
 async def merge_streams(
     streams: list[AsyncIterator[RequestOutput]],
-) -> Outputs:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave outputs as they come, tagged with their stream's index. Closing the merged
     iterator (or an error in any stream) closes every stream, which aborts its request."""
     if len(streams) == 1:
