@@ -159,14 +159,15 @@ class ModelRunner:
         # and dropped.
         vocab = model_config.hf_config.vocab_size
         self.sampler = Sampler(vocab, device, args.seed) if tp_rank() == 0 else None
-        if device.type == "cuda" and self.backend.name == "triton":
-            self._warm_up()
-        # Only the Triton backend has the cascade kernel, and only layers without a window use it.
-        self.cascade = self.backend.name == "triton" and any(
+        if device.type == "cuda":  # kernels compile now, not in someone's request
+            for num_seqs in self.backend.warm_up_batches(args.max_num_seqs):
+                self._dummy_forward([32] * num_seqs)
+        # Only layers without a sliding window take the shared-prefix pass.
+        self.cascade = self.backend.supports_cascade and any(
             layer.sliding_window is None for layer in self.model.attention_layers()
         )
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and self.backend.name == "triton" and not args.enforce_eager:
+        if device.type == "cuda" and self.backend.supports_cuda_graphs and not args.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
                 args.max_num_seqs,
@@ -309,21 +310,6 @@ class ModelRunner:
         self._dummy_forward(lens)
         del caches
         self._bind_kv_cache([])
-
-    def _warm_up(self) -> None:
-        """Compile every prefill-kernel variant serving can meet (one per sequence-table bucket)
-        now rather than in the middle of someone's request."""
-        from kvfleet.kernels.paged_attention import prefill_seq_bucket
-
-        max_seqs = self.args.max_num_seqs
-        bucket = prefill_seq_bucket(1)
-        while True:
-            count = min(max_seqs, bucket)
-            assert prefill_seq_bucket(count) == bucket
-            self._dummy_forward([32] * count)
-            if count == max_seqs:
-                return
-            bucket *= 2
 
     def _dummy_forward(self, lens: list[int]) -> None:
         """Forward + sampling-sized logits for sequences of the given lengths, every slot and
