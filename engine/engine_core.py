@@ -74,12 +74,16 @@ class EngineCore:
         self.tokenizer = tokenizer
         if tokenizer is None and not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        self.vocab_size = self.model_config.hf_config.vocab_size
         self.workers: TensorParallelWorkers | None = None
-        if args.tensor_parallel_size > 1:
-            self.workers = TensorParallelWorkers(args)
-        # Whatever fails from here on (the runner's load, the grammar compiler's tokenizer)
-        # must not leave the workers, the weights or the KV cache behind on the GPUs.
+        # Whatever fails from here on (the grammar compiler's tokenizer, a worker, the runner's
+        # load) must not leave the compiler's processes, the workers, the weights or the KV
+        # cache behind. The grammar compiler starts first: its failure costs no model load.
         try:
+            self._start_structured_outputs()
+            if args.tensor_parallel_size > 1:
+                self.workers = TensorParallelWorkers(args)
             self._build(args)
         except BaseException:
             self.close()
@@ -97,16 +101,34 @@ class EngineCore:
             "on" if args.enable_prefix_caching else "off",
         )
 
+    def _start_structured_outputs(self) -> None:
+        """Structured outputs need the tokenizer's text of every token id, read by the grammar
+        library; a tokenizer it cannot read turns them off, not the engine."""
+        self.structured: StructuredOutputs | None = None
+        self.structured_unavailable: str | None = "the engine runs without a tokenizer"
+        if self.tokenizer is None:
+            return
+        try:
+            self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        except ValueError as e:
+            self.structured_unavailable = (
+                f"the grammar library cannot read this model's tokenizer ({e})"
+            )
+            logger.warning("structured outputs are off: %s", self.structured_unavailable)
+        else:
+            self.structured_unavailable = None
+
     def _build(self, args: EngineArgs) -> None:
-        """The runner and what reads it, apart so that __init__ can undo a partial build."""
+        """The runner and what reads it."""
+        workers = self.workers
         self.runner = ModelRunner(
             args,
             self.model_config,
             self.device,
-            on_loaded=self.workers.wait_loaded if self.workers is not None else None,
+            on_loaded=workers.wait_loaded if workers is not None else None,
+            send_plan=workers.send if workers is not None else None,
+            structured=self.structured,
         )
-        if self.workers is not None:
-            self.runner.before_forward = self.workers.send
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -116,8 +138,6 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.model_config.max_model_len,
         )
-        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
-        self.vocab_size = self.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async scheduling: the step launched last, whose sampling the next call queues, and
         # the one before it, sampled, whose tokens the host has not read yet.
@@ -131,23 +151,6 @@ class EngineCore:
         # those of the step still on the device, whose tokens it waits for. Liveness allows a
         # step time in proportion; read from any thread.
         self.step_tokens = 0
-        # Structured outputs need the tokenizer's text of every token id, read by the grammar
-        # library; a tokenizer it cannot read turns them off, not the engine.
-        self.structured: StructuredOutputs | None = None
-        self.structured_unavailable: str | None = "the engine runs without a tokenizer"
-        if self.tokenizer is not None:
-            try:
-                self.structured = StructuredOutputs(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-            except ValueError as e:
-                self.structured_unavailable = (
-                    f"the grammar library cannot read this model's tokenizer ({e})"
-                )
-                logger.warning("structured outputs are off: %s", self.structured_unavailable)
-            else:
-                self.structured_unavailable = None
-                self.runner.structured = self.structured
 
     def worker_failure(self) -> str | None:
         """Why a tensor-parallel worker can no longer run steps, or None."""

@@ -136,12 +136,18 @@ class ModelRunner:
         model_config: ModelConfig,
         device: torch.device,
         on_loaded: Callable[[], None] | None = None,
+        send_plan: Callable[[StepPlan], None] | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """`on_loaded` runs once the weights are in, before the first collective: the
-        tensor-parallel ranks check each other there."""
+        tensor-parallel ranks check each other there. Rank 0 of several hands each step's plan
+        to the other ranks through `send_plan`, and samples under the grammars of `structured`
+        (the engine's, when it has a tokenizer)."""
         self.args = args
         self.model_config = model_config
         self.device = device
+        self.send_plan = send_plan
+        self.structured = structured
         self.dtype = model_config.dtype
         self.kv_dtype = args.kv_cache_torch_dtype(self.dtype)
         self.block_size = args.block_size
@@ -189,9 +195,6 @@ class ModelRunner:
         self.row_len = np.zeros(args.max_num_seqs, dtype=np.int64)
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(args.max_num_seqs - 1, -1, -1))
-        self.before_forward: Callable[[StepPlan], None] | None = None
-        # Set by the engine when it has a tokenizer: the structured-output bitmasks (rank 0).
-        self.structured: StructuredOutputs | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
@@ -402,16 +405,16 @@ class ModelRunner:
             self.sampler.forget(request_id)
 
     def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> LaunchedStep:
-        """Queue one step's forward pass (rank 0); `before_forward` hands the plan to the
-        tensor-parallel workers. Tokens of `prev` that the host has not read yet are taken from
-        the device. Nothing here waits for the device unless the step scores prompt tokens."""
+        """Queue one step's forward pass (rank 0), its plan sent to the other ranks first.
+        Tokens of `prev` that the host has not read yet are taken from the device. Nothing here
+        waits for the device unless the step scores prompt tokens."""
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
             return LaunchedStep(out, [], None, {})
         plan = self.plan(out, prev)
-        if self.before_forward is not None:
-            self.before_forward(plan)
+        if self.send_plan is not None:
+            self.send_plan(plan)
         prev_tokens = None if prev is None or prev.batch is None else prev.batch.token_ids
         logits, scored = self.forward(plan, prev_tokens)
         prompt_logprobs = {out.scheduled[i][0].request_id: chunk for i, chunk in scored.items()}
