@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,13 +24,7 @@ from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
-from kvfleet.engine.sampler import (
-    PromptLogprobsChunk,
-    SampledBatch,
-    Sampler,
-    SamplerOutput,
-    to_device,
-)
+from kvfleet.engine.sampler import Logprobs, SampledBatch, Sampler, to_device
 from kvfleet.engine.scheduler import SchedulerOutput
 from kvfleet.engine.structured_output import StructuredOutputs
 
@@ -107,26 +101,47 @@ class StepPlan:
     prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
-@dataclass
-class LaunchedStep:
-    """A step whose forward pass is queued (rank 0): what the sampler needs once the host has
-    caught up with the previous step."""
+# A sequence's prompt tokens scored in one step: the position in the prompt of the first, and
+# each one's logprob and top N.
+PromptLogprobsChunk = tuple[int, list[Logprobs]]
+
+
+@dataclass(slots=True)
+class Step:
+    """One step on rank 0, from its launch to the host reading its tokens: launch() queues its
+    forward pass, sample() its sampling (the logits give way to the sampled batch), resolve()
+    reads it."""
 
     out: SchedulerOutput
-    reqs: list[Request]  # the sequences that sample, row for row of the logits
+    reqs: list[Request]  # the sequences that sample, row for row of `logits`, then of `sampled`
     logits: torch.Tensor | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+    sampled: SampledBatch | None = None
+    # Request id -> its row of sampled.token_ids, where the next step finds its input id.
+    rows: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class InFlightStep:
-    """A step whose tokens are sampled on the device and on their way to the host."""
+@dataclass(slots=True)
+class StepResult:
+    """A step's results on the host: the tokens its live rows sampled, row for row with their
+    requests, and the prompt tokens it scored."""
 
-    out: SchedulerOutput
-    batch: SampledBatch | None
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
-    # Request id -> its row in batch.token_ids, for the next step's inputs.
-    rows: dict[str, int]
+    reqs: list[Request]
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # None where the request did not ask
+    # Row -> the error that failed that request's sampling; its token is void.
+    failed: dict[int, Exception] = field(default_factory=dict)
+    # Request id -> the prompt tokens it scored (prompt_logprobs), sampling or not.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+    def new_tokens(self) -> dict[str, int]:
+        """Each request's token, those of the failed rows left out."""
+        failed = self.failed
+        return {
+            r.request_id: t
+            for i, (r, t) in enumerate(zip(self.reqs, self.token_ids, strict=True))
+            if i not in failed
+        }
 
 
 class ModelRunner:
@@ -404,59 +419,75 @@ class ModelRunner:
         if self.sampler is not None:
             self.sampler.forget(request_id)
 
-    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, prev: Step | None = None) -> Step:
         """Queue one step's forward pass (rank 0), its plan sent to the other ranks first.
         Tokens of `prev` that the host has not read yet are taken from the device. Nothing here
         waits for the device unless the step scores prompt tokens."""
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
-            return LaunchedStep(out, [], None, {})
+            return Step(out, [], None, {})
         plan = self.plan(out, prev)
         if self.send_plan is not None:
             self.send_plan(plan)
-        prev_tokens = None if prev is None or prev.batch is None else prev.batch.token_ids
+        prev_tokens = None if prev is None or prev.sampled is None else prev.sampled.token_ids
         logits, scored = self.forward(plan, prev_tokens)
         prompt_logprobs = {out.scheduled[i][0].request_id: chunk for i, chunk in scored.items()}
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
-        return LaunchedStep(out, sample_reqs, logits, prompt_logprobs)
+        return Step(out, sample_reqs, logits, prompt_logprobs)
 
-    def sample(self, step: LaunchedStep) -> InFlightStep:
-        """Queue the sampling of a launched step, its grammar masks computed on the host first
-        (the forward pass runs meanwhile). Rows of requests that have finished since the launch
-        are not sampled."""
-        reqs, logits = step.reqs, step.logits
-        if logits is None or not reqs:
-            return InFlightStep(step.out, None, step.prompt_logprobs, {})
-        # Nor those still waiting for their grammar (the engine stepped them back).
+    def sample(self, step: Step) -> None:
+        """Queue a launched step's sampling behind its forward pass, the grammar masks computed
+        on the host meanwhile. Rows of requests that finished since the launch, or that wait for
+        their grammar (the scheduler stepped them back), do not sample."""
+        logits, step.logits = step.logits, None
+        if logits is None:
+            return
+        reqs = step.reqs
         live = [
             i for i, r in enumerate(reqs) if not r.status.finished and r.pending_grammar is None
         ]
         if len(live) < len(reqs):
-            reqs = [reqs[i] for i in live]
+            reqs = step.reqs = [reqs[i] for i in live]
             if not reqs:
-                return InFlightStep(step.out, None, step.prompt_logprobs, {})
+                return
             logits = logits[to_device(live, torch.long, logits.device)]
-        assert self.sampler is not None
+        assert self.sampler is not None  # logits come back on rank 0 alone
         grammar = self.structured.masks(reqs) if self.structured is not None else None
         with torch.inference_mode():
-            batch = self.sampler.sample(logits, reqs, grammar)
-        rows = {r.request_id: i for i, r in enumerate(reqs)}
-        return InFlightStep(step.out, batch, step.prompt_logprobs, rows)
+            step.sampled = self.sampler.sample(logits, reqs, grammar)
+        step.rows = {r.request_id: i for i, r in enumerate(reqs)}
 
-    def resolve(self, step: InFlightStep) -> tuple[list[Request], SamplerOutput]:
-        """Wait for an in-flight step's tokens: the live requests that sampled and what they
-        sampled, with the prompt tokens scored."""
-        if step.batch is None:
-            reqs, sampled = [], SamplerOutput([], [])
-        else:
-            assert self.sampler is not None
-            with torch.inference_mode():  # the penalty counts are inference tensors
-                reqs, sampled = self.sampler.resolve(step.batch)
-        sampled.prompt_logprobs = step.prompt_logprobs
-        return reqs, sampled
+    def resolve(self, step: Step) -> StepResult:
+        """Wait for a sampled step's tokens. Each live row's grammar matcher accepts its token and
+        its penalty counts take it; rows of requests that finished since the sampling (aborted,
+        or stopped by their previous token) are left out, their tokens void."""
+        result = StepResult([], [], [], prompt_logprobs=step.prompt_logprobs)
+        batch = step.sampled
+        if batch is None:
+            return result
+        assert self.sampler is not None
+        tokens, logprobs = batch.read()
+        with torch.inference_mode():  # the penalty counts are inference tensors
+            for i, req in enumerate(step.reqs):
+                if req.status.finished:
+                    continue
+                token, error = tokens[i], batch.failed.get(i)
+                if error is None:
+                    try:
+                        if req.grammar is not None:
+                            req.grammar.accept(token)
+                        self.sampler.record(req, token)
+                    except Exception as e:
+                        error = e
+                if error is not None:
+                    result.failed[len(result.reqs)] = error
+                result.reqs.append(req)
+                result.token_ids.append(token)
+                result.logprobs.append(logprobs[i])
+        return result
 
-    def plan(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> StepPlan:
+    def plan(self, out: SchedulerOutput, prev: Step | None = None) -> StepPlan:
         """Rows for new requests, the block ids appended since the last step, the input ids
         (those the host does not know yet: where in `prev`'s sampled tokens they are)."""
         rows_l: list[int] = []
@@ -517,7 +548,7 @@ class ModelRunner:
             prompt_logprobs=tuple(scored),
             pending_ids=np.array(pending_ids, dtype=np.int64),
             pending_src=np.array(pending_src, dtype=np.int64),
-            num_prev_sampled=0 if prev is None or prev.batch is None else len(prev.rows),
+            num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.rows),
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
