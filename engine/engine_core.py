@@ -75,7 +75,7 @@ class EngineCore:
         if tokenizer is None and not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
-        self.vocab_size = self.model_config.hf_config.vocab_size
+        self.vocab_size = self.model_config.vocab_size
         self.workers: TensorParallelWorkers | None = None
         # Whatever fails from here on (the grammar compiler's tokenizer, a worker, the runner's
         # load) must not leave the compiler's processes, the workers, the weights or the KV
@@ -134,8 +134,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            # No more sequences than the runner has block-table rows.
+            max_num_seqs=self.runner.max_num_seqs,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
             max_model_len=self.model_config.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)

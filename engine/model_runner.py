@@ -9,6 +9,7 @@ import gc
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
 from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
+from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
@@ -38,6 +40,18 @@ _GRAPH_EXTRA_KV_READS = 32768
 # Prompt positions whose logits exist at once when scoring a prompt: bounds the memory at this many
 # rows of the vocabulary in fp32 (256 x 128k words = 128 MiB), whatever the chunk size.
 _PROMPT_LOGPROBS_ROWS = 256
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """What the runner calls on a model (engine/models): the forward pass of one flat batch,
+    the logits of chosen hidden states, its attention layers."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_layers(self) -> list[Attention]: ...
 
 
 class StepInterrupted(Exception):
@@ -168,6 +182,13 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         self.num_kv_heads = model_config.kv_heads_per_rank(tp_size())
+        # EngineCore resolved them for the device (EngineArgs.for_device) for every rank.
+        if args.max_num_seqs is None or args.max_num_batched_tokens is None:
+            raise ValueError("the runner needs arguments resolved by EngineArgs.for_device")
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_batched_tokens = args.max_num_batched_tokens
+        # release() gives the model and its memory back; no step runs after.
+        self.released = False
 
         torch.manual_seed(args.seed)
         self.model = self._load_model()
@@ -178,10 +199,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Only rank 0 samples; the workers' logits are computed (the LM head is a collective)
         # and dropped.
-        vocab = model_config.hf_config.vocab_size
+        vocab = model_config.vocab_size
         self.sampler = Sampler(vocab, device, args.seed) if tp_rank() == 0 else None
         if device.type == "cuda":  # kernels compile now, not in someone's request
-            for num_seqs in self.backend.warm_up_batches(args.max_num_seqs):
+            for num_seqs in self.backend.warm_up_batches(self.max_num_seqs):
                 self._dummy_forward([32] * num_seqs)
         # Only layers without a sliding window take the shared-prefix pass.
         self.cascade = self.backend.supports_cascade and any(
@@ -191,7 +212,7 @@ class ModelRunner:
         if device.type == "cuda" and self.backend.supports_cuda_graphs and not args.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
-                args.max_num_seqs,
+                self.max_num_seqs,
                 self.max_blocks_per_seq,
                 model_config.max_model_len,
                 device,
@@ -206,13 +227,13 @@ class ModelRunner:
 
         # Persistent block tables, one row per running request: each step writes only the block
         # ids the scheduler appended, so host work does not grow with context length.
-        self.block_table = np.zeros((args.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self.row_len = np.zeros(args.max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((self.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.row_len = np.zeros(self.max_num_seqs, dtype=np.int64)
         self.rows: dict[str, int] = {}
-        self.free_rows = list(range(args.max_num_seqs - 1, -1, -1))
+        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
 
     # -- set-up ----------------------------------------------------------------------------
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self) -> LanguageModel:
         mc = self.model_config
         cls = get_model_class(mc.architecture)
         prev_dtype = torch.get_default_dtype()
@@ -229,7 +250,10 @@ class ModelRunner:
         else:
             # One bar for the process group: every rank loads the same tensors.
             load_weights(model, mc.path, progress=tp_rank() == 0)
-        return model.eval()
+        model.eval()
+        if not isinstance(model, LanguageModel):
+            raise TypeError(f"{cls.__name__} lacks what the runner calls on a model")
+        return model
 
     def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:
         """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
@@ -265,7 +289,7 @@ class ModelRunner:
             elif budget is None:
                 sequence = self.max_blocks_per_seq * self.block_bytes
                 # Plus the null block, so that the floor of one full sequence holds.
-                budget = cpu_kv_budget(available_memory(), sequence, args.max_num_seqs)
+                budget = cpu_kv_budget(available_memory(), sequence, self.max_num_seqs)
                 budget += self.block_bytes
             num = budget // self.block_bytes
             # Every rank holds the same blocks (its own heads of them): the smallest budget wins.
@@ -317,11 +341,9 @@ class ModelRunner:
     def _profile_run(self) -> None:
         """A forward pass as large as the scheduler can ever ask for, against a one-block cache
         that every slot points at, then sampling for max_num_seqs rows."""
-        args = self.args
-        num_tokens = min(
-            args.max_num_batched_tokens, args.max_num_seqs * self.model_config.max_model_len
-        )
-        num_seqs = min(args.max_num_seqs, num_tokens)
+        max_seqs = self.max_num_seqs
+        num_tokens = min(self.max_num_batched_tokens, max_seqs * self.model_config.max_model_len)
+        num_seqs = min(max_seqs, num_tokens)
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         caches = self._allocate_kv_cache(1)
@@ -368,12 +390,13 @@ class ModelRunner:
         """Give back the KV cache, the CUDA graphs and the weights (the runner runs no step
         after this): a stopped engine frees its memory even while something still refers to
         it (a server object a caller keeps, an LLM in a notebook)."""
-        if self.model is None:
+        if self.released:
             return
         self._bind_kv_cache([])
         self.kv_caches = []
         self.graphs = None
-        self.model = None  # type: ignore[assignment]
+        del self.model
+        self.released = True
         # Now rather than whenever the collector runs: a tensor-parallel teardown waits for
         # every CUDA graph that captured a collective to be destroyed.
         gc.collect()
@@ -386,7 +409,7 @@ class ModelRunner:
         raise StepInterrupted before their next attention layer. Hooks put on for the block
         alone: the forward passes of serving pay nothing for it. (A replayed CUDA graph runs no
         hook: it is one short decode step.)"""
-        if self.model is None:
+        if self.released:
             yield
             return
         # Torch reads a module's hooks into a tuple at each call, under the GIL: adding them

@@ -74,7 +74,8 @@ class OutputProcessor:
             request_id, request, children, detokenizers, [0.0] * len(children), len(children)
         )
         if request.params.prompt_logprobs is not None:
-            parent.prompt_logprobs = [None] * len(request.prompt_token_ids)
+            unscored: list[dict[int, float] | None] = [None] * len(request.prompt_token_ids)
+            parent.prompt_logprobs = unscored
         self._parents[request_id] = parent
         for i, child in enumerate(children):
             self._child_of[child.request_id] = (parent, i)
@@ -99,10 +100,10 @@ class OutputProcessor:
         reqs = result.reqs
         for rid, (start, scored) in result.prompt_logprobs.items():
             entry = self._child_of.get(rid)
-            if entry is None or entry[0].prompt_logprobs is None:
+            buf = None if entry is None else entry[0].prompt_logprobs
+            if entry is None or buf is None:
                 continue
-            parent = entry[0]
-            prompt, buf = parent.request.prompt_token_ids, parent.prompt_logprobs
+            prompt = entry[0].request.prompt_token_ids
             for pos, (chosen, top) in enumerate(scored, start):
                 buf[pos] = {prompt[pos]: chosen, **dict(top)}
         for i, error in result.failed.items():

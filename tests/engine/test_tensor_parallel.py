@@ -227,7 +227,8 @@ def test_the_runner_is_released_before_the_process_group_is_destroyed(model_dirs
     at_teardown = []
 
     def shutdown() -> None:
-        at_teardown.append((core.runner.model, core.runner.graphs, core.runner.kv_caches))
+        runner = core.runner
+        at_teardown.append((getattr(runner, "model", None), runner.graphs, runner.kv_caches))
         teardown()
 
     monkeypatch.setattr(workers, "shutdown", shutdown)
