@@ -178,7 +178,7 @@ class EngineCore:
         what the engine's owner calls when it is done with it; no step runs after this. The
         runner goes first: NCCL does not destroy a communicator while a CUDA graph that captured
         its collectives lives (its teardown waits for them)."""
-        # Their logits, tokens' device and pinned memory go with the rest.
+        # The launched step's logits and tokens (device and pinned memory) go with the rest.
         self._launched = None
         runner = getattr(self, "runner", None)  # absent when the model failed to load
         if runner is not None:

@@ -1,6 +1,7 @@
 """Runs the model on one flat batch per step. Rank 0 turns the scheduler's decision into a
-`StepPlan` (input ids, lengths, the block-table entries that changed), every tensor-parallel
-rank runs the same plan through its shard of the model, and rank 0 samples."""
+`StepPlan` (input ids, lengths, the block-table entries that changed) that every tensor-parallel
+rank runs through its shard of the model; rank 0 alone samples and reads the tokens back: a
+`Step` goes through launch(), sample() and resolve()."""
 
 from __future__ import annotations
 

@@ -95,10 +95,8 @@ class SampledBatch:
             for i, row in enumerate(self.rows):
                 if row.logprobs is not None:
                     n = row.logprobs
-                    logprobs[i] = (
-                        picked[i],
-                        list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)),
-                    )
+                    top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+                    logprobs[i] = (picked[i], top)
         return tokens, logprobs
 
 
