@@ -100,10 +100,13 @@ class OutputProcessor:
         reqs = result.reqs
         for rid, (start, scored) in result.prompt_logprobs.items():
             entry = self._child_of.get(rid)
-            buf = None if entry is None else entry[0].prompt_logprobs
-            if entry is None or buf is None:
+            if entry is None:
                 continue
-            prompt = entry[0].request.prompt_token_ids
+            parent = entry[0]
+            buf = parent.prompt_logprobs
+            if buf is None:
+                continue
+            prompt = parent.request.prompt_token_ids
             for pos, (chosen, top) in enumerate(scored, start):
                 buf[pos] = {prompt[pos]: chosen, **dict(top)}
         for i, error in result.failed.items():
