@@ -133,7 +133,7 @@ class Step:
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     sampled: SampledBatch | None = None
     # Request id -> its row of sampled.token_ids, where the next step finds its input id.
-    rows: dict[str, int] = field(default_factory=dict)
+    sampled_rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -480,7 +480,7 @@ class ModelRunner:
         grammar = self.structured.masks(reqs) if self.structured is not None else None
         with torch.inference_mode():
             step.sampled = self.sampler.sample(logits, reqs, grammar)
-        step.rows = {r.request_id: i for i, r in enumerate(reqs)}
+        step.sampled_rows = {r.request_id: i for i, r in enumerate(reqs)}
 
     def resolve(self, step: Step) -> StepResult:
         """Wait for a sampled step's tokens. Each live row's grammar matcher accepts its token and
@@ -547,7 +547,7 @@ class ModelRunner:
                 # previous step sampled (a request that resumes has had it appended).
                 assert prev is not None and c + n == known + 1, (req, c, n)
                 pending_ids.append(len(input_ids) + n - 1)
-                pending_src.append(prev.rows[rid])
+                pending_src.append(prev.sampled_rows[rid])
                 input_ids.extend(tokens[c:known])
                 input_ids.append(0)
             elif n == 1:
@@ -572,7 +572,7 @@ class ModelRunner:
             prompt_logprobs=tuple(scored),
             pending_ids=np.array(pending_ids, dtype=np.int64),
             pending_src=np.array(pending_src, dtype=np.int64),
-            num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.rows),
+            num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.sampled_rows),
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
