@@ -61,12 +61,11 @@ from api_faults import KINDS, FaultMix
 from cluster_sim import ClusterSim, controller_uid, resource_key, send, simulated
 from common import free_port, stop
 
+from kvfleet.operator.api import PLURAL, PLURALS
 from kvfleet.operator.drift import excess, in_sync
 from kvfleet.operator.kube import BACKOFFS_S
 from kvfleet.operator.reconciler import CHILD_RESOURCES
 from kvfleet.operator.resources import (
-    PLURAL,
-    PLURALS,
     OperatorConfig,
     Owner,
     build_children,

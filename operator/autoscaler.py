@@ -63,19 +63,13 @@ from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
 from kvfleet.operator import service_metrics
+from kvfleet.operator.api import GROUP, LABEL_COMPONENT, PLURAL, VERSION
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
 from kvfleet.operator.forecast import EngineStart, Sample, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
-from kvfleet.operator.resources import (
-    ENGINE_PORT,
-    GROUP,
-    LABEL_COMPONENT,
-    PLURAL,
-    ROUTER_PORT,
-    VERSION,
-)
+from kvfleet.operator.resources import ENGINE_PORT, ROUTER_PORT
 from kvfleet.operator.scaling_policy import (
     PodMetrics,
     Recommendation,

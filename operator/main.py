@@ -47,11 +47,12 @@ import yaml
 
 from kvfleet.operator import kube as k
 from kvfleet.operator import watch_recovery
+from kvfleet.operator.api import GROUP, MANAGED_BY, PLURAL, VERSION
 from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.kube import Kube, NoClusterError
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import RELIST_SETTLE_S, Reconciler, WorkQueue, register
-from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION, OperatorConfig
+from kvfleet.operator.resources import OperatorConfig
 from kvfleet.operator.status_writer import StatusWriter
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 

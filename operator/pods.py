@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfleet.operator import kube as k
-from kvfleet.operator.resources import LABEL_ISVC
+from kvfleet.operator.api import LABEL_ISVC
 
 
 async def list_pods(

@@ -23,11 +23,7 @@ from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
 from kvfleet.operator import service_metrics
-from kvfleet.operator.autoscaler import Autoscaler
-from kvfleet.operator.backoff import backoff_delay
-from kvfleet.operator.drift import excess, in_sync
-from kvfleet.operator.pods import list_pods
-from kvfleet.operator.resources import (
+from kvfleet.operator.api import (
     GROUP,
     LABEL_ISVC,
     LABEL_MANAGED_BY,
@@ -35,6 +31,12 @@ from kvfleet.operator.resources import (
     PLURAL,
     PLURALS,
     VERSION,
+)
+from kvfleet.operator.autoscaler import Autoscaler
+from kvfleet.operator.backoff import backoff_delay
+from kvfleet.operator.drift import excess, in_sync
+from kvfleet.operator.pods import list_pods
+from kvfleet.operator.resources import (
     ChildRef,
     OperatorConfig,
     Owner,

@@ -26,6 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.operator import model_download
+from kvfleet.operator.api import (
+    API_VERSION,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_ISVC,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGED_BY,
+)
 from kvfleet.operator.drift import with_hash
 from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
@@ -36,30 +46,6 @@ from kvfleet.operator.spec import (
     served_model_name,
 )
 
-GROUP = "kvfleet.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-
-# The plural resource name of each kind of child.
-PLURALS = {
-    "Deployment": "deployments",
-    "Service": "services",
-    "ConfigMap": "configmaps",
-    "ServiceAccount": "serviceaccounts",
-    "Role": "roles",
-    "RoleBinding": "rolebindings",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-}
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-# Maps any child (pods included, which are owned by ReplicaSets) back to its InferenceService.
-LABEL_ISVC = "kvfleet.dev/inferenceservice"
-MANAGED_BY = "kvfleet-operator"
 CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
 
 ENGINE_PORT = 8000

@@ -22,7 +22,7 @@ import kopf
 from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
-from kvfleet.operator.resources import GROUP, PLURAL, VERSION
+from kvfleet.operator.api import GROUP, PLURAL, VERSION
 
 logger = logging.getLogger("kvfleet.operator.status")
 

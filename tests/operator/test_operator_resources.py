@@ -19,13 +19,12 @@ import yaml
 
 from kvfleet.operator import model_download
 from kvfleet.operator import spec as spec_module
+from kvfleet.operator.api import LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.drift import EXACT_PATHS, HASH_ANNOTATION, excess, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, ROUTER_RULES, allows
 from kvfleet.operator.resources import (
     CONFIG_HASH_ANNOTATION,
-    LABEL_ISVC,
-    LABEL_MANAGED_BY,
     OperatorConfig,
     Owner,
     build_children,
