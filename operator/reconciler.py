@@ -23,6 +23,7 @@ from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
 from kvfleet.operator import service_metrics
+from kvfleet.operator.admission import policy_violations
 from kvfleet.operator.api import (
     GROUP,
     LABEL_ISVC,
@@ -44,7 +45,6 @@ from kvfleet.operator.resources import (
     engine_name,
     engine_selector,
     optional_children,
-    policy_violations,
     router_name,
     service_url,
 )

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from kvfleet.operator import engine_flags
+from kvfleet.operator.admission import image_allowed, image_repository, policy_violations
 from kvfleet.operator.engine_flags import SERVE_FLAGS, ExtraArgsError, given_flags
 from kvfleet.operator.resources import (
     PRESTOP_SLEEP_SECONDS,
@@ -27,9 +28,6 @@ from kvfleet.operator.resources import (
     Owner,
     build_children,
     engine_args,
-    image_allowed,
-    image_repository,
-    policy_violations,
 )
 from kvfleet.operator.spec import (
     MANAGED_FLAGS,

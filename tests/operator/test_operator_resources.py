@@ -19,6 +19,7 @@ import yaml
 
 from kvfleet.operator import model_download
 from kvfleet.operator import spec as spec_module
+from kvfleet.operator.admission import policy_violations
 from kvfleet.operator.api import LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.drift import EXACT_PATHS, HASH_ANNOTATION, excess, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
@@ -30,7 +31,6 @@ from kvfleet.operator.resources import (
     build_children,
     engine_deployment,
     model_download_script,
-    policy_violations,
     router_args,
     router_service,
 )
