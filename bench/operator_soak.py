@@ -71,7 +71,7 @@ from kvfleet.operator.resources import (
     build_children,
     optional_children,
 )
-from kvfleet.operator.spec import engine_replicas, parse_spec
+from kvfleet.operator.spec import engine_deployment_replicas, parse_spec
 from tests.support.kmock import (
     DEMO,
     ISVCS,
@@ -177,8 +177,8 @@ def divergence(
         return f"status observed generation {observed}, not {generation}"
     spec = parse_spec(name, isvc.get("spec"))
     owner = Owner(name=name, namespace=NS, uid=meta["uid"])
-    replicas = engine_replicas(spec, status.get("desiredReplicas"))
-    desired = build_children(owner, spec, config, replicas)
+    deployment_replicas = engine_deployment_replicas(spec, status.get("desiredReplicas"))
+    desired = build_children(owner, spec, config, deployment_replicas)
     for want in desired:
         kind, child = want["kind"], want["metadata"]["name"]
         live = objects.get((f"{want['apiVersion']}/{PLURALS[kind]}", child))

@@ -3,7 +3,8 @@ engines (and the routers' held requests), decide with scaling_policy.decide, rec
 
 Ownership of the replica count: the autoscaler writes only the InferenceService's status
 (desiredReplicas, lastScaleDecision, and its own memory under status.autoscaling); the reconciler,
-the only writer of the engine Deployment, applies status.desiredReplicas (spec.engine_replicas).
+the only writer of the engine Deployment, applies status.desiredReplicas
+(spec.engine_deployment_replicas).
 A status write is a watch event, so the Deployment follows within one reconcile. In external mode
 no loop runs: HPA or KEDA write spec.replicas through /scale and the reconciler applies that.
 
@@ -77,7 +78,12 @@ from kvfleet.operator.scaling_policy import (
     ScalingPolicy,
     decide,
 )
-from kvfleet.operator.spec import AutoscalingSpec, SpecError, engine_replicas, parse_spec
+from kvfleet.operator.spec import (
+    AutoscalingSpec,
+    SpecError,
+    engine_deployment_replicas,
+    parse_spec,
+)
 from kvfleet.operator.status import timestamp
 from kvfleet.operator.status_writer import StatusWriter
 
@@ -441,7 +447,7 @@ class Autoscaler:
             return None
         status = isvc.get("status") or {}
         # What the reconciler applies to the engine Deployment.
-        current = engine_replicas(spec, status.get("desiredReplicas"))
+        current = engine_deployment_replicas(spec, status.get("desiredReplicas"))
 
         with _failing_as("APIError"):
             pods = await list_pods(self._api, namespace, name, periodic=True)

@@ -52,7 +52,7 @@ from kvfleet.operator.spec import (
     MSG_SCALE_BUILTIN,
     InferenceServiceSpec,
     SpecError,
-    engine_replicas,
+    engine_deployment_replicas,
     fp8_cpu_warning,
     fp8_gpu_problem,
     parse_spec,
@@ -219,7 +219,7 @@ class Reconciler:
         self._status = status
         self._clock = clock
         # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
-        self._replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
+        self._spec_replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
         # Per service: (uid, generation) of the spec last warned about, so a warning that holds
         # for a spec is an Event once, not one per reconcile.
         self._warned: dict[k.Key, tuple[str, int]] = {}
@@ -229,7 +229,7 @@ class Reconciler:
         url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         isvc = await self._api.get(url)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-            self._replicas_seen.pop(key, None)
+            self._spec_replicas_seen.pop(key, None)
             self._warned.pop(key, None)
             self._status.forget(key)
             service_metrics.forget_status(key)
@@ -239,7 +239,8 @@ class Reconciler:
 
         spec_error: str | None = None
         problems: list[Problem] = []
-        replicas: int | None = None
+        # The engine Deployment's replicas, when this reconcile applies a spec.
+        deployment_replicas: int | None = None
         try:
             spec = parse_spec(name, isvc.get("spec"))
         except SpecError as e:
@@ -258,8 +259,8 @@ class Reconciler:
             self._refuse_scale_request(key, isvc, spec)
             self._warn_once(key, isvc, "FP8OnCPU", fp8_cpu_warning(spec))
         if spec is not None and not refused:
-            replicas = engine_replicas(spec, previous.get("desiredReplicas"))
-            live, problems = await self._converge(owner, spec, replicas)
+            deployment_replicas = engine_deployment_replicas(spec, previous.get("desiredReplicas"))
+            live, problems = await self._converge(owner, spec, deployment_replicas)
         else:
             # Nothing is applied; the children of the last applied spec keep serving.
             live = await self._existing(owner)
@@ -271,7 +272,7 @@ class Reconciler:
             spec_error=spec_error,
             refused=refused,
             child_problems=problems,
-            desired_replicas=replicas,
+            desired_replicas=deployment_replicas,
             model_name=served_model_name(spec) if spec is not None else None,
             url=service_url(owner) if live.get(f"Service/{name}") else None,
             engine=live.get(f"Deployment/{engine_name(name)}"),
@@ -301,8 +302,8 @@ class Reconciler:
         enforce it. A restarted operator has not seen the previous value and says nothing.
         """
         seen = (isvc["metadata"]["uid"], spec.autoscaling.mode, spec.replicas)
-        before = self._replicas_seen.get(key)
-        self._replicas_seen[key] = seen
+        before = self._spec_replicas_seen.get(key)
+        self._spec_replicas_seen[key] = seen
         if (
             before is not None
             and before[0] == seen[0]
@@ -328,7 +329,7 @@ class Reconciler:
         kopf.event(isvc, type="Warning", reason=reason, message=message)
 
     async def _converge(
-        self, owner: Owner, spec: InferenceServiceSpec, replicas: int
+        self, owner: Owner, spec: InferenceServiceSpec, deployment_replicas: int
     ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
         """Apply every desired child and remove the ones no longer desired.
 
@@ -337,7 +338,7 @@ class Reconciler:
         """
         live: dict[str, dict[str, Any]] = {}
         problems: list[Problem] = []
-        desired = build_children(owner, spec, self._config, replicas)
+        desired = build_children(owner, spec, self._config, deployment_replicas)
         for obj in desired:
             label = f"{obj['kind']}/{obj['metadata']['name']}"
             try:

@@ -42,7 +42,7 @@ from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
     DisruptionBudgetSpec,
     InferenceServiceSpec,
-    desired_replicas,
+    replicas_from_spec,
 )
 
 CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
@@ -357,9 +357,13 @@ def _scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def engine_deployment(
-    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig, replicas: int | None = None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    config: OperatorConfig,
+    deployment_replicas: int | None = None,
 ) -> dict[str, Any]:
-    """replicas: the autoscaler's count (spec.engine_replicas); None for the spec's own."""
+    """deployment_replicas: its replicas as the reconciler applies them
+    (spec.engine_deployment_replicas); None for the spec's own (spec.replicas_from_spec)."""
     e = spec.engine
     image = e.image or config.default_engine_image(spec)
     model = _model_wiring(owner, spec, image)
@@ -431,7 +435,9 @@ def engine_deployment(
             "kind": "Deployment",
             "metadata": _metadata(owner, name, "engine"),
             "spec": {
-                "replicas": desired_replicas(spec) if replicas is None else replicas,
+                "replicas": (
+                    replicas_from_spec(spec) if deployment_replicas is None else deployment_replicas
+                ),
                 "selector": {"matchLabels": selector_labels(owner.name, "engine")},
                 # A new pod must be ready before an old one goes: capacity never dips, at the
                 # price of one spare GPU slot during a rollout.
@@ -626,9 +632,10 @@ def build_children(
     owner: Owner,
     spec: InferenceServiceSpec,
     config: OperatorConfig,
-    engine_replicas: int | None = None,
+    deployment_replicas: int | None = None,
 ) -> list[dict[str, Any]]:
-    """All desired children, in creation order (what a pod needs exists before the pod)."""
+    """All desired children, in creation order (what a pod needs exists before the pod);
+    deployment_replicas: the engine Deployment's, as engine_deployment takes them."""
     children = []
     if spec.model.parsed_source.kind == "hf":
         children.append(download_config_map(owner))
@@ -638,7 +645,7 @@ def build_children(
         router_role_binding(owner),
         engine_service(owner),
         disruption_budget(owner, "engine", spec.engine.disruption_budget),
-        engine_deployment(owner, spec, config, engine_replicas),
+        engine_deployment(owner, spec, config, deployment_replicas),
         disruption_budget(owner, "router", spec.routing.disruption_budget),
         router_deployment(owner, spec, config),
         router_service(owner),

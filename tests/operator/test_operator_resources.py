@@ -38,9 +38,9 @@ from kvfleet.operator.spec import (
     DEMO_MODEL_NAME,
     InferenceServiceSpec,
     ModelSource,
-    desired_replicas,
     parse_source,
     parse_spec,
+    replicas_from_spec,
     served_model_name,
 )
 from kvfleet.operator.status import Observed, compute_status, status_patch, transition_events
@@ -469,13 +469,13 @@ def test_operator_settings_and_cli():
     assert ns.namespace == ["a,b", "c"] and ns.peering == "p"
 
 
-def test_desired_replicas():
-    assert desired_replicas(spec_of({})) == 1
-    assert desired_replicas(spec_of({"autoscaling": {"minReplicas": 0, "maxReplicas": 3}})) == 1
-    assert desired_replicas(spec_of({"autoscaling": {"minReplicas": 2, "maxReplicas": 3}})) == 2
-    assert desired_replicas(spec_of({"replicas": 3, "autoscaling": {"maxReplicas": 4}})) == 3
+def test_replicas_from_spec():
+    assert replicas_from_spec(spec_of({})) == 1
+    assert replicas_from_spec(spec_of({"autoscaling": {"minReplicas": 0, "maxReplicas": 3}})) == 1
+    assert replicas_from_spec(spec_of({"autoscaling": {"minReplicas": 2, "maxReplicas": 3}})) == 2
+    assert replicas_from_spec(spec_of({"replicas": 3, "autoscaling": {"maxReplicas": 4}})) == 3
     external = {"replicas": 0, "autoscaling": {"mode": "external", "minReplicas": 0}}
-    assert desired_replicas(spec_of(external)) == 0
+    assert replicas_from_spec(spec_of(external)) == 0
     assert children(external)["Deployment/llm-engine"]["spec"]["replicas"] == 0
 
 
