@@ -132,6 +132,8 @@ async def load_connection(
 async def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     """The same credentials in kopf's terms."""
     cfg = connection.configuration
+    if cfg.host is None:  # both loaders set it; the client's annotation allows None
+        raise NoClusterError(f"no Kubernetes API: {connection.source} names no server")
     scheme = token = None
     if authorization := await cfg.get_api_key_with_prefix("BearerToken"):
         scheme, _, token = authorization.strip().partition(" ")
@@ -162,6 +164,12 @@ def resource_url(
     if subresource is not None:
         url += f"/{subresource}"
     return url
+
+
+def post_event(obj: Mapping[str, Any], *, type: str, reason: str, message: str) -> None:
+    """An Event about ``obj``, an object as the API answered it, posted by kopf's poster."""
+    # kopf reads any mapping (dicts.walk); its annotation names only its own Body view of one.
+    kopf.event(obj, type=type, reason=reason, message=message)  # pyright: ignore[reportArgumentType]
 
 
 class Kube:
