@@ -25,7 +25,7 @@ from kvfleet.operator.deletion_cost import DELETION_COST
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.metrics_scraper import KV_CACHE_USAGE, RUNNING, WAITING
 from kvfleet.operator.resources import common_labels
-from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision
+from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingMemory
 from kvfleet.operator.spec import engine_deployment_replicas, parse_spec
 from tests.support.kmock import (
     CONFIG,
@@ -59,8 +59,7 @@ def decision(replicas: int, history: list[tuple[float, int]], last_active: float
     return ScaleDecision(
         replicas=replicas,
         reason="why",
-        history=tuple(Recommendation(t, n) for t, n in history),
-        last_active=last_active,
+        memory=ScalingMemory(tuple(Recommendation(t, n) for t, n in history), last_active),
         signal="queueDepth",
         signals={"current": 2.0, "in_flight": 9.0},
     )
@@ -82,7 +81,7 @@ def test_a_change_is_recorded_with_its_metrics_and_the_memory():
         "unreachablePods": [],
         "lastActiveTime": "2025-06-15T15:06:40Z",
     }
-    assert load_memory(patch) == ((Recommendation(T0, 3),), T0)
+    assert load_memory(patch) == ScalingMemory((Recommendation(T0, 3),), T0)
 
 
 def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
