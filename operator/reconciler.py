@@ -288,7 +288,7 @@ class Reconciler:
             except k.APINotFoundError:
                 return  # deleted meanwhile
         for event in transition_events(previous.get("conditions") or [], status["conditions"]):
-            kopf.event(isvc, type=event.type, reason=event.reason, message=event.message)
+            k.post_event(isvc, type=event.type, reason=event.reason, message=event.message)
         if problems:
             raise RetryLater("; ".join(p.message for p in problems), problems[0].reason)
 
@@ -312,7 +312,7 @@ class Reconciler:
             and before[2] != spec.replicas
         ):
             logger.warning("%s/%s: replicas %s ignored: %s", *key, spec.replicas, MSG_SCALE_BUILTIN)
-            kopf.event(isvc, type="Warning", reason="ScaleIgnored", message=MSG_SCALE_BUILTIN)
+            k.post_event(isvc, type="Warning", reason="ScaleIgnored", message=MSG_SCALE_BUILTIN)
 
     def _warn_once(
         self, key: k.Key, isvc: dict[str, Any], reason: str, message: str | None
@@ -326,7 +326,7 @@ class Reconciler:
             return
         self._warned[key] = seen
         logger.warning("%s/%s: %s", *key, message)
-        kopf.event(isvc, type="Warning", reason=reason, message=message)
+        k.post_event(isvc, type="Warning", reason=reason, message=message)
 
     async def _converge(
         self, owner: Owner, spec: InferenceServiceSpec, deployment_replicas: int
@@ -473,9 +473,9 @@ def register(
     # async: kopf runs sync handlers in threads, and the queue belongs to the event loop.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def inference_service_event(
-        name: str, namespace: str, type: str | None, body: kopf.Body, **_: Any
+        name: str, namespace: str | None, type: str | None, body: kopf.Body, **_: Any
     ) -> None:
-        key = (namespace, name)
+        key = (namespace or "", name)  # None only for cluster-scoped kinds
         autoscaler.track(key, body, deleted=type == "DELETED")
         if changed(PLURAL, type, body, key, _reconcile_input(body)):
             queue.enqueue(key)

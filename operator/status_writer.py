@@ -18,7 +18,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 from prometheus_client import Counter
 
 from kvfleet.operator import kube as k
@@ -70,12 +69,12 @@ class StatusWriter:
                 self._failing[key] = cause
                 message = f"status not written ({cause}): {e}; retried with backoff"
                 logger.warning("%s/%s: %s", *key, message)
-                kopf.event(isvc, type="Warning", reason="StatusWriteFailed", message=message)
+                k.post_event(isvc, type="Warning", reason="StatusWriteFailed", message=message)
             raise
         if self._failing.pop(key, None) is not None:
             message = "the status is written again"
             logger.info("%s/%s: %s", *key, message)
-            kopf.event(isvc, type="Normal", reason="StatusWriteRecovered", message=message)
+            k.post_event(isvc, type="Normal", reason="StatusWriteRecovered", message=message)
 
     def forget(self, key: k.Key) -> None:
         """The service is gone."""
