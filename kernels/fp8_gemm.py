@@ -26,9 +26,8 @@ from kvfleet.kernels.dependent_launch import (
     prefetch_l2,
     wait_for_prior,
 )
+from kvfleet.kernels.launch import kernel
 
-# Pyright reads Triton's typing, in which `kernel[grid]` has the kernel's own signature: the
-# launch options (num_warps, num_stages) are ignored for it where the kernel is launched.
 # Tokens a call may have: the MMA's N side, padded.
 MAX_TOKENS = 16
 _LINE = tl.constexpr(LINE)
@@ -57,7 +56,7 @@ def _scale_and_store(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < n) & (toks[None, :] < m))
 
 
-@triton.jit
+@kernel
 def _small_batch_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     m, n, k, stride_x, stride_w, stride_o,
@@ -194,6 +193,6 @@ def small_batch_gemm(
         _counters(x.device), m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=tile.split_k, BLOCK_M=MAX_TOKENS,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PREFETCH_K=prefetch,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,  # pyright: ignore[reportCallIssue]
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     return out

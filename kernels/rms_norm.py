@@ -17,10 +17,11 @@ import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.fp8_quant import store_fp8_row
+from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
-@triton.jit
+@kernel
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -129,8 +130,7 @@ def rms_norm(
             QUANTIZE=0 if not quantize else 1 if static_scale is None else 2,
             FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE,
-            # Triton types kernel[grid] as the kernel itself, without launch options.
-            num_warps=min(max(block // 256, 1), 16),  # pyright: ignore[reportCallIssue]
+            num_warps=min(max(block // 256, 1), 16),
             **pdl_args(x.device),
         )
     out = out.view(x.shape)
