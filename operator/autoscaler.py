@@ -26,8 +26,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
-from kvfleet.operator import kube as k
-from kvfleet.operator import service_metrics
+from kvfleet.operator import kube, service_metrics
 from kvfleet.operator.api import GROUP, LABEL_COMPONENT, PLURAL, VERSION
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
 from kvfleet.operator.forecast import EngineStart, epoch, learn, start_estimate
@@ -345,7 +344,7 @@ class _StepFailed(Exception):
 def _failing_as(reason: str) -> Iterator[None]:
     try:
         yield
-    except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
+    except (kube.APIError, aiohttp.ClientError, TimeoutError) as e:
         raise _StepFailed("APIError", e) from e
     except Exception as e:
         raise _StepFailed(reason, e) from e
@@ -354,7 +353,7 @@ def _failing_as(reason: str) -> Iterator[None]:
 class Autoscaler:
     def __init__(
         self,
-        api: k.Kube,
+        api: kube.Kube,
         status: StatusWriter,
         *,
         interval: float = 10.0,
@@ -365,10 +364,10 @@ class Autoscaler:
         self._status = status
         self._interval = interval
         self._clock = clock
-        self._services: dict[k.Key, ServiceState] = {}
+        self._services: dict[kube.Key, ServiceState] = {}
         self._scraper = Scraper(timeout=scrape_timeout)
 
-    def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
+    def track(self, key: kube.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
         """Follow an InferenceService's watch event: a loop runs while it exists in builtin
         mode."""
         meta = body.get("metadata") or {}
@@ -382,11 +381,11 @@ class Autoscaler:
             service_metrics.forget_decision(key)
 
     @property
-    def tracked(self) -> set[k.Key]:
+    def tracked(self) -> set[kube.Key]:
         """The services whose loop runs."""
         return set(self._services)
 
-    async def _loop(self, key: k.Key) -> None:
+    async def _loop(self, key: kube.Key) -> None:
         state = self._services[key]  # stored by track before this task first runs
         while True:
             await asyncio.sleep(self._interval)
@@ -404,7 +403,7 @@ class Autoscaler:
                 case Decided():
                     pass
 
-    async def _failed(self, key: k.Key, state: ServiceState, failure: Failed) -> None:
+    async def _failed(self, key: kube.Key, state: ServiceState, failure: Failed) -> None:
         """Count a failed step; when its cause is new, say so in the log, an Event and the
         status (a failed status write is the StatusWriter's to report)."""
         FAILURES.labels(failure.reason).inc()
@@ -429,20 +428,20 @@ class Autoscaler:
             f"{failure.reason}: {failure.message}; the replica count stays, retried every interval"
         )
         # Before the write, which may fail: the Event does not depend on it.
-        k.post_event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
-        with contextlib.suppress(k.APIError):  # the StatusWriter reports it
+        kube.post_event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
+        with contextlib.suppress(kube.APIError):  # the StatusWriter reports it
             await self._status.write(key, isvc, patch, periodic=True)
 
-    async def step(self, key: k.Key, state: ServiceState) -> StepOutcome:
+    async def step(self, key: kube.Key, state: ServiceState) -> StepOutcome:
         """One scrape and decision. Each request is sent once: the next interval is its retry."""
         try:
             return await self._step(key, state)
         except _StepFailed as e:
             return Failed(e.reason, str(e))
 
-    async def _step(self, key: k.Key, state: ServiceState) -> StepOutcome:
+    async def _step(self, key: kube.Key, state: ServiceState) -> StepOutcome:
         namespace, name = key
-        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
+        url = kube.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         with _failing_as("APIError"):
             isvc = await self._api.get(url, periodic=True)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
@@ -521,7 +520,7 @@ class Autoscaler:
             # Reported before the write, which may fail: the memory is clamped in the process
             # already, so no later step would find these times again.
             logger.warning("%s/%s: %s", namespace, name, skew["message"])
-            k.post_event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
+            kube.post_event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
         recovered = failure_update(status, None, "", now)
         if recovered:
             # Merged into the memory's own patch, which replaces every other field it names.
@@ -529,9 +528,9 @@ class Autoscaler:
         if patch:
             try:
                 await self._status.write(key, isvc, patch, periodic=True)
-            except k.APINotFoundError:
+            except kube.APINotFoundError:
                 return Gone()
-            except k.APIError as e:
+            except kube.APIError as e:
                 raise _StepFailed(STATUS_WRITE_FAILED, e) from e
         # A failed status write's recovery is the StatusWriter's to report.
         was_failing = state.failing not in (None, STATUS_WRITE_FAILED)
@@ -539,13 +538,13 @@ class Autoscaler:
         if recovered or was_failing:
             message = "autoscaling steps succeed again"
             logger.info("%s/%s: %s", namespace, name, message)
-            k.post_event(isvc, type="Normal", reason="AutoscalingRecovered", message=message)
+            kube.post_event(isvc, type="Normal", reason="AutoscalingRecovered", message=message)
         if decision.replicas != deployment_replicas:
             message = (
                 f"engine replicas {deployment_replicas} -> {decision.replicas}: {decision.reason}"
             )
             logger.info("%s/%s: %s", namespace, name, message)
-            k.post_event(isvc, type="Normal", reason="Scaled", message=message)
+            kube.post_event(isvc, type="Normal", reason="Scaled", message=message)
         return Decided(decision)
 
     async def _rank_for_deletion(
@@ -556,11 +555,11 @@ class Autoscaler:
         holding it would keep idle GPUs for a ranking."""
         for pod, patch in cost_patches(pods, deletion_costs(metrics)).items():
             try:
-                url = k.resource_url("v1", "pods", namespace, pod)
+                url = kube.resource_url("v1", "pods", namespace, pod)
                 await self._api.merge_patch(url, patch, periodic=True)
-            except k.APINotFoundError:
+            except kube.APINotFoundError:
                 pass  # gone already
-            except k.APIError as e:
+            except kube.APIError as e:
                 DELETION_COST_FAILURES.inc()
                 logger.warning("%s/%s: pod-deletion-cost not written: %s", namespace, pod, e)
 
