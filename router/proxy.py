@@ -116,6 +116,7 @@ from kvfleet.telemetry.http import (
     openai_error,
 )
 from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER
+from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS
 from kvfleet.telemetry.tracing import Tracing
 
 logger = logging.getLogger("kvfleet.router")
@@ -360,7 +361,7 @@ class RouterMetrics:
             registry=r,
         )
         self.held = Gauge(
-            "kvfleet_router_held_requests",
+            ROUTER_HELD_REQUESTS,
             "Requests waiting for a ready engine (scale-from-zero signal).",
             registry=r,
         )

@@ -19,10 +19,7 @@ from aiohttp import web
 
 from kvfleet.router.engine_load import (
     MAX_BODY_BYTES,
-    MAX_NUM_SEQS,
     MAX_SERIES,
-    RUNNING,
-    WAITING,
     EngineReport,
     estimated_load,
     has_free_slots,
@@ -31,6 +28,7 @@ from kvfleet.router.engine_load import (
 from kvfleet.router.main import parse_args, settings_from
 from kvfleet.router.proxy import Balancer, Router, RouterSettings, build_app
 from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.telemetry.metric_names import MAX_NUM_SEQS, RUNNING, WAITING
 from kvfleet.telemetry.metrics_reader import ScrapeError
 from tests.support.servers import serving
 
