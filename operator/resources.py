@@ -35,6 +35,7 @@ from kvfleet.operator.spec import (
     desired_replicas,
     served_model_name,
 )
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
 GROUP = "kvfleet.dev"
 VERSION = "v1alpha1"
@@ -62,8 +63,6 @@ LABEL_ISVC = "kvfleet.dev/inferenceservice"
 MANAGED_BY = "kvfleet-operator"
 CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
 
-ENGINE_PORT = 8000
-ROUTER_PORT = 8080
 SERVICE_PORT = 80
 # Seconds between the pod leaving the endpoints and SIGTERM: routers and kube-proxy stop
 # sending new requests before the engine starts refusing them.

@@ -25,6 +25,7 @@ from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import KeyPolicy
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 from kvfleet.telemetry.tracing import Tracing, TracingUnavailable, add_tracing_flag, tracing_from
 
 logger = logging.getLogger("kvfleet.router")
@@ -37,12 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     # "%(default)s": argparse prints the parser's own default, which cannot go stale.
     d = " (default: %(default)s)"
     p.add_argument("--host", default="0.0.0.0", help="address to listen on" + d)
-    p.add_argument("--port", type=int, default=8080, help="port to listen on" + d)
+    p.add_argument("--port", type=int, default=ROUTER_PORT, help="port to listen on" + d)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine-service", help="watch this Service's EndpointSlices")
     src.add_argument("--endpoints", type=parse_static, help="static host:port,host:port list")
     p.add_argument("--namespace", help="of the engine Service (default: the pod's namespace)")
-    p.add_argument("--engine-port", type=int, default=8000,
+    p.add_argument("--engine-port", type=int, default=ENGINE_PORT,
                    help="the engines' HTTP port, with --engine-service" + d)  # fmt: skip
     p.add_argument("--session-header", default="x-session-id",
                    help="request header whose value keeps a session on one engine" + d)  # fmt: skip
