@@ -244,7 +244,11 @@ def test_no_allow_lists_allow_anything():
 
 
 def test_images_outside_the_allow_list_are_refused():
-    config = OperatorConfig("registry/engine:1", "registry/operator:1", allowed_images=("ok/",))
+    config = OperatorConfig(
+        engine_image="registry/engine:1",
+        router_image="registry/operator:1",
+        allowed_images=("ok/",),
+    )
     for raw, field in (
         ({"engine": {"image": "docker.io/attacker/x:1"}}, "spec.engine.image"),
         ({"routing": {"image": "docker.io/attacker/y:1"}}, "spec.routing.image"),
@@ -258,13 +262,15 @@ def test_images_outside_the_allow_list_are_refused():
         {"engine": {"image": "registry/engine:1"}, "routing": {"image": "registry/operator:1"}},
     ):
         assert policy_violations(parse_spec("llm", raw), config) == []
-    nothing = OperatorConfig("registry/engine:1", "registry/operator:1", allowed_images=())
+    nothing = OperatorConfig(
+        engine_image="registry/engine:1", router_image="registry/operator:1", allowed_images=()
+    )
     assert policy_violations(parse_spec("llm", {}), nothing) == []
     assert policy_violations(parse_spec("llm", {"engine": {"image": "ok/e:1"}}), nothing)
 
 
 def test_secrets_outside_the_allow_list_are_refused():
-    config = OperatorConfig("e", "r", allowed_secrets=("api-keys",))
+    config = OperatorConfig(engine_image="e", router_image="r", allowed_secrets=("api-keys",))
     raw = {
         "model": {"source": "hf://org/m", "hfTokenSecretRef": {"name": "hf"}},
         "engine": {
@@ -282,7 +288,7 @@ def test_secrets_outside_the_allow_list_are_refused():
     assert "spec.engine.env[DB].valueFrom.secretKeyRef" in found[0].message
     assert "'db-password'" in found[0].message
     assert "spec.model.hfTokenSecretRef" in found[1].message
-    none = OperatorConfig("e", "r", allowed_secrets=())
+    none = OperatorConfig(engine_image="e", router_image="r", allowed_secrets=())
     assert [v.reason for v in policy_violations(parse_spec("llm", raw), none)] == [
         "SecretNotAllowed"
     ] * 4
