@@ -2,7 +2,7 @@
 
 ``bench/models/*`` hold a real checkpoint's ``config.json`` only. Random weights sample any id
 below ``vocab_size``, so every one of them must be a token that decodes. This writes a copy of
-the config plus a byte-level BPE tokenizer trained on :mod:`kvfleet.engine.tiny_model`'s corpus
+the config plus a byte-level BPE tokenizer trained on :mod:`tests.support.tiny_model`'s corpus
 (a few hundred merges: English text takes about as many tokens as with a real tokenizer),
 padded with filler tokens (decoding to `` <id>``) to exactly ``vocab_size``, with the model
 family's special tokens at the ids the config names and the family's chat template::
@@ -24,7 +24,10 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, models, processors
 from transformers import PreTrainedTokenizerFast
 
-from kvfleet.engine.tiny_model import train_byte_level_bpe
+# The repository root, for the tests' tiny-model builder and its corpus (tests/support).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.tiny_model import train_byte_level_bpe
 
 logger = logging.getLogger("bench.dummy_tokenizer")
 

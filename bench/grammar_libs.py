@@ -461,7 +461,8 @@ def engine_batch_masks(hf_tokenizer: Any, vocab_size: int, rows: int) -> dict[st
     cached = _timed(lambda: so.grammar(params))[0]
     grammar = so.grammar(params)
     reqs = [
-        Request(f"r{i}", [1], SamplingParams(), eos, 1 << 20, grammar=grammar) for i in range(rows)
+        Request(f"r{i}", [1], SamplingParams(), eos, max_tokens=16, grammar=grammar)
+        for i in range(rows)
     ]
     tokens = hf_tokenizer.encode(
         json.dumps(TYPICAL_VALUE, separators=(",", ":")), add_special_tokens=False

@@ -35,6 +35,8 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+# bench/ for its modules, and the repository root for the tests' tiny model (tests/support).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -234,7 +236,7 @@ def engines(n: int, model: Path, log_dir: Path, *extra: str) -> Iterator[list[tu
 def bench_model(cache_dir: Path, hidden_size: int, layers: int) -> Path:
     """A random Llama with the tiny test model's tokenizer (vocab 1024), large enough that
     prefill costs something on a CPU, so that cache hits show in TTFT."""
-    from kvfleet.engine.tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model(
         cache_dir / f"router-bench-llama-h{hidden_size}-l{layers}", "llama", seed=0,
@@ -259,9 +261,12 @@ def stub_app() -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
-    app.router.add_get("/health", lambda _r: web.json_response({"status": "ok"}))
+    app.router.add_get("/health", health)
     return app
 
 
@@ -312,7 +317,7 @@ def latency_result(path: str, rate: float, ttfb: list[float], total: list[float]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--conversations", type=int, default=24)
     p.add_argument("--turns", type=int, default=8)

@@ -39,6 +39,8 @@ import psutil
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+# bench/ for its modules, and the repository root for the tests' tiny model (tests/support).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import contextlib
@@ -179,8 +181,10 @@ def _good_traffic(router: str, deadline: float, tally: Tally, clients: int) -> N
 def _hostile_traffic(targets: list[str], deadline: float, tally: Tally) -> None:
     hosts = [t.removeprefix("http://").rsplit(":", 1) for t in targets]
 
+    # HealthCheckMeta.__iter__ yields HealthCheck members (the live ones); pyright reads it as
+    # the metaclass's own.
     @settings(max_examples=100, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+              suppress_health_check=list(HealthCheck))  # fmt: skip  # pyright: ignore[reportArgumentType]
     @given(hostile.hostile_case(), st.sampled_from(hosts))
     def one(case: hostile.Case, host: list[str]) -> None:
         if time.monotonic() > deadline:
@@ -310,7 +314,7 @@ def _failures(summary: dict[str, Any]) -> list[str]:
 
 
 def soak(duration: float, clients: int, log_dir: Path) -> dict[str, Any]:
-    from kvfleet.engine.tiny_model import tiny_model_path
+    from tests.support.tiny_model import tiny_model_path
 
     model = tiny_model_path()
     servers: list[Server] = []
@@ -395,7 +399,7 @@ def soak(duration: float, clients: int, log_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     p.add_argument("--clients", type=int, default=4, help="concurrent good clients")
     p.add_argument("--out", type=Path, help="write the summary JSON here")

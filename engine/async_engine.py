@@ -5,7 +5,11 @@ went away) aborts its request and frees its KV blocks at the next step boundary.
 A request the engine failed alone (an error in queueing it, its sampling or detokenization)
 ends its stream with RequestFailedError and the loop goes on; only errors no request can be
 blamed for (the model forward, a batched tensor op, the device, a dead tensor-parallel worker)
-end the loop, and then every stream, with EngineDeadError."""
+end the loop, and then every stream, with EngineDeadError.
+
+The server reaches the engine only through this facade: each public member says which thread
+may call it. What the engine thread changes goes through its command queue; what the others
+read is fixed at construction or published between steps."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.liveness import (
     RunningStep,
@@ -31,6 +36,8 @@ from kvfleet.engine.liveness import (
 from kvfleet.engine.model_runner import StepInterrupted
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest
+from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.structured_output import CompiledGrammar, GrammarJob
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +118,51 @@ class AsyncEngine:
         # Test-only fault hook: while set, the loop wedges before its next step.
         self.fault_stall = threading.Event()
 
+    # -- fixed at construction: any thread -------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's configuration (frozen): any thread."""
+        return self.core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length, prompt and completion together: any thread."""
+        return self.core.model_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this, exclusive: any thread."""
+        return self.core.vocab_size
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (None without one), never replaced: any thread."""
+        return self.core.tokenizer
+
+    def admit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
+        *,
+        refuse_past_context: bool = False,
+    ) -> EngineRequest:
+        """The engine's admission of a request (admission.Admission.admit), which reads only
+        limits fixed at construction: any thread, the event loop included."""
+        return self.core.admission.admit(
+            prompt_token_ids, params, prompt, grammar, refuse_past_context=refuse_past_context
+        )
+
+    def compile_grammar(self, constraint: StructuredOutputsParams) -> GrammarJob | None:
+        """Start compiling a structured_outputs constraint on a compile thread, never the
+        caller's; None when structured outputs are off (admit says why): any thread."""
+        structured = self.core.structured
+        return None if structured is None else structured.submit(constraint)
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread: on the event loop, which its outputs are delivered to."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
@@ -123,13 +173,18 @@ class AsyncEngine:
         """Stop the loop, interrupting a step in progress between two layers of its forward
         pass, and wait for it as long as it is busy, not stuck (liveness). False if it was stuck
         and is left running: the engine cannot be closed under it, and the process has to exit
-        without finalizing (cli._serve)."""
+        without finalizing (cli._serve). On the event loop."""
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None and not await asyncio.to_thread(self._await_end):
             return False
         await asyncio.to_thread(self.core.shutdown)
         return True
+
+    def close(self) -> None:
+        """Give back the engine's memory (EngineCore.close): any thread, once stop() returned
+        True, when no step runs any more."""
+        self.core.close()
 
     def _await_end(self) -> bool:
         assert self._thread is not None
@@ -152,6 +207,7 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests whose stream is open: on the event loop."""
         return len(self._streams)
 
     @property
@@ -165,14 +221,15 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """The engine's state as its thread last published it: between steps, once it has
-        applied the commands sent to it."""
+        applied the commands sent to it. Any thread."""
         return self._stats
 
     def is_alive(self) -> bool:
+        """The engine thread runs and no error has ended it: any thread."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def is_healthy(self) -> bool:
-        """Alive, and busy or idle rather than stuck (liveness())."""
+        """Alive, and busy or idle rather than stuck (liveness()): on the event loop."""
         return self.is_alive() and self.liveness().healthy
 
     def liveness(self) -> Verdict:
@@ -299,6 +356,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
+        """Abort a request at the engine's next step boundary (a command): any thread."""
         self._send(Abort(request_id))
 
     def abort_all(self, reason: str) -> None:
@@ -318,12 +376,12 @@ class AsyncEngine:
         request: EngineRequest,
         ready: Callable[[], Awaitable[Any]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream an admitted request's (EngineCore.admit) per-step deltas until it finishes.
-        Raises ValueError before anything is queued if the id is in use; RequestFailedError if
-        the engine failed this request, RequestAbortedError if abort_all ended it,
-        EngineDeadError if the loop dies. ready(), awaited once the request is queued and
-        before its first delta, may end the stream with its error, aborting the request: the
-        server's wait for a grammar that compiles while the prompt prefills."""
+        """Stream an admitted request's (admit()) per-step deltas until it finishes: on the
+        event loop. Raises ValueError before anything is queued if the id is in use;
+        RequestFailedError if the engine failed this request, RequestAbortedError if abort_all
+        ended it, EngineDeadError if the loop dies. ready(), awaited once the request is queued
+        and before its first delta, may end the stream with its error, aborting the request:
+        the server's wait for a grammar that compiles while the prompt prefills."""
         if not self.is_alive():
             raise EngineDeadError("the engine loop is not running")
         if request_id in self._streams:

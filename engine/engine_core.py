@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvfleet.engine.admission import Admission
 from kvfleet.engine.checkpoint_path import find_gguf
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
@@ -18,7 +19,7 @@ from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.model_runner import InFlightStep, LaunchedStep, ModelRunner
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.outputs import EngineStats, RequestOutput
-from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
+from kvfleet.engine.request import EngineRequest, Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.structured_output import CompiledGrammar, StructuredOutputs
@@ -114,7 +115,6 @@ class EngineCore:
             self.kv_cache_manager,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.model_config.max_model_len,
         )
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.vocab_size = self.model_config.hf_config.vocab_size
@@ -148,6 +148,14 @@ class EngineCore:
             else:
                 self.structured_unavailable = None
                 self.runner.structured = self.structured
+        self.admission = Admission(
+            max_model_len=self.model_config.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=self.kv_cache_manager.block_size,
+            num_kv_blocks=self.kv_cache_manager.pool.num_usable_blocks,
+            has_tokenizer=self.tokenizer is not None,
+            structured_unavailable=self.structured_unavailable,
+        )
 
     def worker_failure(self) -> str | None:
         """Why a tensor-parallel worker can no longer run steps, or None."""
@@ -194,57 +202,12 @@ class EngineCore:
         prompt: str | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
     ) -> EngineRequest:
-        """The one admission check: an EngineRequest, or InvalidRequestError (a ValueError) for
-        a request that could never run. Reads only fixed settings, so front ends call it from
-        any thread. `grammar`: the structured_outputs constraint, compiled or compiling
-        (StructuredOutputs.submit); without it, admission compiles it here."""
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(
-                "stop strings need a tokenizer (the engine runs without one)", "stop"
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                "prompt",
-            )
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                "stop_token_ids",
-            )
-        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                "logit_bias",
-            )
-        if params.top_k > self.vocab_size:
-            raise InvalidRequestError(
-                f"top_k ({params.top_k}) must not exceed the vocabulary size ({self.vocab_size})",
-                "top_k",
-            )
-        room = self.model_config.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.scheduler.check_request(len(prompt_token_ids), max_tokens)
-        if params.min_tokens > room:
-            raise InvalidRequestError(
-                f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context length "
-                f"(max_model_len {self.model_config.max_model_len}) leaves after the prompt",
-                "min_tokens",
-            )
-        if params.structured_outputs is not None:
-            if self.structured is None:
-                raise InvalidRequestError(
-                    f"structured outputs are not available: {self.structured_unavailable}",
-                    "structured_outputs",
-                )
-            if grammar is None:
-                grammar = self.structured.grammar(params.structured_outputs)
-            elif isinstance(grammar, Future) and grammar.done():
-                grammar = grammar.result()  # compiled, or its GrammarError
-        return EngineRequest(list(prompt_token_ids), params, prompt, grammar=grammar)
+        """Admission (self.admission) for the offline front end and tests, from any thread: a
+        structured_outputs constraint given without its grammar compiles here, blocking."""
+        constraint = params.structured_outputs
+        if grammar is None and constraint is not None and self.structured is not None:
+            grammar = self.structured.grammar(constraint)
+        return self.admission.admit(prompt_token_ids, params, prompt, grammar)
 
     def add_request(self, request_id: str, request: EngineRequest) -> None:
         """Queue an admitted request, as n child requests when n > 1. Raises ValueError, having
@@ -264,7 +227,7 @@ class EngineCore:
                     request.prompt_token_ids,
                     child_params,
                     self.eos_token_ids,
-                    self.model_config.max_model_len,
+                    request.max_tokens,
                     request.arrival_time,
                     request.grammar,
                 )

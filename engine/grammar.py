@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import llguidance
 import llguidance.gbnf_to_lark
@@ -18,9 +18,25 @@ from kvfleet.engine import grammar_bounds
 from kvfleet.engine.request import InvalidRequestError
 from kvfleet.engine.sampling_params import StructuredOutputsParams, TagStructure
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
+
 # llguidance's defaults, tightened where a hostile request could make one step slow: the mask
 # of one step (step_lexer_fuel, step_max_items) must stay far below a decode step's time.
-_LIMITS = dict(
+class _ParserLimits(TypedDict):
+    """The llguidance.LLParserLimits arguments the engine sets."""
+
+    max_items_in_row: int
+    initial_lexer_fuel: int
+    step_lexer_fuel: int
+    step_max_items: int
+    max_lexer_states: int
+    max_grammar_size: int
+    verbose_errors: bool
+
+
+_LIMITS = _ParserLimits(
     max_items_in_row=grammar_bounds.MAX_RULE_ALTERNATIVES,
     initial_lexer_fuel=1_000_000,
     step_lexer_fuel=200_000,
@@ -80,7 +96,7 @@ def _regex_literal(text: str) -> str:
 DEFAULT_WHITESPACE_PATTERN = r"[\x20\x0A\x0D\x09]{0,32}"
 
 
-def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+def _json_options(params: StructuredOutputsParams) -> JsonCompileOptions:
     if params.disable_any_whitespace:
         return {"whitespace_flexible": False}
     return {

@@ -276,9 +276,9 @@ def check_lark(grammar: str, where: str = "grammar") -> None:
         if at_line_start:
             m = _LARK_DEFINITION.match(grammar, pos)
             if m is not None:
-                current = m.group(1)
-                bodies.setdefault(current, [])
-                alternatives[current] = alternatives.get(current, 0) + 1
+                current = name = m.group(1)
+                bodies.setdefault(name, [])
+                alternatives[name] = alternatives.get(name, 0) + 1
                 pos = m.end()
             at_line_start = False
             continue

@@ -276,7 +276,7 @@ def main() -> None:
     # A check of a new constraint is background work: where cores are few, the engine's steps
     # (every running request's next token) come first.
     os.nice(WORKER_NICENESS)
-    resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE_BYTES,) * 2)
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE_BYTES, WORKER_ADDRESS_SPACE_BYTES))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     # Nothing but answers on stdout: a stray print would corrupt the stream.
     sys.stdout = sys.stderr

@@ -47,7 +47,13 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer(prompt).input_ids
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise TypeError(
+                    "a text prompt needs the tokenizer, which skip_tokenizer_init left out: "
+                    "pass {'prompt_token_ids': [...]}"
+                )
+            return prompt, tokenizer(prompt).input_ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
         raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, not {prompt!r}")

@@ -73,7 +73,8 @@ class OutputProcessor:
             request_id, request, children, detokenizers, [0.0] * len(children), len(children)
         )
         if request.params.prompt_logprobs is not None:
-            parent.prompt_logprobs = [None] * len(request.prompt_token_ids)
+            unscored: list[dict[int, float] | None] = [None] * len(request.prompt_token_ids)
+            parent.prompt_logprobs = unscored
         self._parents[request_id] = parent
         for i, child in enumerate(children):
             self._child_of[child.request_id] = (parent, i)
@@ -98,10 +99,13 @@ class OutputProcessor:
         step = ProcessedStep()
         for rid, (start, scored) in sampled.prompt_logprobs.items():
             entry = self._child_of.get(rid)
-            if entry is None or entry[0].prompt_logprobs is None:
+            if entry is None:
                 continue
             parent = entry[0]
-            prompt, buf = parent.request.prompt_token_ids, parent.prompt_logprobs
+            buf = parent.prompt_logprobs
+            if buf is None:
+                continue
+            prompt = parent.request.prompt_token_ids
             for pos, (chosen, top) in enumerate(scored, start):
                 buf[pos] = {prompt[pos]: chosen, **dict(top)}
         for i, error in sampled.failed.items():

@@ -1,5 +1,5 @@
-"""A request as admitted (EngineRequest: checked once, immutable) and its mutable state as the
-scheduler and runner see it (Request)."""
+"""A request as admitted (EngineRequest: checked and resolved once, by admission.py; immutable)
+and its mutable state as the scheduler and runner see it (Request)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,26 @@ if TYPE_CHECKING:
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine can never run, and the request parameter that says why."""
+    """A request the engine can never run, the request parameter that says why, and the
+    OpenAI error code of the refusal when it has one (context_length_exceeded)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """A request EngineCore.admit has checked against the model's limits: the engine queues it
-    as it is, without checking again. The caller names it with a request id when it submits it."""
+    """A request admission (Admission.admit) has checked against the engine's limits: the engine
+    queues it as it is, without checking again. The caller names it with a request id when it
+    submits it."""
 
     prompt_token_ids: list[int]
+    # As the client asked: max_tokens None means "up to the context length".
     params: SamplingParams
+    # The tokens each sequence may generate, resolved within the context: where it stops.
+    max_tokens: int
     prompt: str | None = None
     # time.monotonic() at admission, where latency metrics start.
     arrival_time: float = field(default_factory=time.monotonic)
@@ -74,7 +80,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int],
-        max_model_len: int,
+        max_tokens: int,
         arrival_time: float | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
     ) -> None:
@@ -83,10 +89,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        sp = sampling_params
-        # The request stops at the context limit even when max_tokens would allow more.
-        room = max_model_len - len(prompt_token_ids)
-        self.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        # Admission's resolution (EngineRequest.max_tokens): within the context already.
+        self.max_tokens = max_tokens
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

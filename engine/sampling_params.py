@@ -3,7 +3,7 @@
 Every field is bounded here, whatever front end built it, so that no value can reach the
 sampler's tensor ops out of range: seeds fit torch.Generator.manual_seed, floats are finite,
 counts fit int32. Bounds that depend on the model (top_k and stop_token_ids within the
-vocabulary, min_tokens within the context) are EngineCore.admit's."""
+vocabulary, min_tokens within the context) are admission's (Admission.admit)."""
 
 from __future__ import annotations
 

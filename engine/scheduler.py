@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfleet.engine.kv_cache_manager import KVCacheManager
-from kvfleet.engine.request import InvalidRequestError, Request, RequestStatus
+from kvfleet.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -56,45 +56,22 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_model_len: int,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished: list[str] = []
 
-    # -- admission -------------------------------------------------------------------------
-    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise InvalidRequestError for a request that could never complete on this engine."""
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens; this model's context length "
-                f"(max_model_len) is {self.max_model_len}, which must leave room for at least "
-                "one generated token",
-                "prompt",
-            )
-        longest = min(num_prompt_tokens + (max_tokens or self.max_model_len), self.max_model_len)
-        # The last sampled token is never fed back, so it needs no KV slot.
-        needed = self.kv.num_blocks_for(longest - 1)
-        if needed > self.kv.pool.num_usable_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {longest} tokens ({needed} KV blocks) but the KV cache "
-                f"holds only {self.kv.pool.num_usable_blocks} blocks; lower max_tokens or give the "
-                "engine more KV-cache memory",
-                "max_tokens",
-            )
-
+    # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue a request admission has resolved (EngineRequest): it fits the context and the
+        KV cache, so it is queued as it is."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.check_request(req.num_prompt_tokens, req.max_tokens)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

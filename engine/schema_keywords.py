@@ -1,18 +1,13 @@
 """The keywords of a JSON schema that constrains an output: which are taken, what their values
 may be, and where the subschemas under them are.
 
-The grammar library (llguidance) compiles :data:`CONSTRAINTS`, refuses the keywords of JSON
-Schema it does not implement (``not``, ``if``, ``uniqueItems``, ...), and silently ignores every
-keyword JSON Schema does not define: an ``x-`` extension, a misspelling, OpenAPI's ``nullable``.
-Such a schema would be followed as if the keyword were not there, so it is refused instead: a
-schema may hold the constraints and :data:`ANNOTATIONS` (which constrain nothing), no other key.
-That includes llguidance's own ``x-guidance``, whose compile options would replace the server's
-(the whitespace bound) and can turn unsupported keywords into warnings: the request's
-``structured_outputs`` options set what it would.
-
-Values are checked as the JSON Schema meta-schema demands, since the library takes some as
-they come (a ``multipleOf`` of -1 compiles). Each problem is reported with the JSON Pointer of
-the keyword. Pure: no grammar library, no I/O; the walk is iterative (callers bound the depth).
+llguidance silently ignores every keyword JSON Schema does not define (an ``x-`` extension, a
+misspelling, OpenAPI's ``nullable``) and would follow the schema as if the keyword were not
+there, so a schema may hold only :data:`CONSTRAINTS` and :data:`ANNOTATIONS` (not even
+``x-guidance``, whose options would replace the server's); values are checked as the
+meta-schema demands, since the library takes some as they come. Each problem names the
+keyword's JSON Pointer (docs/api.md#structured-outputs). Pure: no grammar library, no I/O; the
+walk is iterative (callers bound the depth).
 """
 
 from __future__ import annotations

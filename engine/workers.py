@@ -16,6 +16,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -92,7 +93,7 @@ class TensorParallelWorkers:
         world = args.tensor_parallel_size
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self._procs: list[mp.process.BaseProcess] = []
+        self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stopping = False
         for rank in range(1, world):

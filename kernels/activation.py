@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.fp8_quant import row_launch, row_scale, store_fp8_row, to_fp8
+from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
 
@@ -31,7 +32,7 @@ def _act_and_mul_row(x_row, cols, mask, d, ACTIVATION: tl.constexpr):
     return act * up
 
 
-@triton.jit
+@kernel
 def _act_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, d,
     ACTIVATION: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -44,7 +45,7 @@ def _act_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def _act_and_mul_quant_kernel(
     x_ptr, out_ptr, scale_ptr, static_ptr, stride_x, stride_o, d,
     ACTIVATION: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,

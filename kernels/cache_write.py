@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
+from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8_MAX, cache_values, kv_scales
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -42,7 +43,7 @@ def _quantize_e4m3(x, scale):
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@kernel
 def _write_kv_kernel(
     key_ptr,
     value_ptr,

@@ -1,16 +1,11 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the decode path's small kernels.
 
-A kernel launched with PDL may start while the kernel before it in the stream still runs, once
-every program of that kernel has allowed it (`allow_dependents`) or ended. Before it reads
-anything an earlier kernel wrote, or writes anything, it must `wait_for_prior`: that returns
-when the kernel before has finished and its writes are visible, and so, by induction, every
-kernel before that. Only data no kernel writes (weights) may be read before the wait.
-
-At batch 1 a decode step is ~400 launches of a few microseconds each: with PDL each launch and
-each program's set-up overlaps the kernel before. The decode path's kernels (norms, rotary, the
-KV write, decode attention, the activation, fp8 quantization and GEMM) all take part. The fp8
-GEMMs follow a norm, the activation or a quantization that reads a few kilobytes on one SM while
-the memory system idles, and use that head start to pull their weights into L2 (`prefetch_l2`)."""
+A kernel launched with PDL may start while the one before it still runs, once every program of
+that one has allowed it (`allow_dependents`) or ended; before it reads anything an earlier
+kernel wrote, or writes anything, it must `wait_for_prior`. Only data no kernel writes (weights)
+may be read before the wait. At batch 1 a decode step is ~400 launches of a few microseconds,
+so each launch's set-up overlapping the kernel before matters; the fp8 GEMMs also use the head
+start to pull their weights into L2 (`prefetch_l2`)."""
 
 from __future__ import annotations
 
@@ -39,6 +34,8 @@ def allow_dependents(PDL: tl.constexpr):
 
 @triton.jit
 def wait_for_prior(PDL: tl.constexpr):
+    """Returns once the kernel before has finished and its writes are visible, and so, by
+    induction, every kernel before that."""
     if PDL:
         gdc_wait()
 

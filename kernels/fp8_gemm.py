@@ -1,21 +1,13 @@
 """The fp8 (W8A8) linear's GEMM at decode batch sizes, in one Triton kernel: out = (x_fp8 @
 w_fp8.T) * x_scale * w_scale + bias, in the output dtype.
 
-At a handful of tokens cuBLASLt reads the weights at 64-93% of copy bandwidth on an H100 and
-needs two more launches (its split-K reduction and our scaling epilogue). Here the weight is the
-MMA's M side ("swap AB"): a program takes BLOCK_N weight rows, so Hopper's fp8 tensor cores
-(wgmma, 64 rows a warpgroup) run with the few tokens padded to BLOCK_M as the N side, and the
-K dimension may be split over SPLIT_K programs when there are too few column blocks to keep
-the SMs streaming. Split, each program writes its fp32 partial sums; the last of a column block
-to finish (a counter per block, which it resets) adds them in split order, so the result is
-deterministic, then scales, adds the bias and writes the output: one launch either way.
-
-On Hopper the kernel is launched with programmatic dependent launch (`dependent_launch`): it
-starts while the norm, activation or quantization before it still runs, and pulls the first
-PREFETCH_K columns of its weight rows into L2 before it waits for that kernel's output.
-
-The twin is the CPU path of engine.layers.fp8.fp8_linear (torch._scaled_mm), the same
-arithmetic up to the order of the fp32 sums."""
+At a handful of tokens cuBLASLt reads the weights well below copy bandwidth and needs two more
+launches (its split-K reduction and the scaling epilogue; figures in bench/RESULTS.md). Here the
+weight is the MMA's M side ("swap AB"), so Hopper's fp8 tensor cores run with the few tokens
+padded to BLOCK_M; K may be split over programs, and the last program of a column block adds
+the partials in split order (deterministic), scales and writes: one launch either way. On Hopper
+it starts early through programmatic dependent launch and prefetches its weights into L2. The
+twin is the CPU path of engine.layers.fp8.fp8_linear (torch._scaled_mm)."""
 
 from __future__ import annotations
 
@@ -34,6 +26,7 @@ from kvfleet.kernels.dependent_launch import (
     prefetch_l2,
     wait_for_prior,
 )
+from kvfleet.kernels.launch import kernel
 
 # Tokens a call may have: the MMA's N side, padded.
 MAX_TOKENS = 16
@@ -63,7 +56,7 @@ def _scale_and_store(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < n) & (toks[None, :] < m))
 
 
-@triton.jit
+@kernel
 def _small_batch_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     m, n, k, stride_x, stride_w, stride_o,
@@ -150,10 +143,9 @@ def _sms(device: torch.device) -> int:
 
 @functools.cache
 def default_tile(n: int, k: int, sms: int) -> GemmTile:
-    """64 weight rows and 256 columns a tile. Measured on an H100 at Llama-3-8B's shapes
-    (bench/fp8_linear_bench.py --gemm-sweep, 1-16 tokens): the K dimension unsplit was the best
-    of 1-8 splits from 64 column blocks up (0.5 SMs' worth), and six stages in flight beat four
-    where an SM has at most two programs, four where it has more. Below 64 blocks (a
+    """64 weight rows and 256 columns a tile, K unsplit from 64 column blocks up, six stages
+    where an SM has at most two programs and four where it has more: the best of the H100 sweep
+    in bench/RESULTS.md (bench/fp8_linear_bench.py --gemm-sweep). Below 64 blocks (a
     tensor-parallel shard of a small model) K is split until there are 64 programs, each with at
     least two K tiles: more programs streaming, for the partial sums' one extra pass."""
     block_n, block_k = 64, 256

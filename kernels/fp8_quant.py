@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
+from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
@@ -59,7 +60,7 @@ def store_fp8_row(
     tl.store(out_row_ptr + cols, q.to(out_row_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, static_ptr, k, stride_x, stride_o,
     STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
@@ -122,7 +123,7 @@ def quantize_tokens(
     return out, scale
 
 
-@triton.jit
+@kernel
 def _scale_rows_cols_kernel(
     acc_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, n,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,

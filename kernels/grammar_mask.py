@@ -14,12 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.launch import kernel
+
 # Bitmask words per program: 4096 tokens, so a 128k vocabulary spreads over 32 programs a row.
 BLOCK_WORDS = 128
 _MASKABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@kernel
 def _grammar_mask_kernel(
     logits_ptr, mask_ptr, vocab, n_words, stride_lr, stride_lc, stride_mr, stride_mc,
     BLOCK_WORDS: tl.constexpr,

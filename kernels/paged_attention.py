@@ -1,42 +1,12 @@
-"""Paged attention in Triton (twin of ``reference.paged_attention``).
+"""Paged attention in Triton, the twin of ``reference.paged_attention`` (tested against it).
 
-Two kernels:
-
-* ``paged_decode_attention``: one query token per sequence, split-KV ("flash decoding"). Grid
-  ``(num_seqs, num_kv_heads, num_splits)``; one program handles every query head of one KV head
-  (the GQA group, padded to >= 16 rows so the score and value products run on tensor cores) over
-  one contiguous slice of that sequence's visible KV range. Each sequence's range is cut into
-  ``num_splits`` slices on the device, from its own length, so the grid depends only on the batch
-  size and the caller's ``num_splits`` (CUDA-graph safe) and short and long sequences in one batch
-  both spread over all splits. With several splits, per-split partials (running max, sum and
-  unnormalised output, fp32) go to scratch and a second kernel merges them.
-* Cascade decoding (``prefix_len`` given): when every sequence of a decode batch starts with the
-  same physical blocks (a shared system prompt served from the prefix cache), a third kernel
-  attends all the batch's queries to that shared prefix at once, as the rows of one tile, so each
-  prefix K/V tile is read once per step instead of once per sequence; the split kernel then covers
-  only each sequence's own suffix, and the merge takes the prefix's partials beside the splits'.
-  The prefix length is read on the device, so a CUDA graph captured with the cascade serves any
-  prefix, including none (0).
-* ``paged_prefill_attention``: flash attention over variable-length query chunks, each chunk the
-  newest ``q_len`` tokens of its sequence, attending causally to its whole paged context. The
-  rows of one program are ``BLOCK_Q`` query tokens times the (padded) GQA group, so each K/V tile
-  is loaded once per KV head rather than once per query head. Grid ``(num_tokens // BLOCK_Q +
-  num_seqs, num_kv_heads)``: programs are laid out flat over the batch's tokens and each finds
-  its sequence from ``query_start_loc``, so a ragged batch launches no empty tiles. KV tiles
-  hidden by causality or the window are skipped, and tiles every row sees run without masks.
-  Chunks of a few tokens (the decode rows of a mixed batch) go to a second launch with a 16-row
-  tile, one program per sequence and KV head, instead of occupying a 128-row one.
-
-Scores are computed in fp32 and kept in the log2 domain (``exp2`` is the native instruction).
-Running maxima start at a large finite negative number instead of -inf, so rows or splits that
-see no key (empty splits, padding rows with seq_len 0) give exp2(-inf - finite) == 0 and a zero
-sum instead of NaN; the final division guards a zero sum and writes zeros.
-
-An FP8 cache (``KV_FP8``) is read as e4m3 and widened exactly to fp16, the dot dtype then (see
-``_dot_dtype``); its dequantization scales are applied in fp32 where they cost one multiply per
-program rather than one per element: K's is folded into the score scale, V's into the output
-accumulator (attention is linear in V). With a cache of the model dtype the branch is compiled
-out.
+Decode is split-KV ("flash decoding"): each sequence's range is cut into slices on the device,
+so the grid depends only on static sizes (CUDA-graph safe), and a second kernel merges the
+slices' partials; a batch that shares a cached prefix reads it once for all its queries
+(cascade). Prefill is flash attention over ragged query chunks. Both put a KV head's whole GQA
+group in one tile, so each K/V tile is read once per KV head. Scores are fp32 in the log2
+domain, and running maxima start finite, so a row that sees no key gives zeros, not NaN. The
+measurements behind the tiles and split counts are in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -48,6 +18,10 @@ import triton.language as tl
 from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.reference import is_fp8, kv_scales
 
+# Pyright reads Triton's typing, which does not describe JIT code: `kernel[grid]` has the
+# kernel's own signature (no launch options), a tl.constexpr parameter takes no plain value,
+# tl.range iterates only under @triton.jit, and reductions may be tuples. The pyright ignores
+# below are those four.
 _LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_INIT = tl.constexpr(-1.0e30)
 # Stands in for "no sliding window": k_pos > q_pos - 2**30 holds for every real position, so one
@@ -59,13 +33,10 @@ _MIN_TOKENS_PER_SPLIT = 256
 # Query rows (sequence x query head) per program of the cascade kernel's shared-prefix pass.
 _PREFIX_BLOCK_M = 64
 # Prefill's big tile by the operands' element size and head_dim: (BLOCK_M rows, BLOCK_N keys,
-# num_warps, num_stages). 16-bit: the fastest of a small sweep on an H200 (bf16, 32/8 heads,
-# 4 x 4096 prompts and a chunk beside 64 decodes); up to ~220 KB of shared memory, Hopper-sized.
-# 1: 16-bit queries over an FP8 cache; at head_dim 128 the fastest of a sweep on an H100 (the
-# same workloads): 21% faster than the 16-bit tile on 4 x 4096 prompts and 10% on the chunk.
-# The 16-bit tile's 128 keys of V by dimension sit in shared memory with 8 pages on the same
-# banks (bench/kernel_sass.py, bench/RESULTS.md); a 64-key tile has 4 such pages. fp32
-# (ieee products, a correctness path) gets tiles that fit the same memory.
+# num_warps, num_stages), each the fastest of a sweep (bench/RESULTS.md); the 16-bit tiles use
+# up to ~220 KB of shared memory, Hopper-sized. 1: 16-bit queries over an FP8 cache, whose V by
+# dimension puts 8 pages of a 128-key tile on the same shared-memory banks (4 with 64 keys).
+# fp32 (ieee products, a correctness path) gets tiles that fit the same memory.
 _PREFILL_TILE = {
     1: {64: (128, 64, 4, 2), 128: (128, 64, 4, 3), 256: (128, 64, 8, 2)},
     2: {64: (128, 64, 4, 2), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)},
@@ -181,7 +152,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")
+    acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")  # pyright: ignore[reportArgumentType]
     return m_new, l_i, acc
 
 
@@ -260,12 +231,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for start in tl.range(tok_start, tok_end, BLOCK_N):
+    for start in tl.range(tok_start, tok_end, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         # Not CAUSAL: the one query sees all of [lo, tok_end); `lo` fills the unused q_pos.
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, start, lo, tok_end, lo, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
@@ -358,11 +329,11 @@ def _decode_prefix_kernel(
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in tl.range(tok_start, tok_end, BLOCK_N):
+    for start in tl.range(tok_start, tok_end, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, block_tables_ptr, start, 0, tok_end,
             0, 0, scale, soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
@@ -402,7 +373,7 @@ def _decode_reduce_kernel(
     w = tl.exp2(m - tl.max(m, 0))
     denom = tl.sum(w * l_s, 0)
     acc = tl.sum(o * w[:, None], 0)
-    acc = acc / tl.where(denom > 0.0, denom, 1.0)
+    acc = acc / tl.where(denom > 0.0, denom, 1.0)  # pyright: ignore[reportOperatorIssue]
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims,
         acc.to(out_ptr.dtype.element_ty),
@@ -458,7 +429,7 @@ def _prefill_kernel(
         idx = tl.arange(0, BLOCK_SEQS)
         firsts = tl.load(query_start_loc_ptr + idx, mask=idx < num_seqs, other=1 << 30)
         owners = firsts.to(tl.int32) // BLOCK_Q + idx
-        seq = tl.sum((owners <= pid).to(tl.int32), 0) - 1
+        seq = tl.sum((owners <= pid).to(tl.int32), 0) - 1  # pyright: ignore[reportOperatorIssue]
         q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
         first_q = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     else:
@@ -507,25 +478,25 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for kv_start in tl.range(start, tl.minimum(all_seen, hi), BLOCK_N):
+    for kv_start in tl.range(start, tl.minimum(all_seen, hi), BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
-    for kv_start in tl.range(all_seen, diag, BLOCK_N):
+    for kv_start in tl.range(all_seen, diag, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=False, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=False, CAUSAL=False, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
-    for kv_start in tl.range(tl.maximum(all_seen, diag), hi, BLOCK_N):
+    for kv_start in tl.range(tl.maximum(all_seen, diag), hi, BLOCK_N):  # pyright: ignore[reportGeneralTypeIssues]
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_base, v_base, bt_row, kv_start, lo, hi, q_pos, window, scale,
             soft_cap, stride_cblk, stride_ctok, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,
+            MASK=True, CAUSAL=True, HAS_SOFT_CAP=HAS_SOFT_CAP, DOT_DTYPE=DOT_DTYPE,  # pyright: ignore[reportArgumentType]
             V_BY_DIM=KV_FP8,
         )  # fmt: skip
     if KV_FP8:
@@ -550,15 +521,12 @@ def choose_num_splits(
     num_sms: int = 132,
     kv_fp8: bool = False,
 ) -> int:
-    """Decode splits per (sequence, KV head): enough programs for about two per SM (one with an
-    FP8 cache), rounded up to a power of two (context lengths split evenly in whole tiles), but
-    no split shorter than _MIN_TOKENS_PER_SPLIT tokens at max_model_len. Measured (bf16, 32/8
-    heads, head_dim 128; H100 and H200 alike): batch 64 x 2048 is fastest at 1-4 splits, batch
-    8 x 16384 at 8-16, batch 1 x 32768 at 32; extra splits cost a few percent (partials written
-    and merged). An FP8 split reads half the bytes for the same keys, so those fixed costs weigh
-    twice as much: on H100s, 8 x 16384 read 83.4-86.3% of copy bandwidth at 4 splits (seven
-    measurements, median 85.8%) and 82.7-84.8% at 8 (three). A pure function of static sizes,
-    so CUDA graphs can capture the result."""
+    """Decode splits per (sequence, KV head): enough programs for about two per SM, rounded up
+    to a power of two (context lengths split evenly in whole tiles), but no split shorter than
+    _MIN_TOKENS_PER_SPLIT tokens at max_model_len, since each split writes a partial that is
+    merged after. An FP8 split reads half the bytes for the same keys, so that fixed cost weighs
+    double: one program per SM. A pure function of static sizes, so CUDA graphs can capture the
+    result. The split sweeps that set these rules are in bench/RESULTS.md."""
     programs = (1 if kv_fp8 else 2) * num_sms
     want = triton.next_power_of_2(triton.cdiv(programs, max(batch_size * num_kv_heads, 1)))
     cap = triton.cdiv(max_model_len, _MIN_TOKENS_PER_SPLIT)
@@ -583,12 +551,9 @@ def _kv_tile_tokens(head_dim: int, itemsize: int) -> int:
     return min(64, max(16, 16384 // (head_dim * itemsize)))
 
 
-# The decode split kernel's (num_warps, num_stages) for an FP8 cache: the fastest of a sweep on an
-# H100 (32/8 heads, head_dim 128, 64 x 2048 and 8 x 16384) with the token-major V of before,
-# against 51-54% of copy bandwidth with the bf16 cache's (4, 3). Fewer warps per program leave
-# room for more programs per SM and deeper pipelines of the half-size tiles. With V by dimension,
-# three interleaved rounds of (2 or 4 warps) x (3, 4 or 6 stages) x (64 or 128 keys) on an H100
-# kept it: 86.6% at 64 x 2048 and 85.8% at 8 x 16384 (4 splits), no other launch faster at both.
+# The decode split kernel's (num_warps, num_stages) for an FP8 cache, the fastest of the sweeps in
+# bench/RESULTS.md: fewer warps per program leave room for more programs per SM and deeper
+# pipelines of the half-size tiles.
 _FP8_DECODE_LAUNCH = (2, 6)
 
 
@@ -598,8 +563,8 @@ def _dot_dtype(query: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
         return tl.float32
     if is_fp8(kv_cache):
         # e4m3 -> fp16 is exact and one instruction per pair, where e4m3 -> bf16 takes a detour
-        # that made decode compute-bound (57% of copy bandwidth against 80% measured on an
-        # H100). fp16 carries more mantissa than bf16, and queries stay far inside its range.
+        # that made decode compute-bound (bench/RESULTS.md). fp16 carries more mantissa than
+        # bf16, and queries stay far inside its range.
         return tl.float16
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[query.dtype]
 
@@ -640,9 +605,23 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # fp32 scalars on the device: an FP8 cache only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """With ``prefix_len``, the caller guarantees that block-table row 0's first
-    ``prefix_len // block_size`` blocks head every row's table, that ``prefix_len`` is a whole
-    number of blocks no longer than any real row's length, and that no sliding window applies."""
+    """One query token per sequence. Grid ``(num_seqs, num_kv_heads, num_splits)``: a program
+    takes one KV head's GQA group (padded to >= 16 rows, for the tensor cores) over one slice of
+    its sequence's range; the slices are cut on the device from each sequence's own length, so
+    short and long sequences in one batch both spread over all splits. With several splits the
+    partials (running max, sum, unnormalised output, fp32) go to scratch and a reduce kernel
+    merges them.
+
+    Cascade (``prefix_len``): a first kernel attends all the batch's queries to the shared
+    prefix as the rows of one tile, so each prefix tile is read once per step, and the splits
+    cover only each sequence's own suffix. ``prefix_len`` is read on the device, so a captured
+    graph serves any prefix, none (0) included. The caller guarantees that block-table row 0's
+    first ``prefix_len // block_size`` blocks head every row's table, that ``prefix_len`` is a
+    whole number of blocks no longer than any real row's length, and that no sliding window
+    applies.
+
+    An FP8 cache is widened to fp16 for the dots (``_dot_dtype``); K's scale is folded into the
+    score scale and V's into the output, one multiply per program."""
     if prefix_len is not None and sliding_window is not None:
         raise ValueError("cascade decoding (prefix_len) does not support a sliding window")
     if query.stride(-1) != 1:
@@ -704,8 +683,8 @@ def paged_decode_attention(
             HAS_SOFT_CAP=logits_soft_cap is not None,
             DOT_DTYPE=_dot_dtype(query, kv_cache),
             KV_FP8=is_fp8(kv_cache),
-            num_warps=4,
-            num_stages=2,
+            num_warps=4,  # pyright: ignore[reportCallIssue]
+            num_stages=2,  # pyright: ignore[reportCallIssue]
             **pdl_args(query.device),
         )
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -742,8 +721,8 @@ def paged_decode_attention(
         HAS_SOFT_CAP=logits_soft_cap is not None,
         DOT_DTYPE=_dot_dtype(query, kv_cache),
         KV_FP8=is_fp8(kv_cache),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=num_warps,  # pyright: ignore[reportCallIssue]
+        num_stages=num_stages,  # pyright: ignore[reportCallIssue]
         **pdl_args(query.device),
     )
     if num_parts > 1:
@@ -757,7 +736,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             NUM_PARTS=num_parts,
             BLOCK_S=triton.next_power_of_2(num_parts),
-            num_warps=4,
+            num_warps=4,  # pyright: ignore[reportCallIssue]
             **pdl_args(query.device),
         )
     return out
@@ -783,6 +762,11 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,  # fp32 scalars on the device: an FP8 cache only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Each chunk is the newest ``q_len`` tokens of its sequence and attends causally to its
+    whole paged context. A program's rows are ``BLOCK_M`` (token, query head) pairs of one KV
+    head; programs are laid out flat over the batch's tokens and each finds its sequence from
+    ``query_start_loc``, so a ragged batch launches no empty tiles. K/V tiles hidden by causality
+    or the window are skipped, and tiles every row sees run without masks."""
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
@@ -801,7 +785,10 @@ def paged_prefill_attention(
     small_m = max(16, group_pad)
     small_q = small_m // group_pad
     small_tile = (small_m, _kv_tile_tokens(head_dim, itemsize), 4, 2)
-    launches = [((num_seqs, num_kv_heads), 0, small_tile, 0, small_q)]
+    # (grid, BLOCK_SEQS, tile, min_q, max_q) of each launch.
+    launches: list[tuple[tuple[int, int], int, tuple[int, int, int, int], int, int]] = [
+        ((num_seqs, num_kv_heads), 0, small_tile, 0, small_q)
+    ]
     if max_query_len > small_q:
         block_m, block_n, num_warps, num_stages = prefill_tile(itemsize, is_fp8(kv_cache), head_dim)
         block_m = max(block_m, group_pad)
@@ -842,7 +829,7 @@ def paged_prefill_attention(
             DOT_DTYPE=_dot_dtype(query, kv_cache),
             BLOCK_SEQS=block_seqs,
             KV_FP8=is_fp8(kv_cache),
-            num_warps=num_warps,
-            num_stages=num_stages,
+            num_warps=num_warps,  # pyright: ignore[reportCallIssue]
+            num_stages=num_stages,  # pyright: ignore[reportCallIssue]
         )
     return out

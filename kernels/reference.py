@@ -1,20 +1,13 @@
-"""Pure-PyTorch paged attention and KV-cache writes: the CPU path and the oracle that the
-Triton kernels are tested against. Clarity over speed; one sequence at a time.
+"""Pure-PyTorch twins of the Triton kernels (paged attention, KV-cache writes, norms, rotary,
+activations, fp8 quantization, the grammar mask): the CPU path and the oracle the kernels are
+tested against. Clarity over speed; one sequence at a time.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
-
-An FP8 cache (``torch.float8_e4m3fn``) holds ``clamp(x / scale, -448, 448)`` rounded to e4m3, with
-one fp32 scale per layer for K and one for V (0-dim device tensors); reads dequantize as ``fp8 value
-* scale`` in fp32. Caches of the model's own dtype store values as they are and take no scales.
-
-Two things differ in an FP8 cache, both for the decode kernel's sake:
-- Its V half keeps each block by head and dimension, ``[num_kv_heads, head_dim, block_size]``
-  (``cache_values`` gives the usual view). Attention sums P x V over tokens, and a tensor-core
-  dot needs neighbouring tokens of one dimension in neighbouring bytes: token-major e4m3 bytes
-  had to be gathered one at a time, which made the kernel bound by instructions, not memory.
-- It holds no NaN: the write stores NaN as 0 (and saturates infinities), and the engine zeroes
-  the cache when it allocates it. The kernels then read whole pages of V without masking the
-  slots past a sequence's end: those get zero weight, and 0 x a finite value is 0.
+An FP8 cache (e4m3) holds ``clamp(x / scale, -448, 448)``, one fp32 scale per layer for K and
+one for V. For the decode kernel's sake it keeps V by dimension within each block
+(``cache_values`` gives the usual view: a tensor-core dot needs a dimension's tokens side by
+side) and holds no NaN (written as 0; the engine zeroes the cache), so kernels read whole pages
+unmasked: slots past a sequence's end get zero weight, and 0 x a finite value is 0.
 """
 
 from __future__ import annotations

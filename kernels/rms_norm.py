@@ -1,17 +1,10 @@
-"""Triton RMSNorm with the residual add fused in (twin of ``reference.rms_norm`` and of the
-``engine.layers.layernorm`` RMSNorms).
+"""Triton RMSNorm with the residual add fused in, the twin of ``reference.rms_norm`` and of the
+``engine.layers.layernorm`` RMSNorms.
 
-Rounding follows the PyTorch twin step by step, so results agree to the last bit up to the order
-of the fp32 sum of squares: ``x + residual`` is rounded to the input dtype (it is also the new
-residual). Llama style: the normalised row is rounded to the input dtype before the weight
-multiply and the output dtype is ``promote_types(weight.dtype, x.dtype)``. Gemma style
-(``zero_centred``): the row is scaled by ``1 + weight`` in fp32 and rounded once, to the input
-dtype. Inputs are never written; outputs are new tensors.
-
-With ``quantize``, the kernel also quantizes the normalised row for an fp8 linear layer, as
-``reference.quantize_tokens`` would quantize the output above (per-row amax, or a static
-scale): one launch less per layer input on the fp8 path, whose decode step is made of such small
-launches.
+Rounding follows the PyTorch twin step by step (:func:`rms_norm` says where), so results agree
+to the last bit up to the order of the fp32 sum of squares. With ``quantize`` it also writes the
+row in fp8 for the next linear, as ``reference.quantize_tokens`` would: one launch less per
+layer input on the fp8 path, whose decode step is made of such small launches.
 """
 
 from __future__ import annotations
@@ -24,10 +17,11 @@ import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
 from kvfleet.kernels.fp8_quant import store_fp8_row
+from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, FP8_MAX, MIN_SCALE
 
 
-@triton.jit
+@kernel
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -86,9 +80,13 @@ def rms_norm(
     quantize: bool = False,
     static_scale: torch.Tensor | None = None,
 ) -> Any:
-    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given. With
-    ``quantize``, ``norm(x)`` is ``(fp8 [..., hidden], fp32 scale [rows, 1])``, scaled per row or
-    by ``static_scale``; the weight must be of x's dtype."""
+    """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given, the sum
+    rounded to x's dtype. Llama style: the normalised row is rounded to x's dtype before the
+    weight multiply, and the output dtype is ``promote_types(weight.dtype, x.dtype)``; Gemma style
+    (``zero_centred``): the row is scaled by ``1 + weight`` in fp32 and rounded once, to x's
+    dtype. With ``quantize``, ``norm(x)`` is ``(fp8 [..., hidden], fp32 scale [rows, 1])``,
+    scaled per row or by ``static_scale``; the weight must be of x's dtype. Inputs are never
+    written."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous(), (weight.shape, x.shape)
     x2 = x.reshape(-1, hidden)

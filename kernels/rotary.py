@@ -9,9 +9,10 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.dependent_launch import enter, pdl_args
+from kvfleet.kernels.launch import kernel
 
 
-@triton.jit
+@kernel
 def _rotary_kernel(
     q_ptr,
     k_ptr,

@@ -1,17 +1,11 @@
 """Which engine a scale-down removes: the coldest, idlest one.
 
-The Deployment's ReplicaSet picks the pods to delete itself; among Ready pods it deletes those
-with the lowest ``controller.kubernetes.io/pod-deletion-cost`` first. So before the replica count
-drops, the autoscaler ranks the engines by what deleting each would lose, requests in flight
-first (each one drains for up to the grace period, or is cut off), then cached prompt blocks (the
-warm prefix cache a router sends that engine's sessions to), and writes the ranks as costs.
-
-Ranks, not the raw numbers: Kubernetes asks that the annotation not follow a metric, since every
-change is a pod update. A rank changes only when the order does, and the costs are written only
-just before a scale-down, only on the pods whose rank moved.
-
-A pod whose metrics did not come ranks lowest: nothing shows it holds work or a warm cache, and
-a pod that cannot be scraped is the likeliest to be unhealthy.
+The ReplicaSet deletes the Ready pods with the lowest ``controller.kubernetes.io/pod-deletion-cost``
+first, so just before a scale-down the autoscaler ranks the engines by what deleting each would
+lose (requests in flight, then cached prompt blocks; a pod whose metrics did not come lowest)
+and writes the ranks, on the pods whose rank moved. Ranks, not raw numbers: every change is a
+pod update, and Kubernetes asks that the annotation not follow a metric.
+docs/autoscaling.md#which-engine-a-scale-down-removes is the reference.
 """
 
 from __future__ import annotations
@@ -51,7 +45,7 @@ def cost_patches(
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name")
-        if name not in costs:
+        if not isinstance(name, str) or name not in costs:
             continue
         value = str(costs[name])
         if (meta.get("annotations") or {}).get(DELETION_COST) != value:

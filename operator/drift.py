@@ -1,21 +1,12 @@
 """Is a live object still what the operator wants it to be? Pure: no I/O.
 
 Reconciling an unchanged spec must issue no writes, and a child edited by hand must be restored.
-Both come from one test, ``in_sync(desired, live)``, which holds when
-
-* the live object carries the hash of the desired object (so a spec change that only *removes* a
-  field, invisible to a containment check, still counts as a change), and
-* every field of the desired object is present in the live one with the same value, ignoring what
-  the API server or other controllers add (defaults, status, extra labels, other owners' fields).
-
-Containment cannot see an *added* field, and server-side apply does not remove fields another
-manager added (``kubectl edit``, a script). Where an addition changes what the child does (a
-Service selector key that matches no pod, a ``nodeSelector`` that pins pods to no node), the
-operator owns the whole value: ``excess`` finds what live has there beyond the desired object.
-Everything else added by others (an env var, labels, annotations) is theirs and stays.
-
-Values are compared as the API server returns them: quantities numerically ("1000m" == "1"),
-and an empty list or map we ask for may come back absent.
+``in_sync`` holds when the live object carries the desired object's hash (so a change that only
+removes a field still counts) and contains every desired field with the same value, ignoring
+what the API server and others add. Containment cannot see an added field, and server-side
+apply does not remove one: where an addition changes what the child does (a selector key, a
+``nodeSelector``), the operator owns the whole value, and ``excess`` finds what live has there
+beyond the desired object. Values compare as the API server returns them ("1000m" == "1").
 """
 
 from __future__ import annotations
@@ -110,6 +101,10 @@ def contains(live: Any, desired: Any, key: str | None = None, parent: str | None
 
 
 def in_sync(desired: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
+    """``live`` carries ``desired``'s hash and every field of ``desired`` with the same value;
+    what the API server or other controllers add (defaults, status, extra labels, other owners'
+    fields: an env var, annotations) is theirs and ignored. An empty list or map asked for may
+    come back absent."""
     want = desired.get("metadata", {}).get("annotations", {}).get(HASH_ANNOTATION)
     have = (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION)
     return want is not None and want == have and contains(live, desired)

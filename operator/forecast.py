@@ -1,31 +1,13 @@
 """Scaling ahead of a rising load by the time an engine takes to start. Pure: the autoscaler
 feeds it the pods it lists and the load it computes, and keeps what it returns.
 
-The start time is learned from the engine pods themselves: from a pod's creationTimestamp to the
-lastTransitionTime of its Ready condition, which is scheduling, image pull, model load and
-warm-up, all of which a new replica will pay again. A pod counts once, at its first Ready; not a
-pod whose containers restarted, nor a Ready again after a spell unready: either would count an
-outage as start-up. Each sample is capped (a pod left Pending for hours says nothing of the next
-one) and the estimate is the median of the last few, so one odd start does not move it.
-
-The trend is a least-squares line through the load of the last WINDOW_S seconds. It projects
-only when it is worth believing: enough samples over a long enough span, a rising slope, a line
-that explains most of the variance (a noisy, flat load does not project), and a load now above
-all it was in the window until MIN_SPAN_S ago (a step that has levelled off, or a ramp that has
-ended, still fits a rising line for a while, but is no longer rising); the projected rise is
-capped by the caller. A falling or flat load projects nothing: the forecast only ever
-brings a scale-up forward, never a scale-down.
-
-A rise as steady as a ramp's may still be the load's own cycle: a sawtooth, a spike or noise
-climbs for a while, then falls back, and a scale-up brought forward for it adds replicas the peak
-never uses (which the scale-down window then holds). So the load of the last CYCLE_S seconds is
-kept too, and a level the load reached and then fell from, by more than its noise about the
-trend line, is the top of its cycle. The projection goes no further above that top than the
-load itself already is: a rise back towards a top the load fell from projects nothing, a load
-just past it (the same peak again, with noise) projects little, and a trend that carries the
-load past its cycle is believed in full once it is one horizon's rise beyond the top. Before the
-load has ever fallen (a ramp, the first rise of any load) only the window counts: a first rise
-cannot be told from the start of a ramp.
+The start time is learned from the engine pods themselves (creation to first Ready: what the
+next replica pays too). A least-squares trend of the load projects one start time ahead only
+when the rise is worth believing, and never further above the top of the load's own cycle than
+the load already is: a sawtooth or a spike climbs like a ramp for a while, and replicas brought
+forward for it would go unused. The forecast only ever brings a scale-up forward, never a
+scale-down. docs/autoscaling.md#scaling-ahead-by-the-engine-start-time gives the rules and
+their thresholds.
 """
 
 from __future__ import annotations
@@ -170,8 +152,14 @@ def projection(
     samples: tuple[Sample, ...], now: float, horizon: float, max_rise: float
 ) -> Projection | None:
     """The load ``horizon`` seconds after now by the trend of the window's samples, the rise
-    capped at ``max_rise`` and by the top of the load's cycle; None unless the load rises
-    significantly beyond its cycle (see the module's doc). The last sample is the load now."""
+    capped at ``max_rise`` and by the top of the load's cycle. The last sample is the load now.
+
+    None unless the rise is worth believing: MIN_SAMPLES over MIN_SPAN_S, a rising line that
+    explains MIN_R2 of the variance, and a load now above all it was until MIN_SPAN_S ago (a
+    step that levelled off still fits a rising line for a while). The cycle's top is a level the
+    load fell from by more than its noise about the line (``cycle_top``): below it nothing is
+    projected, past it no further above it than the load already is, until the load is one
+    horizon's rise beyond it."""
     memory = recent(samples, now)
     window = tuple(s for s in memory if now - s.time <= WINDOW_S)
     if len(window) < MIN_SAMPLES or not 0 < horizon < math.inf or not max_rise > 0:

@@ -1,18 +1,11 @@
 """The operator's Kubernetes API client, over kubernetes_asyncio, and the credentials it shares
 with kopf.
 
-Credentials come from kubernetes_asyncio's own loaders: the pod's ServiceAccount in a cluster,
-else the kubeconfig (``KUBECONFIG`` or ``~/.kube/config``, exec credential plugins included).
-Kopf gets the very same credentials through the login handler :meth:`Kube.login`, so the
-operator has one source of truth for where the cluster is and who it is there; both reload them
-when the API server answers 401 (a rotated ServiceAccount token, an expired exec token).
-
-Requests go by URL (``resource_url``) with plain JSON bodies: the operator's objects are dicts
-built and compared as such, and the typed models would only convert them back and forth.
-Children are written by server-side apply (``application/apply-patch+yaml`` with this
-operator's field manager and force), which also creates them: the operator owns exactly the
-fields it sets, a field it stops setting is removed, and fields others own stay, except in the
-values drift.py's ``excess`` says the operator owns whole (a merge patch removes those).
+Credentials come from kubernetes_asyncio's loaders (the pod's ServiceAccount, else the
+kubeconfig), and kopf gets the very same through the login handler :meth:`Kube.login`: one
+source of truth for where the cluster is and who the operator is there, reloaded on a 401.
+Requests go by URL with plain JSON bodies: the operator's objects are dicts built and compared
+as such, and typed models would only convert them back and forth.
 """
 
 from __future__ import annotations
@@ -132,6 +125,7 @@ async def load_connection(
 async def connection_info(connection: Connection) -> kopf.ConnectionInfo:
     """The same credentials in kopf's terms."""
     cfg = connection.configuration
+    assert cfg.host is not None, "a loaded configuration names its API server"
     scheme = token = None
     if authorization := await cfg.get_api_key_with_prefix("BearerToken"):
         scheme, _, token = authorization.strip().partition(" ")
@@ -332,6 +326,10 @@ class Kube:
         return list(body.get("items") or [])
 
     async def apply(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply with this operator's field manager and force, which also creates:
+        the operator owns exactly the fields it sets, a field it stops setting is removed, and
+        fields others own stay, except in the values drift.excess says the operator owns whole
+        (a merge patch removes those)."""
         # Strict: a field the API server does not know (a typo in a passed-through affinity,
         # say) is an error to report, not something to prune silently and re-apply forever.
         query = [("fieldManager", FIELD_MANAGER), ("force", "true"), ("fieldValidation", "Strict")]

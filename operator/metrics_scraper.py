@@ -1,26 +1,11 @@
 """Reading the engines' and routers' Prometheus metrics for the autoscaler.
 
 Targets are pods, not Services: the autoscaler needs each engine's own numbers, and a Service
-would answer from one pod at random. A pod is scraped once it is Ready and has an IP, on the
-container port named ``http`` (what the operator's Deployments declare; tests point it at their
-own servers), else the component's default port.
-
-A pod's /metrics is untrusted input: one pod must not exhaust the operator's memory, stall its
-event loop, or stop the other pods' signals. So a body is read as kvfleet.telemetry.metrics_reader
-reads one (streamed, cut off past ``max_body_bytes``, counted after decompression, only the
-wanted metrics' lines kept a chunk at a time) within a deadline; those lines are parsed off the
-event loop; every value is checked (see scaling_policy.out_of_range). A pod that does not
-answer in time, answers with an error, with a body too large, not UTF-8 or unparsable, lacks a
-metric or reports an impossible value is reported unanswered with the reason, never as idle, and
-counted in kvfleet_operator_scrape_failures_total{reason}.
-
-Scrapes share one connection pool sized for ``max_concurrent`` scrapes, and a semaphore of as
-many slots: the per-pod timeout starts once a slot is held, so waiting behind other pods never
-counts against a pod; the wait for a slot has its own deadline (``slot_wait``).
-
-A metric with several series (several model_name values) is summed, each series once: a
-series repeated with the same value counts once, and one repeated with another value makes the
-pod's answer unusable (``conflicting_series``), as metrics_reader.SeriesSums reads them.
+would answer from one pod at random. A pod's /metrics is untrusted input, so a body is read as
+kvfleet.telemetry.metrics_reader reads one, within a deadline, parsed off the event loop, and
+every value is checked. A pod that does not answer or answers something unusable is reported
+unanswered with the reason, never as idle, and counted in kvfleet_operator_scrape_failures_total
+(docs/autoscaling.md#pods-that-do-not-answer-pods-still-starting).
 """
 
 from __future__ import annotations
@@ -97,7 +82,9 @@ def _http_port(pod: Mapping[str, Any], default: int) -> int:
 
 
 def ready_targets(pods: Iterable[Mapping[str, Any]], default_port: int) -> list[Target]:
-    """The /metrics URL of each Ready pod, by pod name."""
+    """The /metrics URL of each Ready pod that has an IP, by pod name, on its container port
+    named ``http`` (what the operator's Deployments declare; tests point it at their own
+    servers), else ``default_port``."""
     targets = []
     for pod in pods:
         if not _is_ready(pod):
@@ -127,7 +114,11 @@ def histogram_buckets(values: Mapping[str, float], histogram: str) -> Buckets | 
 
 
 class Scraper:
-    """Scrapes pods' /metrics over one connection pool; ``close`` it when done."""
+    """Scrapes pods' /metrics over one connection pool; ``close`` it when done.
+
+    The pool is sized for ``max_concurrent`` scrapes, with a semaphore of as many slots: a pod's
+    timeout starts once it holds a slot, so waiting behind other pods never counts against it,
+    and the wait for a slot has its own deadline."""
 
     def __init__(
         self,

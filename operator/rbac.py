@@ -1,18 +1,9 @@
 """Every permission the operator and the routers it deploys need, written down once.
 
-``kvfleet-operator print-rbac`` renders OPERATOR_RULES as the ClusterRole the Helm chart installs
-for an operator serving every namespace; ``print-rbac -n NAMESPACE...`` renders
-NAMESPACED_OPERATOR_RULES as the Role (and RoleBinding) per watched namespace of the chart's
-namespaced mode, which grants nothing cluster-wide. tests/operator/test_operator_kmock.py checks
-every API call the operator makes against them.
-
-The router's permissions are a namespaced Role per InferenceService, created by the operator with
-the router's ServiceAccount and a RoleBinding (all owned by the InferenceService). A single
-chart-provided ClusterRole bound per namespace would work too, but it would need the chart to
-exist before any InferenceService and the operator would need ``bind`` on it; the per-service
-Role grants a router read access to EndpointSlices of its own namespace only, lives and dies
-with the service, and the operator can create it because it holds those same permissions
-(Kubernetes refuses to let anyone grant permissions they do not have).
+``kvfleet-operator print-rbac`` renders OPERATOR_RULES as the ClusterRole the Helm chart installs,
+``print-rbac -n NAMESPACE...`` NAMESPACED_OPERATOR_RULES as the Role per watched namespace of the
+chart's namespaced mode (docs/operations.md#rbac-cluster-wide-or-namespaced).
+tests/operator/test_operator_kmock.py checks every API call the operator makes against them.
 """
 
 from __future__ import annotations
@@ -30,6 +21,10 @@ READ = ["get", "list", "watch"]
 MANAGE = [*READ, "create", "patch"]
 
 # What a router does: watch the EndpointSlices of its engine Service to learn the ready engines.
+# The operator grants it as a Role per InferenceService (with the router's ServiceAccount and a
+# RoleBinding, all owned by the service) rather than the chart binding one ClusterRole per
+# namespace: no chart needed before the first service, no ``bind`` verb for the operator, and a
+# router reads its own namespace only. Kubernetes lets the operator grant only what it holds.
 ROUTER_RULES: tuple[PolicyRule, ...] = (
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
 )
@@ -59,7 +54,7 @@ _RULES: tuple[PolicyRule, ...] = (
     # the pod-deletion-cost annotation that makes a scale-down remove the coldest engine.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    # Held so that the operator may grant it to routers (see the module docstring).
+    # Held so that the operator may grant it to routers (see ROUTER_RULES).
     *ROUTER_RULES,
 )
 PEERING_VERBS = ["get", "list", "watch", "patch"]
@@ -92,7 +87,14 @@ def allows(rules: tuple[PolicyRule, ...], group: str, resource: str, verb: str) 
 
 def as_manifest(rules: tuple[PolicyRule, ...]) -> list[dict[str, list[str]]]:
     """Rules as fresh lists (no list shared between rules, so YAML has no anchors)."""
-    return [{key: list(value) for key, value in rule.items()} for rule in rules]
+    return [
+        {
+            "apiGroups": list(rule["apiGroups"]),
+            "resources": list(rule["resources"]),
+            "verbs": list(rule["verbs"]),
+        }
+        for rule in rules
+    ]
 
 
 def cluster_role(name: str = "kvfleet-operator") -> dict[str, Any]:

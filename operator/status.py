@@ -1,17 +1,10 @@
 """An InferenceService's status, computed from what its children report. Pure: no I/O.
 
-Conditions (metav1.Condition shape, each with observedGeneration):
-
-* Ready: the router and at least one engine replica are ready and have a pod IP, so requests
-  are served (a pod without an IP is in no EndpointSlice: neither the router Service nor the
-  router reaches it, however Ready the kubelet says it is).
-* Progressing: a rollout of the engine or the router is under way.
-* Degraded: something needs a human: an invalid spec, a spec the operator's allow-lists refuse
-  (an image or a Secret it may not use), a child the operator cannot write, pods crash-looping,
-  images that cannot be pulled, pods that cannot be scheduled, Ready pods without an IP.
-
-Ready describes serving, not the spec: when a spec change is invalid or refused the previous
-children keep serving (Ready=True) while Degraded=True says why the change was not applied.
+Three conditions (metav1.Condition, each with observedGeneration): Ready (requests are served:
+the router and an engine replica are ready and have a pod IP), Progressing (a rollout is under
+way) and Degraded (something needs a human). Ready describes serving, not the spec: when a spec
+change is invalid or refused the previous children keep serving (Ready=True) while
+Degraded=True says why the change was not applied. docs/crd.md#status lists every reason.
 """
 
 from __future__ import annotations

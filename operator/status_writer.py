@@ -70,12 +70,13 @@ class StatusWriter:
                 self._failing[key] = cause
                 message = f"status not written ({cause}): {e}; retried with backoff"
                 logger.warning("%s/%s: %s", *key, message)
-                kopf.event(isvc, type="Warning", reason="StatusWriteFailed", message=message)
+                # kopf posts an Event for any mapping, though its annotation says its Body view.
+                kopf.event(isvc, type="Warning", reason="StatusWriteFailed", message=message)  # pyright: ignore[reportArgumentType]
             raise
         if self._failing.pop(key, None) is not None:
             message = "the status is written again"
             logger.info("%s/%s: %s", *key, message)
-            kopf.event(isvc, type="Normal", reason="StatusWriteRecovered", message=message)
+            kopf.event(isvc, type="Normal", reason="StatusWriteRecovered", message=message)  # pyright: ignore[reportArgumentType]
 
     def forget(self, key: k.Key) -> None:
         """The service is gone."""

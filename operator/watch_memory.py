@@ -1,19 +1,11 @@
 """What the operator has seen of each watched object, so that an event repeating it costs nothing.
 
-kopf lists a collection again whenever it cannot resume a watch (an API server without
-bookmarks answers an expired resourceVersion with 410, after kopf ends a watch quiet for 70 s),
-and every object of the list comes to the handlers once more. An object whose resourceVersion
-is the one last seen has not changed, so its owner needs no reconcile; the API server gives
-every write a new resourceVersion, so no change can look like that.
-
-A relist does not say which objects are gone: one deleted while no watch was open simply is
-not in it. So each relist opens an epoch of its collection, the objects it brings are marked
-with it, and once its events have paused for a while (``end_relist``) the objects of older
-epochs count as deleted: forgotten, and their owners reconciled (the reconcile reads what is
-there). An object late for its relist is only reconciled once more, never missed. The memory
-holds the live objects, and those deleted unseen only until the next relist of their kind.
-
-Pure: no I/O, no clock; the caller times the end of a relist.
+kopf lists a collection again whenever it cannot resume a watch, and every object of the list
+comes to the handlers once more. An object whose resourceVersion is the one last seen has not
+changed (the API server gives every write a new one), so its owner needs no reconcile. A relist
+does not say which objects are gone, so each relist opens an epoch of its collection, and once
+its events have paused (``end_relist``) objects of older epochs count as deleted and their
+owners are reconciled. Pure: no I/O, no clock; the caller times the end of a relist.
 """
 
 from __future__ import annotations
@@ -82,7 +74,8 @@ class WatchMemory:
 
     def end_relist(self, collection: Collection) -> set[Key]:
         """The relist of a collection is over: the owners of the objects it did not bring,
-        which are forgotten."""
+        which are forgotten. An object whose event comes after this is only reconciled once
+        more, never missed; one deleted unseen is held only until here."""
         if collection not in self._relisting:
             return set()
         self._relisting.discard(collection)

@@ -1,34 +1,15 @@
 """kopf's watch streams recover from every failure in process, with a backoff that grows.
 
-kopf lists a resource, then watches it from the list's resourceVersion. Its settings cover the
-retries of one request (``networking.error_backoffs``: 5xx, 403, 429, connection errors) and a
-fixed pause before it lists again (``watching.reconnect_backoff``), but not what happens to the
-stream itself; kopf 1.45 has three failures there that no public setting reaches:
-
-* An answer its requests do not retry (410 Gone, for a list's continue token or a watch's
-  resourceVersion the API server no longer has; 400, 404), or an ERROR event other than 410 in a
-  stream, escapes ``continuous_watch`` and ``infinite_watch``, ends the watcher task, and kopf's
-  orchestrator then stops all its tasks (``/healthz`` included): the operator exits.
-* A watch the API server answers and ends at once, with no event (an API server under load, a
-  proxy in front of it), is reopened by ``continuous_watch``'s loop at once: a hot loop of
-  thousands of requests a second.
-* A connection that drops mid-stream ends the stream the same way, and is reopened at once too.
-
-``install()`` replaces the two functions of ``kopf._cogs.clients.watching`` that kopf looks up
-by name at every call (``infinite_watch`` calls ``continuous_watch``, which calls
-``watch_objs``) with wrappers that call kopf's own: kopf's listing, event handling and
-relisting on a 410 event are unchanged. The wrappers add, per watch stream (a watcher task):
-
-* any exception out of listing or watching ends ``continuous_watch`` quietly, so that kopf
-  lists again after ``reconnect_backoff``, as it does after a 410 event: a restart would do no
-  more than list afresh;
-* before each list and each watch request, a wait that the stream's WatchPacer decides: none
-  while the stream works, else one that grows with each failure in a row (kopf's
-  ``networking.error_backoffs``: 1 s doubling to 30 s, jittered), reset once a watch delivers
-  an event or stays open HEALTHY_STREAM_S.
-
-They rely on kopf's internals, so the versions they were written against are checked at import
-(KOPF_SERIES, and the names and parameters used), and pyproject.toml pins kopf to that series.
+kopf 1.45 retries each request of a stream but not the stream itself: an answer it does not
+retry (410 Gone, 400, 404) or an ERROR event ends its watcher and then the whole operator, and
+a watch that ends at once without an event, or drops mid-stream, is reopened in a hot loop. No
+public setting reaches these, so ``install()`` wraps the two functions of
+``kopf._cogs.clients.watching`` that kopf looks up by name (``continuous_watch``,
+``watch_objs``): any exception makes kopf list again, as a 410 event does, and each request
+first waits what the stream's WatchPacer says. kopf's own listing and event handling are
+unchanged. They rely on kopf's internals, so the versions they were written against are checked
+at import and pyproject.toml pins kopf to that series. docs/operations.md#api-outages has the
+behaviour and its bounds.
 """
 
 from __future__ import annotations

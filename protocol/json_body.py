@@ -1,16 +1,12 @@
 """Reading a request body as the engine's server and the router both must: bounded, strict JSON,
-and the header checks that come before it. The same bounds hold for JSON held in a string of a
-request (a schema given as text, a tool call's arguments): :func:`decode_json_text`.
-
-Each refusal is a :class:`RequestRefused` (HTTP status, OpenAI-style code, message, parameter);
-each process turns it into its own error response. Checks, in order: the body is UTF-8; it nests
-at most ``max_depth`` deep and holds at most ``max_values`` values, both measured without
-recursion before parsing (``json.loads`` recurses, so a few thousand levels would end in a
-RecursionError); each number literal is at most :data:`MAX_NUMBER_CHARS` long (Python converts
-long integers in quadratic time and refuses more than 4,300 digits), each integer at most
-``max_int_digits`` digits, each float finite; ``NaN`` and ``Infinity`` are not JSON; no string or
-key holds a lone surrogate (``"\\ud800"`` is valid JSON but no valid text: no tokenizer can encode
-it, and it fails wherever it is hashed or forwarded).
+and the header checks that come before it; :func:`decode_json_text` holds JSON given in a string
+(a schema as text, a tool call's arguments) to the same bounds. Each refusal is a
+:class:`RequestRefused` (HTTP status, OpenAI-style code, message, parameter) that each process
+turns into its own error response. The bounds are what parsing costs: depth and value count,
+measured without recursion before parsing (``json.loads`` recurses), the length of number
+literals (Python converts long integers in quadratic time), no ``NaN`` or ``Infinity``, no lone
+surrogate (valid JSON, but no text a tokenizer can encode). docs/routing.md#hostile-clients
+lists each refusal with its code.
 """
 
 from __future__ import annotations
@@ -133,7 +129,9 @@ def _outside_strings(text: bytes) -> bytes:
     inside = False
     start = 0
     while start < len(text):
-        end = _BACKSLASHES.match(text, min(start + _CUT_SLICE, len(text))).end()
+        backslashes = _BACKSLASHES.match(text, min(start + _CUT_SLICE, len(text)))
+        assert backslashes is not None  # a run of none matches too
+        end = backslashes.end()
         if text[end - 1 : end] == b"\\":
             end += 1
         parts = text[start:end].replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')

@@ -1,18 +1,9 @@
 """Where the engines are: a static list, or the ready addresses of the engine Service's
 EndpointSlices, watched through the Kubernetes API with kubernetes_asyncio (the pod's
-ServiceAccount in a cluster, the kubeconfig outside one).
-
-The watch is the plain list-then-watch protocol: list the slices (label
-``kubernetes.io/service-name=<service>``), then watch from the list's resourceVersion with
-bookmarks, resuming from the last event or bookmark seen when the stream ends, and listing afresh
-when the API says the version is gone (410). Failures, streams that end at once without an
-event, and a 410 again before any stream stayed open (an API that keeps expiring what it just
-listed), are retried after a backoff with jitter. While the API cannot be reached the last known
-endpoints stay in use: a control plane outage must not take the data path down with it.
-
-The requests go through the generated DiscoveryV1Api (URL, credentials, TLS) but the responses
-are read raw: the slices are folded as plain dicts, the same shape the tests and ``kubectl``
-show, and a watch line is split from chunks however long it is.
+ServiceAccount in a cluster, the kubeconfig outside one). While the API cannot be reached the
+last known endpoints stay in use: a control plane outage must not take the data path down with
+it. Requests go through the generated DiscoveryV1Api (URL, credentials, TLS), but responses are
+read raw, as plain dicts: the shape the tests and ``kubectl`` show.
 """
 
 from __future__ import annotations
@@ -148,6 +139,14 @@ class Backoff:
 
 
 class EndpointSliceWatcher:
+    """The plain list-then-watch protocol over the slices labelled
+    ``kubernetes.io/service-name=<service>``: watch from the list's resourceVersion with
+    bookmarks, resume from the last event or bookmark seen when the stream ends, list afresh
+    when the API says the version is gone (410). Failures, streams that end at once without an
+    event, and a 410 again before any stream stayed open (an API that keeps expiring what it just
+    listed) are retried after a backoff with jitter. A watch line is split from chunks however
+    long it is."""
+
     def __init__(
         self,
         connect: Connect,
@@ -220,8 +219,10 @@ class EndpointSliceWatcher:
                 await api_client.close()
 
     async def _list_and_watch(self, api: client.DiscoveryV1Api) -> None:
+        # With _preload_content=False the generated client returns the raw response, not the
+        # model its annotation names (here and in _watch).
         body = await self._read_json(
-            await api.list_namespaced_endpoint_slice(
+            await api.list_namespaced_endpoint_slice(  # pyright: ignore[reportArgumentType]
                 self.namespace,
                 label_selector=self._selector,
                 _preload_content=False,
@@ -266,14 +267,14 @@ class EndpointSliceWatcher:
     async def _watch(self, api: client.DiscoveryV1Api, version: str) -> tuple[str, int]:
         """One watch stream; returns the version to resume from when the server ends it and
         how many events (bookmarks included) it delivered."""
-        resp: aiohttp.ClientResponse = await api.list_namespaced_endpoint_slice(
+        resp: aiohttp.ClientResponse = await api.list_namespaced_endpoint_slice(  # pyright: ignore[reportAssignmentType]
             self.namespace,
             label_selector=self._selector,
-            # Strings: the client would send Python's "True", which the API server accepts
-            # but proxies and emulators need not.
-            watch="true",
+            # Strings, though annotated bool: the client would send Python's "True", which the
+            # API server accepts but proxies and emulators need not.
+            watch="true",  # pyright: ignore[reportArgumentType]
             resource_version=version,
-            allow_watch_bookmarks="true",
+            allow_watch_bookmarks="true",  # pyright: ignore[reportArgumentType]
             timeout_seconds=self.watch_timeout_s,
             _preload_content=False,
             # No total timeout: a watch is a long poll the server ends (timeoutSeconds).

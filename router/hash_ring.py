@@ -1,16 +1,7 @@
 """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): a key goes to
 the first endpoint clockwise from its hash whose in-flight count stays within
 ceil(load_factor * (total + 1) / n). Keys stay where their KV cache is, until that endpoint is
-overloaded; membership changes move only the keys of the endpoints that came or went.
-
-Endpoints can be left out of one choice (``exclude``: the engines a request already failed on,
-or those the circuit breaker ejected): the walk passes them by and the bound counts only the
-others, exactly as a ring without them would choose, at no cost of rebuilding one.
-
-Endpoints can also be declared never over the bound (``free``: engines that would start one more
-request at once, with free batch slots and nothing queued). Sending a key past its home then buys
-nothing and costs its cached prefix, so a free endpoint qualifies whatever its load. This only
-adds endpoints that qualify: the bound's guarantee that one does is untouched."""
+overloaded; membership changes move only the keys of the endpoints that came or went."""
 
 from __future__ import annotations
 
@@ -64,7 +55,14 @@ class HashRing:
         free: frozenset[str] = frozenset(),
     ) -> str | None:
         """The endpoint for key given the current loads; None when no endpoint is left. The
-        bound guarantees some endpoint qualifies, so the walk always ends."""
+        bound guarantees some endpoint qualifies, so the walk always ends.
+
+        ``exclude`` (the engines a request already failed on, or those the breaker ejected) are
+        passed by and left out of the bound, exactly as a ring without them would choose, at no
+        cost of rebuilding one. ``free`` endpoints (free batch slots, nothing queued: they would
+        start one more request at once) qualify whatever their load: sending a key past its home
+        then buys nothing and costs its cached prefix. That only adds endpoints that qualify, so
+        the bound's guarantee holds."""
         if not any(ep not in exclude for ep in self.endpoints):
             return None
         cap = self.capacity(load, exclude)

@@ -3,47 +3,12 @@
 A request's routing key (routing_key.py) picks an engine by consistent hashing with bounded
 loads (hash_ring.py) over the ready endpoints (endpoints.py), so that a conversation keeps
 landing where its prefix is cached; requests without a key go to the least-loaded engine.
-An engine's load is the whole fleet's, from its own /metrics (engine_load.py), where it reports
-one; an engine with free batch slots and nothing queued is never over the bound.
-Responses, streams included, are relayed chunk by chunk as they arrive.
-
-Retries: a request goes to a second engine only when the first certainly did no work on it,
-and only before anything was sent to the client: the connection could not be made (refused,
-connect timeout: the request was never sent), or the engine refused it with a 429 or 503 that
-carries Retry-After (draining, queue full, refusing at admission). Nothing else is retried: not
-a 4xx or 500 (the request is at fault, and another engine would say the same), not a 503
-without Retry-After (the engine died with the request in it), not a connection that broke, an
-answer that was not HTTP, nor an engine that did not answer in time, once the request was sent
-(the engine may have died processing it). Replaying a request that killed one engine would kill
-the next: one hostile request must not take the fleet down. When the retry is refused too
-(every engine full), its 429 or 503 reaches the client with its Retry-After.
-
-Upstream failures (upstream_failure): before the response began the client gets a 502 (504 for
-a timeout) in the OpenAI error shape, saying what went wrong but not where (the engine's address
-and its bytes are for the log). Once it began, an event stream ends as the engine ends one that
-fails, with an error event and ``data: [DONE]`` (sse.py); any other body is cut short (no final
-chunk), so that the client sees a broken response, never a short one. Timeouts: an engine has
-``--upstream-first-byte-timeout`` to begin its answer (a non-streamed one begins when its
-generation ends) and may then be silent for ``--upstream-idle-timeout`` between chunks, which
-also bounds the wait for a stream's headers (the engine sends them at once, or with the first
-token).
-
-Circuit breaker (breaker.py): an engine that fails ``--breaker-failures`` times in a row
-(connection errors, answers that are not HTTP, 502/503/504 without Retry-After, broken streams,
-and timeouts when its ``/health`` fails too) leaves the ring for a backoff, then a ``/health``
-probe lets it back. While every engine is ejected, all are used.
-
-Hostile clients: the router reads and parses the body itself, bounded (request_body.py, with the
-parser the engine uses, kvfleet.protocol.json_body): size, nesting depth, number lengths,
-Unicode, Content-Encoding, header bytes; each refusal is a 4xx in the OpenAI error shape, as is
-an unknown route and HTTP that aiohttp cannot parse (JsonErrorsRunner); a declared body over the
-limit is refused before it is read. Request heads must arrive within the keep-alive timeout of
-the connection opening (or of the previous response), bodies within ``--body-timeout``; idle
-connections close after ``--keepalive-timeout``.
-
-While no engine is ready, requests are held up to ``--hold-timeout`` seconds;
-``kvfleet_router_held_requests`` is what the autoscaler reads to scale from zero. Past the
-timeout the answer is 503 with Retry-After.
+Responses, streams included, are relayed chunk by chunk. A request goes to a second engine only
+when the first certainly did no work on it and nothing was sent to the client yet: replaying a
+request that killed one engine would kill the next. Bodies are read and bounded here
+(request_body.py), engines that keep failing leave the ring (breaker.py), and requests are held
+while no engine is ready. docs/routing.md is the reference: which failures are retried,
+timeouts, the breaker, hostile clients.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestHandler
 
 from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id_from
@@ -27,7 +28,7 @@ _ID = web.RequestKey("kvfleet_request_id", str)
 
 def observe_requests(
     tracing: Tracing | None, access_log: logging.Logger, quiet_paths: Collection[str]
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+) -> Middleware:
     """The outermost middleware. quiet_paths (probes, scrapes) get a request id but neither an
     access line nor a span: they come every few seconds and say nothing about traffic."""
 

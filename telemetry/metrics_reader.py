@@ -1,18 +1,11 @@
 """Reading another process's Prometheus /metrics, which is untrusted input: the operator's
 autoscaler reads engines and routers, the router reads engines.
 
-One peer must not exhaust the reader's memory or stall its event loop. So a body is streamed and
-cut off past ``max_body_bytes`` or at a line longer than ``max_line_chars``; only the sample lines
-of the wanted metrics are kept, a chunk at a time, so memory stays a chunk and a line whatever
-the body; a deadline is the caller's (it owns the request). Parsing is prometheus-client's, so
-the exposition format (escapes, timestamps, comments) is read as Prometheus reads it. Each
-reader checks the values against what its metrics can be.
-
-A metric's series (one per label set, e.g. per model name) are summed, but a series counts once:
-an exposition that repeats a series with the same value is read as if it said it once (summing
-it would report demand that does not exist), and one that repeats it with another value is not
-read at all, since which value holds cannot be known. Series are remembered by a digest of name
-and labels, so that remembering them costs a bounded few bytes each whatever a line's length.
+One peer must not exhaust the reader's memory or stall its event loop, so a body is streamed,
+cut off past a size or at a line too long, and only the wanted metrics' sample lines are kept,
+a chunk at a time; the deadline is the caller's (it owns the request). Parsing is
+prometheus-client's, so the format is read as Prometheus reads it; each reader checks the
+values against what its metrics can be.
 """
 
 from __future__ import annotations
@@ -88,7 +81,12 @@ def bucket_key(histogram: str, le: str) -> str:
 class SeriesSums:
     """The sum over series of each named metric in an exposition's sample lines, fed a chunk of
     lines at a time (``add``); a named ``<histogram>_bucket`` is summed per bucket, under
-    bucket_key. Each series (name and labels) counts once; at most ``max_series`` of them."""
+    bucket_key. Each series (name and labels) counts once; at most ``max_series`` of them.
+
+    A series repeated with the same value is read as if said once (summing it would report
+    demand that does not exist); one repeated with another value is not read at all, since which
+    value holds cannot be known. Series are remembered by a digest of name and labels, a bounded
+    few bytes each whatever a line's length."""
 
     def __init__(self, names: Iterable[str], *, max_series: int) -> None:
         self.wanted = frozenset(names)

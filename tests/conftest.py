@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
+    from tests.support.tiny_model import ALL_ARCHITECTURES, build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: build_tiny_model(root / arch, arch) for arch in ALL_ARCHITECTURES}

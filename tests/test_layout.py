@@ -8,6 +8,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -30,24 +31,35 @@ ALLOWED = {
 }
 
 
-def _project_imports(path: Path) -> set[str]:
-    """The kvfleet packages a module imports, lazily inside functions included."""
+def _imported_names(path: Path) -> set[str]:
+    """Every dotted name a module imports (``from a.b import c`` gives a.b and a.b.c), lazily
+    inside functions and under TYPE_CHECKING included."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "kvfleet" and len(parts) > 1:
-                found.add(parts[1])
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
+
+
+def _project_imports(path: Path) -> set[str]:
+    """The kvfleet packages a module imports."""
+    return {
+        parts[1]
+        for name in _imported_names(path)
+        if (parts := name.split("."))[0] == "kvfleet" and len(parts) > 1
+    }
 
 
 def _modules(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("kvfleet", *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -61,12 +73,72 @@ def test_imports_follow_the_layering(package: str) -> None:
     assert not broken, f"{package} may import only {sorted(ALLOWED[package])}: {broken}"
 
 
+def test_no_module_imports_the_tests_or_the_benches() -> None:
+    """Test fixtures (tests/support: the tiny models, the emulators) and the benchmarks ship in
+    no wheel: a package that imported them would fail where it is installed."""
+    broken = {
+        str(path.relative_to(ROOT)): sorted(outside)
+        for package in PACKAGES
+        for path in _modules(package)
+        if (outside := {n for n in _imported_names(path) if n.split(".")[0] in ("tests", "bench")})
+    }
+    assert not broken, broken
+
+
+def test_every_module_serves_a_process_or_the_public_api() -> None:
+    """Every module of the six packages is imported, directly or through others, by a command's
+    entry point (pyproject.toml's scripts) or the engine's public API (kvfleet.engine): what
+    only tests or benchmarks use lives in tests/support, not in what a deployment installs."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    modules = {_module_name(p): p for package in PACKAGES for p in _modules(package)}
+    todo = ["kvfleet.engine", *(target.split(":")[0] for target in scripts.values())]
+    reached: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in modules:
+            continue
+        reached.add(name)
+        for imported in _imported_names(modules[name]):
+            parts = imported.split(".")
+            todo.extend(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+    unreached = sorted(set(modules) - reached)
+    assert not unreached, f"imported by no process nor the public API: {unreached}"
+
+
 def test_the_rule_check_sees_lazy_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
         "def f():\n    from kvfleet.engine.cli import main\n    import kvfleet.router.main\n"
     )
     assert _project_imports(module) == {"engine", "router"}
+
+
+def _attribute_reads(path: Path, name: str) -> list[int]:
+    """The lines where a module reads an attribute of this name, of whatever object."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == name
+    )
+
+
+def test_the_server_reaches_the_engine_only_through_its_async_facade() -> None:
+    """The engine's server uses AsyncEngine's public members, each of which says which thread
+    may call it; the EngineCore behind it belongs to the engine thread, so no server module
+    reads an engine's `.core` (the server builds one, in create_engine, before any thread)."""
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "engine" / "server").rglob("*.py"))
+        if (lines := _attribute_reads(path, "core"))
+    }
+    assert not found, f"server modules reach past AsyncEngine into .core (lines): {found}"
+
+
+def test_the_facade_rule_sees_any_core_attribute(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f(ctx):\n    x = ctx.engine.core\n    return x.tokenizer, core\n")
+    assert _attribute_reads(module, "core") == [2]
 
 
 @pytest.mark.parametrize(

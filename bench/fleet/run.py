@@ -89,7 +89,7 @@ RUN = "import sys; from kvfleet.{0}.main import main; sys.exit(main())"
 
 
 def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
-    from kvfleet.engine.tiny_model import tiny_model_path
+    from tests.support.tiny_model import tiny_model_path
 
     source = {"tiny": str(tiny_model_path()), "default": ""}.get(ns.model, ns.model)
     engine: dict[str, Any] = {"maxNumSeqs": ns.max_num_seqs, "extraArgs": ns.engine_arg,
@@ -398,7 +398,7 @@ def _latency_target(value: str) -> tuple[str, float, float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     d = " (default: %(default)s)"
     p.add_argument(
         "--model",

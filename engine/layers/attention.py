@@ -21,6 +21,9 @@ _MIN_SCALE = 1e-6
 
 
 class Attention(nn.Module):
+    k_scale: torch.Tensor  # buffers, registered in __init__
+    v_scale: torch.Tensor
+
     def __init__(
         self,
         num_heads: int,

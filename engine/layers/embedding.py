@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
+from kvfleet.engine.layers.linear import set_load_attrs
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -16,8 +17,11 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // size)
         self.start = tp_rank() * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.checkpoint_shapes = {None: (vocab_size, hidden_size)}
+        set_load_attrs(
+            self.weight,
+            weight_loader=self.weight_loader,
+            checkpoint_shapes={None: (vocab_size, hidden_size)},
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
         part = loaded[self.start : self.start + self.per_rank]

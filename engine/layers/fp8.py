@@ -238,10 +238,13 @@ def fp8_linear(
         from kvfleet.kernels import fp8_quant
 
         one = _unit_scale(x_fp8.device)
-        acc = torch._scaled_mm(x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        # torch's FP8 GEMM is public in use but private by name: its stubs do not export it.
+        acc = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
+            x_fp8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+        )
         y = fp8_quant.scale_rows_cols(acc, x_scale, weight_scale, bias, dtype)
         return y.view(*lead, y.shape[-1])
-    y = torch._scaled_mm(
+    y = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  # as above
         x_fp8,
         weight.t(),
         scale_a=x_scale,

@@ -42,6 +42,7 @@ class RMSNorm(nn.Module):
         if fp8 is None:
             return out
         if residual is None:
+            assert isinstance(out, torch.Tensor)  # without a residual, the norm alone
             return quantize_input(out, fp8.static_scale)
         return quantize_input(out[0], fp8.static_scale), out[1]
 

@@ -24,9 +24,20 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
 
 
+# Per shard name (None: the tensor is not fused), the whole checkpoint tensor's shape.
+CheckpointShapes = dict[str | None, tuple[int, ...]]
+
+
+def set_load_attrs(param: nn.Parameter, **attrs: object) -> None:
+    """Tags that tell the model loader how to fill `param` (it reads them with getattr):
+    torch's Parameter declares no such attributes."""
+    for name, value in attrs.items():
+        setattr(param, name, value)
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    param.weight_loader = loader
+    set_load_attrs(param, weight_loader=loader)
     return param
 
 
@@ -45,16 +56,16 @@ class _Linear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool,
-        full_shapes: dict[str | None, tuple[int, int]],
+        full_shapes: CheckpointShapes,
     ) -> None:
         super().__init__()
         fp8 = current_fp8()
         self.fp8 = fp8 is not None
         self.weight = _param((out_features, in_features), FP8 if fp8 else None, self.weight_loader)
-        self.weight.checkpoint_shapes = full_shapes
+        set_load_attrs(self.weight, checkpoint_shapes=full_shapes)
         if bias:
             self.bias = _param((out_features,), None, self.weight_loader)
-            self.bias.checkpoint_shapes = {k: v[:1] for k, v in full_shapes.items()}
+            set_load_attrs(self.bias, checkpoint_shapes={k: v[:1] for k, v in full_shapes.items()})
         else:
             self.register_parameter("bias", None)
         self.input_scale: nn.Parameter | None = None
@@ -62,10 +73,11 @@ class _Linear(nn.Module):
             return
         check_fp8_shape(out_features, in_features, type(self).__name__)
         # Generated and read in the model dtype; stored as fp8.
-        self.weight.checkpoint_dtype = torch.get_default_dtype()
-        self.weight.quantizes_into = "weight_scale"
+        set_load_attrs(
+            self.weight, checkpoint_dtype=torch.get_default_dtype(), quantizes_into="weight_scale"
+        )
         self.weight_scale = _param((out_features,), torch.float32, self.weight_loader)
-        self.weight_scale.quantized_at_load = True
+        set_load_attrs(self.weight_scale, quantized_at_load=True)
         if fp8.static_activations:
             # Fused shards share one input: the largest of their scales covers them all.
             self.input_scale = _param((), torch.float32, self.weight_loader)
@@ -105,7 +117,7 @@ class ColumnParallelLinear(_Linear):
         in_features: int,
         out_features: int,
         bias: bool = False,
-        full_shapes: dict[str | None, tuple[int, int]] | None = None,
+        full_shapes: CheckpointShapes | None = None,
     ) -> None:
         size = tp_size()
         if out_features % size:
@@ -143,7 +155,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
         self.out_sizes = out_sizes
-        full = {str(i): (n, in_features) for i, n in enumerate(out_sizes)}
+        full: CheckpointShapes = {str(i): (n, in_features) for i, n in enumerate(out_sizes)}
         super().__init__(in_features, sum(out_sizes), bias, full)
 
     def _shard_rows(self, shard: str | None) -> tuple[int, int, int, str]:
@@ -190,7 +202,7 @@ class RowParallelLinear(_Linear):
         size = tp_size()
         if in_features % size:
             raise ValueError(f"{in_features} input features do not split over {size} ranks")
-        full = {None: (out_features, in_features)}
+        full: CheckpointShapes = {None: (out_features, in_features)}
         super().__init__(in_features // size, out_features, bias, full)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):

@@ -44,6 +44,9 @@ def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, params: Mapping[str, Any]) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, params)

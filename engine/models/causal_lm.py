@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kvfleet.engine.layers.attention import Attention
-from kvfleet.engine.layers.embedding import ParallelLMHead
+from kvfleet.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
 # Checkpoint tensor name piece -> (our fused parameter, shard within it).
 FUSED_QKV_GATE_UP: dict[str, tuple[str, str]] = {
@@ -27,15 +27,19 @@ FUSED_QKV_GATE_UP: dict[str, tuple[str, str]] = {
 _KV_SCALE = re.compile(r"\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?([kv])_scale$")
 
 
-class CausalLM(nn.Module):
-    """`model` must have `embed_tokens` and `layers[i].self_attn.attn`."""
+class DecoderModel(nn.Module):
+    """A decoder body: its token embedding, then its layers, each with one Attention."""
 
+    embed_tokens: VocabParallelEmbedding
+
+
+class CausalLM(nn.Module):
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = FUSED_QKV_GATE_UP
 
     def __init__(
         self,
         config: Any,
-        model: nn.Module,
+        model: DecoderModel,
         tie_by_default: bool,
         final_logit_soft_cap: float | None = None,
     ) -> None:
@@ -59,7 +63,7 @@ class CausalLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def checkpoint_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]]

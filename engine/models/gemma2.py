@@ -20,7 +20,7 @@ from kvfleet.engine.layers.linear import (
     RowParallelLinear,
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
-from kvfleet.engine.models.causal_lm import CausalLM
+from kvfleet.engine.models.causal_lm import CausalLM, DecoderModel
 from kvfleet.engine.models.llama import rope_parameters
 
 
@@ -107,10 +107,11 @@ class Gemma2DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x))
         x, residual = self.pre_feedforward_layernorm(x, residual)
+        assert residual is not None  # a norm given the residual returns the new one
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma2Model(nn.Module):
+class Gemma2Model(DecoderModel):
     def __init__(self, config: Any) -> None:
         super().__init__()
         # HF rounds sqrt(hidden_size) to the activation dtype before the multiply; rounded once

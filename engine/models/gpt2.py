@@ -103,6 +103,7 @@ class GPT2Block(nn.Module):
             x, residual = self.ln_1(x, residual)
         x = self.attn(x)
         x, residual = self.ln_2(x, residual)
+        assert residual is not None  # a norm given the residual returns the new one
         return self.mlp(x), residual
 
 
@@ -150,7 +151,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [block.attn.attn for block in self.transformer.h]
+        return [m for m in self.transformer.modules() if isinstance(m, Attention)]
 
     def checkpoint_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]]

@@ -19,7 +19,7 @@ from kvfleet.engine.layers.linear import (
     RowParallelLinear,
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
-from kvfleet.engine.models.causal_lm import CausalLM
+from kvfleet.engine.models.causal_lm import CausalLM, DecoderModel
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -122,10 +122,11 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
+        assert residual is not None  # a norm given the residual returns the new one
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: Any, arch: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

@@ -196,7 +196,7 @@ async def _detokenize(request: web.Request) -> web.Response:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, DetokenizeRequest)
     check_model(req.model, ctx.served_model_names)
-    vocab = ctx.engine.core.vocab_size
+    vocab = ctx.engine.vocab_size
     bad = [t for t in req.tokens if t >= vocab]
     if bad:
         raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
@@ -212,7 +212,7 @@ def build_app(
     settings: ServerSettings,
     tracing: Tracing | None = None,
 ) -> web.Application:
-    names = settings.served_model_name or [str(engine.core.model_config.path)]
+    names = settings.served_model_name or [str(engine.model_config.path)]
     app = web.Application(
         middlewares=[
             observe_requests(tracing, access_logger, _OPEN_PATHS),
@@ -222,7 +222,7 @@ def build_app(
         client_max_size=settings.max_request_body_bytes,
     )
     app.on_response_prepare.append(echo_request_id)
-    tokenizer = engine.core.tokenizer
+    tokenizer = engine.tokenizer
     if settings.chat_template is not None and tokenizer is not None:
         tokenizer.chat_template = settings.chat_template
     template = tokenizer.chat_template if tokenizer is not None else None
@@ -379,7 +379,7 @@ class EngineServer:
             return False
         # The server made this engine: its memory goes back with it, whoever still refers to
         # the server object.
-        self.engine.core.close()
+        self.engine.close()
         logger.info("stopped")
         return True
 

@@ -95,7 +95,7 @@ def _logprobs_content(ctx: ServingContext, choice: CompletionOutput, top_n: int)
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
-    ctx.admit(req.model, req.n)
+    ctx.check_can_queue(req.model, req.n)
     tool_settings = request.app[TOOL_SETTINGS]
     plan = await ctx.parse_off_loop(
         request[BODY_BYTES], OFF_LOOP_BYTES, plan_tools, req, tool_settings
@@ -104,20 +104,20 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
         (plan, tool_settings),
     )  # fmt: skip
-    params = ctx.prepare(
+    constraint, field = req.constraint
+    admitted = ctx.admit_prompts(
         [ids],
         req.requested_max_tokens,
         lambda max_tokens: plan.sampling(req.sampling_params(max_tokens)),
+        prompt_param="messages",
+        constraint_param=field if constraint is not None else "tool_choice",
     )
-    constraint, field = req.constraint
-    constraint_param = field if constraint is not None else "tool_choice"
     request_id = random_id("chatcmpl")
     created = now()
     model = req.model or ctx.model_name
     top_n = req.top_logprobs or 0
-    ctx.admit(req.model, req.n)
-    outputs = await ctx.run(request_id, [ids], params, constraint_param=constraint_param)
-    outputs = traced(request, CHAT, request_id, model, [ids], params, outputs)
+    outputs = await ctx.run(request_id, admitted)
+    outputs = traced(request, CHAT, request_id, model, admitted.requests, outputs)
 
     def logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
         if not req.logprobs:
@@ -133,7 +133,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ).model_dump(exclude_none=True)
 
     if not req.stream:
-        result = (await ctx.collect(outputs, [ids], params))[0]
+        result = (await ctx.collect(outputs, admitted.requests))[0]
         # Tool calls are parsed out of each whole text, a loop over its characters.
         messages = [
             await ctx.parse_off_loop(len(c.text), OFF_LOOP_CHARS, choice_message, plan, c)

@@ -108,7 +108,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, CompletionRequest)
     raw_prompts = req.prompts()
     num_sequences = len(raw_prompts) * req.n
-    ctx.admit(req.model, num_sequences)
+    ctx.check_can_queue(req.model, num_sequences)
     for p in raw_prompts:
         if isinstance(p, str):
             ctx.check_prompt_chars(len(p), "prompt")
@@ -116,7 +116,14 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     texts = [p if isinstance(p, str) else None for p in raw_prompts]
     # max_tokens 0 (echo only) still runs one step: the prompt's last position samples.
     scoring_only = req.max_tokens == 0
-    params = ctx.prepare(prompts, 1 if scoring_only else req.max_tokens, req.sampling_params)
+    admitted = ctx.admit_prompts(
+        prompts,
+        1 if scoring_only else req.max_tokens,
+        req.sampling_params,
+        texts,
+        prompt_param="prompt",
+        constraint_param=req.constraint[1],
+    )
     echoes = [
         (t if t is not None else await ctx.decode(ids)) if req.echo else ""
         for t, ids in zip(texts, prompts, strict=True)
@@ -125,12 +132,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     created = now()
     n = req.n
     model = req.model or ctx.model_name
-    ctx.admit(req.model, num_sequences)
-    outputs = await ctx.run(request_id, prompts, params, texts, req.constraint[1])
-    outputs = traced(request, TEXT_COMPLETION, request_id, model, prompts, params, outputs)
+    outputs = await ctx.run(request_id, admitted)
+    outputs = traced(request, TEXT_COMPLETION, request_id, model, admitted.requests, outputs)
 
     if not req.stream:
-        results = await ctx.collect(outputs, prompts, params)
+        results = await ctx.collect(outputs, admitted.requests)
         choices = []
         completion_tokens = 0
         for i, result in enumerate(results):

@@ -1,11 +1,12 @@
-"""What every OpenAI endpoint shares: the engine, the tokenizer, the served names, admission
-control, and running a request's prompts through the engine."""
+"""What every OpenAI endpoint shares: the engine, the tokenizer, the served names, whether the
+server can queue a request now, and running a request's prompts through the engine's
+admission and then the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -18,14 +19,13 @@ from pydantic import ValidationError
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.grammar import GrammarError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
-from kvfleet.engine.request import InvalidRequestError
+from kvfleet.engine.request import EngineRequest, InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import ENGINE_ERRORS, APIError, bad_request, engine_error
 from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import (
     check_model,
     in_parse_thread,
-    resolve_max_tokens,
     validation_error,
 )
 from kvfleet.engine.structured_output import GrammarJob
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # so texts that cannot fit the context are refused by their length before (check_prompt_chars).
 OFF_LOOP_CHARS = 4096
 OFF_LOOP_TOKENS = 1024
+
+# A request's outputs, tagged with the index of the prompt they are for; closing it aborts
+# whatever of the request is still running.
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -57,6 +61,16 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max(longest, 1)
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A request's prompts as the engine admitted them, each with the compile job of its
+    constraint (None without one), and the request field the constraint came from."""
+
+    requests: list[EngineRequest]
+    jobs: list[GrammarJob | None]
+    constraint_param: str
+
+
 @dataclass
 class ServingContext:
     engine: AsyncEngine
@@ -71,7 +85,7 @@ class ServingContext:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.core.tokenizer
+        return self.engine.tokenizer
 
     @property
     def model_name(self) -> str:
@@ -79,13 +93,18 @@ class ServingContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.core.model_config.max_model_len
+        return self.engine.max_model_len
 
-    def admit(self, requested_model: str | None, num_sequences: int) -> None:
-        """Reject before any work: unknown model, dead engine, or a waiting queue that cannot
-        take this request's sequences (prompts x n). Called again right before the request is
-        queued, as other requests may have been admitted while this one was tokenized."""
+    def check_can_queue(self, requested_model: str | None, num_sequences: int) -> None:
+        """Refuse before any work what the server cannot queue now: an unknown model, or what
+        check_queue_room refuses. (Whether the engine can ever run the request is its
+        admission's to say, once the prompt is tokenized: admit_prompts.)"""
         check_model(requested_model, self.served_model_names)
+        self.check_queue_room(num_sequences)
+
+    def check_queue_room(self, num_sequences: int) -> None:
+        """Refuse a request when the engine is dead or its waiting queue cannot take the
+        request's sequences (prompts x n)."""
         if not self.engine.is_alive():
             raise APIError(503, "the engine is not running", "service_unavailable",
                            code="engine_unavailable", headers={"Retry-After": "5"})  # fmt: skip
@@ -150,79 +169,76 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         return _decode_one(self.tokenizer, token_id)
 
-    def prepare(
-        self, prompts: list[list[int]], requested_max_tokens: int | None, make_params: Any
-    ) -> list[SamplingParams]:
-        """Per-prompt sampling params with the completion budget fitted to the context."""
-        params = []
-        for ids in prompts:
-            if not ids:
-                raise bad_request("the prompt is empty", param="prompt")
-            max_tokens = resolve_max_tokens(len(ids), requested_max_tokens, self.max_model_len)
+    def admit_prompts(
+        self,
+        prompts: list[list[int]],
+        requested_max_tokens: int | None,
+        make_params: Callable[[int | None], SamplingParams],
+        texts: list[str | None] | None = None,
+        *,
+        prompt_param: str,
+        constraint_param: str = "structured_outputs",
+    ) -> Admitted:
+        """Each prompt through the engine's admission (the one check of what a request asks,
+        which resolves its max_tokens within the context), its constraint compiling meanwhile
+        on the engine's compile threads. A refusal is a 400 naming the request's field:
+        `prompt_param` for the prompt, `constraint_param` for the constraint."""
+        requests = []
+        jobs = []
+        for i, ids in enumerate(prompts):
             try:
-                params.append(make_params(max_tokens))
+                params = make_params(requested_max_tokens)
             except ValidationError as e:
                 raise validation_error(e) from None
-        return params
-
-    async def run(
-        self,
-        request_id: str,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        texts: list[str | None] | None = None,
-        constraint_param: str = "structured_outputs",
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Admit every prompt (the engine's one check of a request), then stream their outputs
-        merged. A structured-output constraint not compiled yet compiles while its prompt
-        prefills, and the outputs come back only once it has: every refusal, a constraint that
-        cannot be compiled included (a 400 naming `constraint_param`, the field it came from),
-        comes before a byte is streamed."""
-        structured = self.engine.core.structured
-        jobs: list[GrammarJob | None] = [
-            structured.submit(sp.structured_outputs)
-            if structured is not None and sp.structured_outputs is not None
-            else None
-            for sp in params
-        ]
-        admitted = []
-        for i, (ids, sp, job) in enumerate(zip(prompts, params, jobs, strict=True)):
+            constraint = params.structured_outputs
+            job = None if constraint is None else self.engine.compile_grammar(constraint)
             grammar = None if job is None else job.future
+            text = texts[i] if texts else None
             try:
-                admitted.append(
-                    self.engine.core.admit(ids, sp, texts[i] if texts else None, grammar)
-                )
+                admitted = self.engine.admit(ids, params, text, grammar, refuse_past_context=True)
             except InvalidRequestError as e:
-                param = constraint_param if e.param == "structured_outputs" else e.param
-                raise bad_request(str(e), param=param) from None
+                fields = {"prompt": prompt_param, "structured_outputs": constraint_param}
+                param = fields.get(e.param, e.param)
+                raise bad_request(str(e), param=param, code=e.code) from None
+            requests.append(admitted)
+            jobs.append(job)
+        return Admitted(requests, jobs, constraint_param)
+
+    async def run(self, request_id: str, admitted: Admitted) -> Outputs:
+        """Queue admitted prompts, once the waiting queue has room for them still (other
+        requests may have come while this one was tokenized), and stream their outputs merged.
+        A constraint not compiled yet compiles while its prompt prefills, and the outputs come
+        back only once it has: every refusal, a constraint that cannot be compiled included (a
+        400 naming the field it came from), comes before a byte is streamed."""
+        self.check_queue_room(sum(r.params.n for r in admitted.requests))
         # Queued while their grammar compiles: each stream waits for it before its first delta.
-        pending = [isinstance(r.grammar, Future) for r in admitted]
+        waits = [
+            job.wait if job is not None and isinstance(r.grammar, Future) else None
+            for r, job in zip(admitted.requests, admitted.jobs, strict=True)
+        ]
         outputs = merge_streams(
             [
-                self.engine.generate(f"{request_id}-{i}", r, ready=job.wait if wait else None)
-                for i, (r, job, wait) in enumerate(zip(admitted, jobs, pending, strict=True))
+                self.engine.generate(f"{request_id}-{i}", r, ready=wait)
+                for i, (r, wait) in enumerate(zip(admitted.requests, waits, strict=True))
             ]
         )
-        if not any(pending):
+        if not any(waits):
             return outputs
         try:
             first = await anext(outputs)
         except GrammarError as e:
-            raise bad_request(str(e), param=constraint_param) from None
+            raise bad_request(str(e), param=admitted.constraint_param) from None
         except ENGINE_ERRORS as e:
             raise engine_error(e) from None
         return _prepended(first, outputs)
 
-    async def collect(
-        self,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-    ) -> list[RequestOutput]:
+    async def collect(self, outputs: Outputs, requests: list[EngineRequest]) -> list[RequestOutput]:
         """Accumulate whole results, for non-streaming responses."""
         results = [
-            RequestOutput("", ids, [CompletionOutput(index=j) for j in range(sp.n)])
-            for ids, sp in zip(prompts, params, strict=True)
+            RequestOutput(
+                "", r.prompt_token_ids, [CompletionOutput(index=j) for j in range(r.params.n)]
+            )
+            for r in requests
         ]
         try:
             async with aclosing(outputs) as it:
@@ -233,9 +249,7 @@ class ServingContext:
         return results
 
 
-async def _prepended(
-    first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _prepended(first: tuple[int, RequestOutput], rest: Outputs) -> Outputs:
     async with aclosing(rest):
         yield first
         async for item in rest:
@@ -247,21 +261,20 @@ def traced(
     operation: str,
     response_id: str,
     model: str,
-    prompts: list[list[int]],
-    params: list[SamplingParams],
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    requests: list[EngineRequest],
+    outputs: Outputs,
+) -> Outputs:
     """The outputs as they are without tracing; with it, also recorded on the request's span
     as the GenAI conventions name them (settings, time to first token, usage, finish reasons)."""
     span = request.get(SPAN)
     if span is None:
         return outputs
     gen = GenAISpan(span, operation, model)
-    first = params[0]
-    gen.request(
-        max_tokens=first.max_tokens, temperature=first.temperature, top_p=first.top_p, n=first.n
-    )
-    return _recorded(gen, response_id, model, sum(len(p) for p in prompts), outputs)
+    first = requests[0]
+    sp = first.params
+    gen.request(max_tokens=first.max_tokens, temperature=sp.temperature, top_p=sp.top_p, n=sp.n)
+    input_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    return _recorded(gen, response_id, model, input_tokens, outputs)
 
 
 async def _recorded(
@@ -269,8 +282,8 @@ async def _recorded(
     response_id: str,
     model: str,
     input_tokens: int,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    outputs: Outputs,
+) -> Outputs:
     cached: dict[int, int] = {}
     finish_reasons: dict[tuple[int, int], str] = {}
     output_tokens = 0

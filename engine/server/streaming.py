@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -20,7 +20,7 @@ _END = object()
 
 async def merge_streams(
     streams: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave outputs as they come, tagged with their stream's index. Closing the merged
     iterator (or an error in any stream) closes every stream, which aborts its request."""
     if len(streams) == 1:
@@ -93,7 +93,7 @@ Choices = list[dict[str, Any]]
 
 async def relay(
     sse: SSEResponse,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     to_choices: Callable[[int, RequestOutput], Choices],
     chunk: Callable[[Choices], dict[str, Any]],
 ) -> bool:

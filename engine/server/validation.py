@@ -1,4 +1,4 @@
-"""Turning an HTTP body into a validated request, and the checks that need the engine's limits."""
+"""Turning an HTTP body into a validated request."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -46,7 +47,8 @@ _PARSE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-parse")
 async def in_parse_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) on the parse thread, in the caller's context (its request id, for logs)."""
     context = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(_PARSE_THREAD, context.run, fn, *args)
+    call = partial(context.run, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_THREAD, call)
 
 
 def refused(e: RequestRefused, close_connection: bool = False) -> APIError:
@@ -113,26 +115,3 @@ def check_model(requested: str | None, served: list[str]) -> None:
             "model",
             "model_not_found",
         )
-
-
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
-    """The completion budget for a prompt, or a 400 saying why the request cannot fit."""
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
-            param="messages" if requested is None else "prompt",
-            code="context_length_exceeded",
-        )
-    room = max_model_len - num_prompt_tokens
-    if requested is None:
-        return room
-    if requested > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-            f"prompt, {requested} for the completion). Reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested

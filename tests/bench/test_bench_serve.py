@@ -346,7 +346,7 @@ def test_end_to_end_counts_failures(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_end_to_end_chat_and_unreachable_server(tmp_path: Path) -> None:
-    from kvfleet.engine.tiny_model import build_tokenizer
+    from tests.support.tiny_model import build_tokenizer
 
     tok_dir = tmp_path / "tok"
     build_tokenizer(tok_dir)

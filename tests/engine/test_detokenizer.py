@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.engine.tiny_model import build_tokenizer
+from tests.support.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

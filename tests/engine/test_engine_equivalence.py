@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.tiny_model import ALL_ARCHITECTURES, build_tiny_model
 from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
+from tests.support.tiny_model import ALL_ARCHITECTURES, build_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 

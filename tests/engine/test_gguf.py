@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.tiny_model import build_tiny_model
 from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
 from tests.support.gguf_files import write_gguf
+from tests.support.tiny_model import build_tiny_model
 
 # The quantized types gguf's Python package can write; the K-quants it only reads.
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")

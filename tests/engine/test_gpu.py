@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.tiny_model import ALL_ARCHITECTURES
 from tests.support.engine import (
     MAX_TOKENS,
     assert_no_leak,
@@ -18,6 +17,7 @@ from tests.support.engine import (
     long_random_prompts,
     recorded_cascade_prefixes,
 )
+from tests.support.tiny_model import ALL_ARCHITECTURES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

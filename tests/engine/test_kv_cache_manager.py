@@ -49,7 +49,7 @@ def make_request(rid: str, prompt: list[int]) -> Request:
         prompt,
         SamplingParams(max_tokens=None),
         eos_token_ids=frozenset(),
-        max_model_len=MAX_MODEL_LEN,
+        max_tokens=MAX_MODEL_LEN - len(prompt),
     )
 
 

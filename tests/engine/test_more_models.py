@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.tiny_model import build_tiny_model
 from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
+from tests.support.tiny_model import build_tiny_model
 
 BENCH_MODELS = Path(__file__).resolve().parents[2] / "bench" / "models"
 

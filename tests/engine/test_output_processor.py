@@ -27,10 +27,10 @@ def tokens(text: str) -> list[int]:
 
 
 def admitted(processor: OutputProcessor, rid: str, **params: object) -> list[Request]:
-    request = EngineRequest(PROMPT, SamplingParams(**params))
+    request = EngineRequest(PROMPT, SamplingParams(**params), max_tokens=16)
     n = request.params.n
     children = [
-        Request(f"{rid}#{i}", PROMPT, request.params, frozenset(), max_model_len=64)
+        Request(f"{rid}#{i}", PROMPT, request.params, frozenset(), request.max_tokens)
         for i in range(n)
     ]
     processor.add_request(rid, request, children)

@@ -25,8 +25,8 @@ from kvfleet.engine.config import EngineArgs, ModelConfig, gguf_auto_dtype
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.models.loader import iter_checkpoint
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.tiny_model import build_tiny_model
 from tests.support.gguf_files import write_gguf
+from tests.support.tiny_model import build_tiny_model
 
 
 class _Stream(io.StringIO):

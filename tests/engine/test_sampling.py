@@ -170,7 +170,7 @@ def test_stop_string_is_cut_from_the_text(llm):
 
 
 def _req(rid: str, **sp) -> Request:
-    return Request(rid, [5, 6, 7], SamplingParams(**sp), frozenset({1}), max_model_len=100)
+    return Request(rid, [5, 6, 7], SamplingParams(**sp), frozenset({1}), max_tokens=16)
 
 
 def _sample_counts(sampler: Sampler, logits: torch.Tensor, req: Request, n: int) -> torch.Tensor:

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvfleet.engine.admission import Admission, completion_budget
 from kvfleet.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvfleet.engine.request import Request, RequestStatus
+from kvfleet.engine.request import InvalidRequestError, Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -32,11 +33,20 @@ def make_scheduler(
     num_blocks: int = 64,
     max_num_seqs: int = 8,
     budget: int = 64,
-    max_model_len: int = MAX_MODEL_LEN,
     caching: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len)
+    return Scheduler(kv, max_num_seqs, budget)
+
+
+def admission_for(sched: Scheduler, max_model_len: int) -> Admission:
+    """The engine's admission over this scheduler's KV cache."""
+    return Admission(
+        max_model_len=max_model_len,
+        vocab_size=1 << 20,
+        block_size=BS,
+        num_kv_blocks=sched.kv.pool.num_usable_blocks,
+    )
 
 
 def make_request(
@@ -47,7 +57,8 @@ def make_request(
     grammar: Future | None = None,
     **sampling: object,
 ) -> Request:
-    """prompt: the tokens, or a length for a prompt of fresh tokens (no prefix-cache hits)."""
+    """prompt: the tokens, or a length for a prompt of fresh tokens (no prefix-cache hits);
+    max_tokens resolved within max_model_len as admission resolves it."""
     if isinstance(prompt, int):
         prompt = [next(_unique_tokens) for _ in range(prompt)]
     return Request(
@@ -55,7 +66,7 @@ def make_request(
         prompt,
         SamplingParams(max_tokens=max_tokens, **sampling),
         eos_token_ids=frozenset({EOS}),
-        max_model_len=max_model_len,
+        max_tokens=completion_budget(len(prompt), max_tokens, max_model_len),
         grammar=grammar,
     )
 
@@ -465,7 +476,7 @@ def test_stop_on_last_allowed_token_is_a_stop_not_length() -> None:
 
 @pytest.mark.parametrize("max_tokens", [None, 100])
 def test_max_tokens_capped_by_max_model_len(max_tokens: int | None) -> None:
-    sched = make_scheduler(max_model_len=20)
+    sched = make_scheduler()
     req = make_request("a", 12, max_tokens=max_tokens, max_model_len=20)
     assert req.max_tokens == 8
     sched.add_request(req)
@@ -648,48 +659,23 @@ def test_a_request_preempted_with_a_token_in_flight_keeps_it() -> None:
     assert_pool_consistent(sched)
 
 
-# -- admission checks --------------------------------------------------------------------------
+# -- what admission accepts ----------------------------------------------------------------------
 
 
-def test_check_request_rejects() -> None:
-    sched = make_scheduler(num_blocks=5, max_model_len=100)  # 4 usable blocks: 64 tokens
-    with pytest.raises(ValueError, match="empty"):
-        sched.check_request(0, 10)
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.check_request(100, 10)
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.check_request(150, 10)
-    with pytest.raises(ValueError, match="KV blocks"):
-        sched.check_request(10, 80)
-    with pytest.raises(ValueError, match="KV blocks"):
-        sched.check_request(70, 1)
-    with pytest.raises(ValueError, match="KV blocks"):
-        sched.check_request(10, None)  # up to max_model_len = 100 tokens
-    # 65 tokens need only 64 KV slots: the last sampled token is never fed back.
-    sched.check_request(10, 55)
-    with pytest.raises(ValueError, match="KV blocks"):
-        sched.check_request(10, 56)
-    sched.check_request(64, 1)
-
-
-def test_add_request_rejects_without_side_effects() -> None:
-    sched = make_scheduler(num_blocks=5, max_model_len=100)
-    bad = [
-        make_request("empty", [], max_model_len=100),
-        make_request("long", 100, max_model_len=100),
-        make_request("huge", 10, max_tokens=80, max_model_len=100),
-    ]
-    for r in bad:
-        with pytest.raises(ValueError):
-            sched.add_request(r)
-    assert not sched.requests and not sched.waiting
-
-    ok = make_request("ok", 10, max_tokens=55, max_model_len=100)
+def test_the_largest_request_admission_accepts_completes_on_its_pool() -> None:
+    """The scheduler trusts admission (it checks nothing again): what admission accepts must
+    run to completion on the KV cache it was admitted against."""
+    sched = make_scheduler(num_blocks=5)  # 4 usable blocks: 64 tokens
+    admission = admission_for(sched, max_model_len=100)
+    prompt = [next(_unique_tokens) for _ in range(10)]
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        admission.admit(prompt, SamplingParams(max_tokens=56))
+    admitted = admission.admit(prompt, SamplingParams(max_tokens=55))
+    ok = Request("ok", prompt, admitted.params, frozenset({EOS}), admitted.max_tokens)
     sched.add_request(ok)
     with pytest.raises(ValueError, match="already in use"):
-        sched.add_request(make_request("ok", 3, max_model_len=100))
+        sched.add_request(make_request("ok", 3))
     assert list(sched.waiting) == [ok]
-    # The largest accepted request really does complete on this pool.
     run(sched)
     assert ok.num_output_tokens == 55
     assert_all_free(sched)
@@ -902,26 +888,23 @@ def test_random_workloads_complete(w: dict) -> None:
         num_blocks=w["num_blocks"],
         max_num_seqs=w["max_num_seqs"],
         budget=w["budget"],
-        max_model_len=mml,
         caching=w["caching"],
     )
     usable = sched.kv.pool.num_usable_blocks
+    admission = admission_for(sched, mml)
     rng = random.Random(w["seed"])
     choices = [FILLER] * 12 + [EOS, STOP, 10, 11]
 
-    pending: list[tuple[int, Request]] = []
+    pending: list[tuple[int, str, list[int], SamplingParams]] = []
     for i, spec in enumerate(w["requests"]):
         prompt = (FAMILIES[spec["family"]][: spec["prompt_len"]] + spec["tail"])[: mml + 4]
-        req = make_request(
-            f"r{i}",
-            prompt,
+        params = SamplingParams(
             max_tokens=spec["max_tokens"],
-            max_model_len=mml,
             min_tokens=min(spec["min_tokens"], spec["max_tokens"]),
             ignore_eos=spec["ignore_eos"],
             stop_token_ids=[STOP] if spec["stop"] else [],
         )
-        pending.append((spec["arrival"], req))
+        pending.append((spec["arrival"], f"r{i}", prompt, params))
 
     accepted: list[Request] = []
     aborted: set[str] = set()
@@ -929,19 +912,28 @@ def test_random_workloads_complete(w: dict) -> None:
     bound = 2
     steps = 0
     while pending or sched.has_unfinished():
-        for arrival, req in [p for p in pending if p[0] <= steps]:
-            pending.remove((arrival, req))
-            p = req.num_prompt_tokens
-            fits = 0 < p < mml and cdiv(p + req.max_tokens - 1, BS) <= usable
+        for entry in [e for e in pending if e[0] <= steps]:
+            pending.remove(entry)
+            _, rid, prompt, params = entry
+            p = len(prompt)
+            max_tokens = min(params.max_tokens or mml, mml - p)
+            fits = (
+                0 < p < mml
+                and cdiv(p + max_tokens - 1, BS) <= usable
+                and params.min_tokens <= mml - p
+            )
             if fits:
+                admitted = admission.admit(prompt, params)
+                assert admitted.max_tokens == max_tokens
+                req = Request(rid, prompt, params, frozenset({EOS}), admitted.max_tokens)
                 sched.add_request(req)
                 accepted.append(req)
                 # Each step the oldest running request computes at least one token, and it is
                 # never preempted: so every request adds at most its token count in steps.
                 bound += p + req.max_tokens
             else:
-                with pytest.raises(ValueError):
-                    sched.add_request(req)
+                with pytest.raises(InvalidRequestError):
+                    admission.admit(prompt, params)
         for i, spec in enumerate(w["requests"]):
             rid = f"r{i}"
             if spec["abort_at"] == steps and rid in sched.requests:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvfleet.engine.cli import build_parser, main
-from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.gguf_files import write_gguf
 from tests.support.logs import captured_logs
+from tests.support.tiny_model import tiny_model_path
 
 SERVE = ["serve", "--host", "127.0.0.1", "--port", "0"]
 

@@ -26,8 +26,8 @@ from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams
 from kvfleet.engine.structured_output import StructuredOutputs, apply_bitmask
-from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.engine import assert_no_leak
+from tests.support.tiny_model import tiny_model_path
 
 # A finite language: every constrained sequence must end, with "stop", well within max_tokens.
 SCHEMA = {
@@ -72,7 +72,7 @@ def _allowed(bitmask_row: torch.Tensor, vocab: int) -> list[int]:
 def _req(rid: str, structured: StructuredOutputs, so: dict | None, **sp) -> Request:
     params = SamplingParams(structured_outputs=so, **sp)
     grammar = None if so is None else structured.grammar(params.structured_outputs)
-    return Request(rid, [5, 6, 7], params, frozenset([1]), 512, grammar=grammar)
+    return Request(rid, [5, 6, 7], params, frozenset([1]), max_tokens=16, grammar=grammar)
 
 
 # -- the constraint ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests for kvfleet.engine.tiny_model: locally built random checkpoints, no hub access."""
+"""Tests for tests.support.tiny_model: locally built random checkpoints, no hub access."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvfleet.engine import LLM
-from kvfleet.engine.tiny_model import (
+from tests.support.tiny_model import (
     ARCHITECTURES,
     MARKER_NAME,
     build_tiny_model,

@@ -34,7 +34,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("kvfleet-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVFLEET_CACHE_DIR", str(cache))
-        from kvfleet.engine.tiny_model import tiny_model_path
+        from tests.support.tiny_model import tiny_model_path
 
         tiny_model_path()
     return cache

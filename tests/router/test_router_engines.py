@@ -33,7 +33,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     cache = tmp_path_factory.mktemp("kvfleet-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVFLEET_CACHE_DIR", str(cache))
-        from kvfleet.engine.tiny_model import tiny_model_path
+        from tests.support.tiny_model import tiny_model_path
 
         model = tiny_model_path()
         with bench.engines(3, model, cache) as procs:

@@ -18,11 +18,11 @@ import pytest
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import EXIT_ENGINE_STUCK, ServerSettings
-from kvfleet.engine.tiny_model import build_tiny_model
 from tests.support.net import free_port, http_call
 from tests.support.scripts import ROOT
 from tests.support.servers import EngineProcess, engine_server
 from tests.support.slow_steps import SLOW_ENV, slow_steps
+from tests.support.tiny_model import build_tiny_model
 
 MODEL = "tiny"
 COMP = "/v1/completions"

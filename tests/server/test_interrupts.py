@@ -16,12 +16,12 @@ import time
 import aiohttp
 
 from kvfleet.engine import cli
-from kvfleet.engine.tiny_model import tiny_model_path
 from tests.support.logs import captured_logs
 from tests.support.net import free_port
 from tests.support.scripts import ROOT
 from tests.support.servers import EngineProcess, sse_data_lines
 from tests.support.slow_load import LOADING, SLOW_LOAD_ENV
+from tests.support.tiny_model import tiny_model_path
 
 MODEL = "tiny"
 COMP = "/v1/completions"

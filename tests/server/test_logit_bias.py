@@ -16,10 +16,10 @@ from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.app import ServerSettings
-from kvfleet.engine.tiny_model import tiny_model_path
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.net import http_call
 from tests.support.servers import engine_server, runner_in_thread
+from tests.support.tiny_model import tiny_model_path
 
 MODEL = "tiny"
 PROMPT = [11, 12, 13, 14, 15]
@@ -108,7 +108,7 @@ def test_logit_bias_through_the_router(server) -> None:
 
 def test_the_sampler_biases_each_row_alone_and_skips_failed_rows(monkeypatch) -> None:
     def req(rid: str, **sp) -> Request:
-        return Request(rid, [5], SamplingParams(**sp), frozenset({1}), max_model_len=100)
+        return Request(rid, [5], SamplingParams(**sp), frozenset({1}), max_tokens=16)
 
     sampler = Sampler(vocab_size=6, device=torch.device("cpu"), seed=0)
     reqs = [

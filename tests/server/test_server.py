@@ -303,6 +303,42 @@ def test_bad_input_is_answered_and_server_keeps_serving(server, path, body, head
     assert ok == 200 and good["usage"]["completion_tokens"] == 2
 
 
+def _refusal(server, path: str, body: dict) -> dict:
+    status, _, payload = http(server.url + path, body)
+    assert status == 400, payload
+    return payload["error"]
+
+
+def test_admission_refusals_say_which_limit_and_which_field(server):
+    """The engine's admission, as a client sees it: each limit's message, the request field it
+    names and, for the context length, OpenAI's code."""
+    _, _, models = http(server.url + "/v1/models", method="GET")
+    n = models["data"][0]["max_model_len"]
+    context = "context_length_exceeded"
+    error = _refusal(server, COMP, {"prompt": [5] * n, "max_tokens": 1})
+    assert error["message"] == (
+        f"This model's maximum context length is {n} tokens. However, your prompt has {n} "
+        "tokens, leaving no room for a completion."
+    )
+    assert (error["param"], error["code"]) == ("prompt", context)
+    error = _refusal(server, COMP, {"prompt": [5, 6], "max_tokens": n})
+    assert error["message"] == (
+        f"This model's maximum context length is {n} tokens. However, you requested {n + 2} "
+        f"tokens (2 in the prompt, {n} for the completion). Reduce the prompt or max_tokens."
+    )
+    assert (error["param"], error["code"]) == ("max_tokens", context)
+    error = _refusal(server, CHAT, {"messages": [{"role": "user", "content": "hi " * n}]})
+    assert (error["param"], error["code"]) == ("messages", context), error
+    error = _refusal(server, COMP, {"prompt": [5, 512, 7]})
+    assert error["message"] == "prompt token ids [512] are outside the vocabulary [0, 512)"
+    assert (error["param"], error["code"]) == ("prompt", None)
+    error = _refusal(server, CHAT, {"messages": _MSG, "top_k": 513})
+    assert error["message"] == "top_k (513) must not exceed the vocabulary size (512)"
+    assert error["param"] == "top_k"
+    error = _refusal(server, COMP, {"prompt": "x", "stop_token_ids": [512]})
+    assert (error["param"], error["code"]) == ("stop_token_ids", None)
+
+
 def test_full_waiting_queue_gets_429_with_retry_after(server):
     ctx = server.srv.app[SERVING]
     ctx.max_waiting_requests = 1

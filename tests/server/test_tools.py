@@ -29,11 +29,11 @@ from kvfleet.engine.server.tools import (
     plan_tools,
     required_schema,
 )
-from kvfleet.engine.tiny_model import tiny_model_path
 from kvfleet.protocol.chat_template import render_chat_text
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.net import http_call
 from tests.support.servers import default_model_server, openai_client, runner_in_thread
+from tests.support.tiny_model import tiny_model_path
 
 MODEL = "smollm2"
 WEATHER = {

@@ -57,6 +57,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -542,7 +543,7 @@ def _make_config(
 
 
 @torch.no_grad()
-def _init_weights(model: nn.Module, seed: int) -> None:
+def _init_weights(model: PreTrainedModel, seed: int) -> None:
     """Re-initialises every parameter (see the module docstring) from a seeded generator."""
     gen = torch.Generator().manual_seed(seed)
 
