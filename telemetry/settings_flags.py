@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, get_args, get_origin, runtime_checkable
 
@@ -112,11 +112,15 @@ def _flag(field: FieldInfo) -> Flag:
     return next((m for m in _metadata(field) if isinstance(m, Flag)), Flag())
 
 
+def _syntax(field: FieldInfo) -> FlagSyntax | None:
+    return next((m for m in _metadata(field) if isinstance(m, FlagSyntax)), None)
+
+
 def _is_list(annotation: Any) -> bool:
     return get_origin(_plain_type(annotation)) in (list, tuple)
 
 
-def _as_flag_type(parse: Any) -> Any:
+def _as_flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """argparse's `type` for a parse function that raises ValueError: argparse then names the
     flag before the message, rather than a message of its own."""
 
@@ -133,7 +137,7 @@ def _unset(default: Any) -> bool:
     return default is None or (isinstance(default, str | tuple | list) and len(default) == 0)
 
 
-def with_default(help_text: str, default: Any) -> str:
+def _with_default(help_text: str, default: Any) -> str:
     """A flag's help with its default appended; a flag without one (None, empty) says in its own
     words what leaving it out means."""
     return help_text if _unset(default) else (help_text + DEFAULT).strip()
@@ -159,11 +163,10 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], tit
     """One flag per field of a settings model, in an argument group of that title."""
     group = parser.add_argument_group(title)
     for name, field in model.model_fields.items():
-        metadata = _metadata(field)
         flag = _flag(field)
         if not flag.on_command_line:
             continue
-        syntax = next((m for m in metadata if isinstance(m, FlagSyntax)), None)
+        syntax = _syntax(field)
         names = [f for f in (flag.short, "--" + name.replace("_", "-")) if f]
         default = _default(field, flag, syntax)
         help_text = field.description or ""
@@ -171,7 +174,7 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], tit
             help_text += f"; {syntax.forms}"
         if flag.env is not None:
             help_text += f" (env {flag.env})"
-        help_text = with_default(help_text, default)
+        help_text = _with_default(help_text, default)
         kind = _plain_type(field.annotation)
         if syntax is not None:
             # A list's flag is repeatable: each time it is given adds its items.
