@@ -33,8 +33,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvfleet.operator.autoscaler import policy_of
-from kvfleet.operator.forecast import Sample
-from kvfleet.operator.scaling_policy import PodMetrics, Recommendation, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    Observation,
+    PodMetrics,
+    ScalingMemory,
+    ScalingPolicy,
+    decide,
+)
 from kvfleet.operator.spec import parse_spec
 
 # The operator's default step (--autoscale-interval) and the accounting's resolution.
@@ -187,9 +192,7 @@ def simulate(
     """The service under `load` for `duration_s` seconds from one ready replica (see the
     module's doc for the model)."""
     ready_at = [0.0]  # when each replica asked for is (or was) ready
-    history: tuple[Recommendation, ...] = ()
-    samples: tuple[Sample, ...] = ()
-    last_active: float | None = None
+    memory = ScalingMemory()
     replica_seconds = miss = 0.0
     trace: list[int] = []
     ticks = [i * TICK_S for i in range(int(duration_s / TICK_S))]
@@ -201,18 +204,14 @@ def simulate(
         ready = sum(1 for r in ready_at if r <= t)
         if t >= next_decision:
             next_decision += interval_s
-            d = decide(
+            seen = Observation(
                 len(ready_at),
                 [PodMetrics(f"p{j}", in_flight / ready, 0.0, 0.0) for j in range(ready)],
-                policy,
-                history,
-                last_active,
-                t,
                 starting=len(ready_at) - ready,
-                load=samples,
                 start_seconds=start_s,
             )
-            history, last_active, samples = d.history, d.last_active, d.load
+            d = decide(policy, seen, memory, t)
+            memory = d.memory
             if d.replicas > len(ready_at):
                 ready_at += [t + start_s] * (d.replicas - len(ready_at))
             else:

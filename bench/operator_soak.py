@@ -61,18 +61,17 @@ from api_faults import KINDS, FaultMix
 from cluster_sim import ClusterSim, controller_uid, resource_key, send, simulated
 from common import free_port, stop
 
+from kvfleet.operator.api import PLURAL, PLURALS
 from kvfleet.operator.drift import excess, in_sync
 from kvfleet.operator.kube import BACKOFFS_S
 from kvfleet.operator.reconciler import CHILD_RESOURCES
 from kvfleet.operator.resources import (
-    PLURAL,
-    PLURALS,
     OperatorConfig,
     Owner,
     build_children,
     optional_children,
 )
-from kvfleet.operator.spec import engine_replicas, parse_spec
+from kvfleet.operator.spec import engine_deployment_replicas, parse_spec
 from tests.support.kmock import (
     DEMO,
     ISVCS,
@@ -178,8 +177,8 @@ def divergence(
         return f"status observed generation {observed}, not {generation}"
     spec = parse_spec(name, isvc.get("spec"))
     owner = Owner(name=name, namespace=NS, uid=meta["uid"])
-    replicas = engine_replicas(spec, status.get("desiredReplicas"))
-    desired = build_children(owner, spec, config, replicas)
+    deployment_replicas = engine_deployment_replicas(spec, status.get("desiredReplicas"))
+    desired = build_children(owner, spec, config, deployment_replicas)
     for want in desired:
         kind, child = want["kind"], want["metadata"]["name"]
         live = objects.get((f"{want['apiVersion']}/{PLURALS[kind]}", child))

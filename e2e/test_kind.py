@@ -44,7 +44,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float, interval: flo
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def engine_replicas(context: str) -> int:
+def deployment_replicas(context: str) -> int:
     out = kubectl(context, "get", "deployment", f"{NAME}-engine", "-o", "jsonpath={.spec.replicas}")
     return int(out or 0)
 
@@ -128,7 +128,7 @@ def test_streaming_chat_with_the_openai_sdk(router_url: str):
 
 
 def test_load_scales_up_then_idle_scales_down(isvc: str, router_url: str):
-    assert engine_replicas(isvc) == 1
+    assert deployment_replicas(isvc) == 1
     stop = threading.Event()
 
     def worker(i: int) -> None:
@@ -140,12 +140,12 @@ def test_load_scales_up_then_idle_scales_down(isvc: str, router_url: str):
     for t in threads:
         t.start()
     try:
-        wait_for("a second engine replica", lambda: engine_replicas(isvc) >= 2, timeout=600)
+        wait_for("a second engine replica", lambda: deployment_replicas(isvc) >= 2, timeout=600)
     finally:
         stop.set()
     for t in threads:
         t.join(timeout=330)
-    wait_for("the scale back to one replica", lambda: engine_replicas(isvc) == 1, timeout=600)
+    wait_for("the scale back to one replica", lambda: deployment_replicas(isvc) == 1, timeout=600)
     status = json.loads(kubectl(isvc, "get", "inferenceservice", NAME, "-o", "json"))["status"]
     assert status["lastScaleDecision"]["to"] == 1
 

@@ -15,6 +15,16 @@ from kvfleet.kernels import reference
 
 class AttentionBackend(Protocol):
     name: str
+    # Reads only the metadata's device tensors, so a CUDA graph may capture its kernels.
+    supports_cuda_graphs: bool
+    # Decode steps may attend a prefix all rows share once for the batch
+    # (AttentionMetadata.cascade_prefix_len), in layers without a sliding window.
+    supports_cascade: bool
+
+    def warm_up_batches(self, max_num_seqs: int) -> list[int]:
+        """Sequence counts of the prefill steps that compile every kernel variant serving can
+        meet, for the runner to run once at start-up rather than in someone's request."""
+        ...
 
     def write_kv(
         self,
@@ -41,6 +51,11 @@ class AttentionBackend(Protocol):
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_cuda_graphs = False
+    supports_cascade = False
+
+    def warm_up_batches(self, max_num_seqs: int) -> list[int]:
+        return []  # nothing compiles
 
     def write_kv(
         self,

@@ -34,6 +34,7 @@ class ModelConfig(BaseModel):
     architecture: str
     dtype: torch.dtype
     max_model_len: int
+    vocab_size: int  # rows of the logits
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -76,6 +77,7 @@ class ModelConfig(BaseModel):
             architecture=archs[0],
             dtype=_resolve_dtype(args.dtype, hf_config, device, gguf=gguf),
             max_model_len=args.max_model_len or native_len,
+            vocab_size=hf_config.vocab_size,
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         max_num_seqs: int,
         max_blocks_per_seq: int,
         max_model_len: int,

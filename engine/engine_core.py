@@ -16,10 +16,10 @@ from kvfleet.engine.checkpoint_path import find_gguf
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
-from kvfleet.engine.model_runner import InFlightStep, LaunchedStep, ModelRunner
-from kvfleet.engine.output_processor import OutputProcessor
+from kvfleet.engine.model_runner import ModelRunner, Step
+from kvfleet.engine.output_processor import OutputProcessor, ProcessedStep
 from kvfleet.engine.outputs import EngineStats, RequestOutput
-from kvfleet.engine.request import EngineRequest, Request, RequestStatus
+from kvfleet.engine.request import EngineRequest, Request
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
 from kvfleet.engine.structured_output import CompiledGrammar, StructuredOutputs
@@ -75,12 +75,16 @@ class EngineCore:
         self.tokenizer = tokenizer
         if tokenizer is None and not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        self.vocab_size = self.model_config.vocab_size
         self.workers: TensorParallelWorkers | None = None
-        if args.tensor_parallel_size > 1:
-            self.workers = TensorParallelWorkers(args)
-        # Whatever fails from here on (the runner's load, the grammar compiler's tokenizer)
-        # must not leave the workers, the weights or the KV cache behind on the GPUs.
+        # Whatever fails from here on (the grammar compiler's tokenizer, a worker, the runner's
+        # load) must not leave the compiler's processes, the workers, the weights or the KV
+        # cache behind. The grammar compiler starts first: its failure costs no model load.
         try:
+            self._start_structured_outputs()
+            if args.tensor_parallel_size > 1:
+                self.workers = TensorParallelWorkers(args)
             self._build(args)
         except BaseException:
             self.close()
@@ -98,31 +102,46 @@ class EngineCore:
             "on" if args.enable_prefix_caching else "off",
         )
 
+    def _start_structured_outputs(self) -> None:
+        """Structured outputs need the tokenizer's text of every token id, read by the grammar
+        library; a tokenizer it cannot read turns them off, not the engine."""
+        self.structured: StructuredOutputs | None = None
+        self.structured_unavailable: str | None = "the engine runs without a tokenizer"
+        if self.tokenizer is None:
+            return
+        try:
+            self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        except ValueError as e:
+            self.structured_unavailable = (
+                f"the grammar library cannot read this model's tokenizer ({e})"
+            )
+            logger.warning("structured outputs are off: %s", self.structured_unavailable)
+        else:
+            self.structured_unavailable = None
+
     def _build(self, args: EngineArgs) -> None:
-        """The runner and what reads it, apart so that __init__ can undo a partial build."""
+        """The runner and what reads it."""
+        workers = self.workers
         self.runner = ModelRunner(
             args,
             self.model_config,
             self.device,
-            on_loaded=self.workers.wait_loaded if self.workers is not None else None,
+            on_loaded=workers.wait_loaded if workers is not None else None,
+            send_plan=workers.send if workers is not None else None,
+            structured=self.structured,
         )
-        if self.workers is not None:
-            self.runner.before_forward = self.workers.send
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            # No more sequences than the runner has block-table rows.
+            max_num_seqs=self.runner.max_num_seqs,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
         )
-        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
-        self.vocab_size = self.model_config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Async scheduling: the step launched last, whose sampling the next call queues, and
-        # the one before it, sampled, whose tokens the host has not read yet.
-        self._launched: LaunchedStep | None = None
-        self._in_flight: InFlightStep | None = None
+        # Async scheduling: the step the last call launched, which the next call samples.
+        self._launched: Step | None = None
         self.async_scheduling = args.async_scheduling
         # The last step found nothing to run and nothing on the device: every request waits
         # for its grammar to compile, and the loop may sleep until one is done.
@@ -131,23 +150,6 @@ class EngineCore:
         # those of the step still on the device, whose tokens it waits for. Liveness allows a
         # step time in proportion; read from any thread.
         self.step_tokens = 0
-        # Structured outputs need the tokenizer's text of every token id, read by the grammar
-        # library; a tokenizer it cannot read turns them off, not the engine.
-        self.structured: StructuredOutputs | None = None
-        self.structured_unavailable: str | None = "the engine runs without a tokenizer"
-        if self.tokenizer is not None:
-            try:
-                self.structured = StructuredOutputs(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-            except ValueError as e:
-                self.structured_unavailable = (
-                    f"the grammar library cannot read this model's tokenizer ({e})"
-                )
-                logger.warning("structured outputs are off: %s", self.structured_unavailable)
-            else:
-                self.structured_unavailable = None
-                self.runner.structured = self.structured
         self.admission = Admission(
             max_model_len=self.model_config.max_model_len,
             vocab_size=self.vocab_size,
@@ -184,8 +186,8 @@ class EngineCore:
         what the engine's owner calls when it is done with it; no step runs after this. The
         runner goes first: NCCL does not destroy a communicator while a CUDA graph that captured
         its collectives lives (its teardown waits for them)."""
-        # Their logits, tokens' device and pinned memory go with the rest.
-        self._launched = self._in_flight = None
+        # The launched step's logits and tokens (device and pinned memory) go with the rest.
+        self._launched = None
         runner = getattr(self, "runner", None)  # absent when the model failed to load
         if runner is not None:
             runner.release()
@@ -261,81 +263,52 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step. With async scheduling the next step is launched before the host reads the
-        last one's tokens, so the host's work on them (grammar matchers, stop checks, outputs,
-        the next masks) runs while the device computes: the outputs returned are the previous
-        step's. A request that stopped at that step has run one wasted row in this one.
-
-        The step launched by the last call is sampled at the start of this one, not before the
-        last call returned: its grammar masks (about 1 ms of host time for 32 constrained rows
-        of a 128k vocabulary) then follow the delivery of the outputs they wait for, instead of
-        delaying every token, the first included. The device is still in its forward pass."""
+        """One step: schedule, launch the forward pass, update the requests with the tokens of
+        the step before. With async scheduling the host reads a step's tokens only after it has
+        launched the next one, so its work on them (grammar matchers, stops, outputs) runs while
+        the device computes: the outputs are the previous step's, and a request that stopped
+        there has run one wasted row in this one. The step the last call launched samples at
+        the start of this one, so that its grammar masks do not delay that call's outputs."""
         outputs: list[RequestOutput] = []
-        if self._launched is not None:
-            self._in_flight = self._sample(self._launched, outputs)
-            self._launched = None
-        prev, self._in_flight = self._in_flight, None
+        prev, self._launched = self._launched, None
+        if prev is not None:
+            outputs += self._fail(self.scheduler.settle_grammars(prev.out))
+            self.runner.sample(prev)
         out = self.scheduler.schedule()
         self.idle = out.empty and prev is None
         # On a GPU this call also waits for the step still on the device; on the CPU that
         # step's forward pass ran in the call that launched it.
-        waits = prev is not None and self.device.type == "cuda"
-        self.step_tokens = out.num_batched_tokens + (prev.out.num_batched_tokens if waits else 0)
-        launched = self.runner.launch(out, prev)
+        on_gpu = self.device.type == "cuda"
+        waited = prev.out.num_batched_tokens if prev is not None and on_gpu else 0
+        self.step_tokens = out.num_batched_tokens + waited
+        step = self.runner.launch(out, prev)
         self.scheduler.advance(out)
-        if out.failed:
-            outputs += self._fail(out.failed)
+        outputs += self._fail(out.failed)
         if prev is not None:
-            outputs += self._resolve(prev)
+            outputs += self._update(prev)
         if self.async_scheduling:
-            self._launched = None if out.empty else launched
+            self._launched = None if out.empty else step
             return outputs
-        flight = self._sample(launched, outputs)
-        return outputs + self._resolve(flight)
+        outputs += self._fail(self.scheduler.settle_grammars(out))
+        self.runner.sample(step)
+        return outputs + self._update(step)
 
-    def _sample(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> InFlightStep:
-        """Queue a launched step's sampling. A request whose grammar is still compiling (its
-        prompt ran meanwhile) does not sample now: it steps back, to compute its last position
-        again once the grammar is there. One whose grammar failed fails (into `outputs`)."""
-        failed = []
-        for req in launched.out.unready:
-            # (One preempted since the launch starts over anyway.)
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            try:
-                if not req.grammar_ready():
-                    self.scheduler.step_back(req)
-            except Exception as e:
-                failed.append((req, e))
-        if failed:
-            outputs += self._fail(failed)
-        return self.runner.sample(launched)
+    def _update(self, step: Step) -> list[RequestOutput]:
+        """Read a step's tokens: the scheduler appends them and applies the token-level stops,
+        the output processor turns them into deltas."""
+        result = self.runner.resolve(step)
+        self.scheduler.update(step.out, result.new_tokens())
+        return self._finish(self.output_processor.process(result))
 
     def _fail(self, failures: list[tuple[Request, Exception]]) -> list[RequestOutput]:
         """End the requests whose grammar failed to compile, each with its error output."""
-        processed = self.output_processor.fail(failures, "structured_outputs")
-        for req, status in processed.to_finish:
-            self.scheduler.finish_request(req, status)
-        self._release_finished()
-        return list(processed.outputs.values())
+        if not failures:
+            return []
+        return self._finish(self.output_processor.fail(failures, "structured_outputs"))
 
-    def _resolve(self, flight: InFlightStep) -> list[RequestOutput]:
-        """Read a step's tokens and turn them into outputs; end the requests they stop."""
-        reqs, sampled = self.runner.resolve(flight)
-        self.scheduler.update(
-            flight.out,
-            {
-                r.request_id: t
-                for i, (r, t) in enumerate(zip(reqs, sampled.token_ids, strict=True))
-                if i not in sampled.failed
-            },
-        )
-        for req in reqs:
-            # A grammar that allows no further token ends its sequence as a stop would.
-            if req.grammar is not None and req.grammar.terminated:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-        processed = self.output_processor.process(reqs, sampled)
-        # The one place requests end for what the processor found: stop strings, failures.
+    def _finish(self, processed: ProcessedStep) -> list[RequestOutput]:
+        """The one place requests end for what the output processor found (stop strings,
+        failures); its deltas."""
         for req, status in processed.to_finish:
             self.scheduler.finish_request(req, status)
         self._release_finished()

@@ -1,6 +1,7 @@
 """Runs the model on one flat batch per step. Rank 0 turns the scheduler's decision into a
-`StepPlan` (input ids, lengths, the block-table entries that changed), every tensor-parallel
-rank runs the same plan through its shard of the model, and rank 0 samples."""
+`StepPlan` (input ids, lengths, the block-table entries that changed) that every tensor-parallel
+rank runs through its shard of the model; rank 0 alone samples and reads the tokens back: a
+`Step` goes through launch(), sample() and resolve()."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -20,17 +22,12 @@ from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
 from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
+from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
-from kvfleet.engine.sampler import (
-    PromptLogprobsChunk,
-    SampledBatch,
-    Sampler,
-    SamplerOutput,
-    to_device,
-)
+from kvfleet.engine.sampler import Logprobs, SampledBatch, Sampler, to_device
 from kvfleet.engine.scheduler import SchedulerOutput
 from kvfleet.engine.structured_output import StructuredOutputs
 
@@ -44,6 +41,18 @@ _GRAPH_EXTRA_KV_READS = 32768
 # Prompt positions whose logits exist at once when scoring a prompt: bounds the memory at this many
 # rows of the vocabulary in fp32 (256 x 128k words = 128 MiB), whatever the chunk size.
 _PROMPT_LOGPROBS_ROWS = 256
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """What the runner calls on a model (engine/models): the forward pass of one flat batch,
+    the logits of chosen hidden states, its attention layers."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_layers(self) -> list[Attention]: ...
 
 
 class StepInterrupted(Exception):
@@ -107,26 +116,47 @@ class StepPlan:
     prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
-@dataclass
-class LaunchedStep:
-    """A step whose forward pass is queued (rank 0): what the sampler needs once the host has
-    caught up with the previous step."""
+# A sequence's prompt tokens scored in one step: the position in the prompt of the first, and
+# each one's logprob and top N.
+PromptLogprobsChunk = tuple[int, list[Logprobs]]
+
+
+@dataclass(slots=True)
+class Step:
+    """One step on rank 0, from its launch to the host reading its tokens: launch() queues its
+    forward pass, sample() its sampling (the logits give way to the sampled batch), resolve()
+    reads it."""
 
     out: SchedulerOutput
-    reqs: list[Request]  # the sequences that sample, row for row of the logits
+    reqs: list[Request]  # the sequences that sample, row for row of `logits`, then of `sampled`
     logits: torch.Tensor | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+    sampled: SampledBatch | None = None
+    # Request id -> its row of sampled.token_ids, where the next step finds its input id.
+    sampled_rows: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
-class InFlightStep:
-    """A step whose tokens are sampled on the device and on their way to the host."""
+@dataclass(slots=True)
+class StepResult:
+    """A step's results on the host: the tokens its live rows sampled, row for row with their
+    requests, and the prompt tokens it scored."""
 
-    out: SchedulerOutput
-    batch: SampledBatch | None
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
-    # Request id -> its row in batch.token_ids, for the next step's inputs.
-    rows: dict[str, int]
+    reqs: list[Request]
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # None where the request did not ask
+    # Row -> the error that failed that request's sampling; its token is void.
+    failed: dict[int, Exception] = field(default_factory=dict)
+    # Request id -> the prompt tokens it scored (prompt_logprobs), sampling or not.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+    def new_tokens(self) -> dict[str, int]:
+        """Each request's token, those of the failed rows left out."""
+        failed = self.failed
+        return {
+            r.request_id: t
+            for i, (r, t) in enumerate(zip(self.reqs, self.token_ids, strict=True))
+            if i not in failed
+        }
 
 
 class ModelRunner:
@@ -136,17 +166,30 @@ class ModelRunner:
         model_config: ModelConfig,
         device: torch.device,
         on_loaded: Callable[[], None] | None = None,
+        send_plan: Callable[[StepPlan], None] | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """`on_loaded` runs once the weights are in, before the first collective: the
-        tensor-parallel ranks check each other there."""
+        tensor-parallel ranks check each other there. Rank 0 of several hands each step's plan
+        to the other ranks through `send_plan`, and samples under the grammars of `structured`
+        (the engine's, when it has a tokenizer)."""
         self.args = args
         self.model_config = model_config
         self.device = device
+        self.send_plan = send_plan
+        self.structured = structured
         self.dtype = model_config.dtype
         self.kv_dtype = args.kv_cache_torch_dtype(self.dtype)
         self.block_size = args.block_size
         self.max_blocks_per_seq = cdiv(model_config.max_model_len, self.block_size)
         self.num_kv_heads = model_config.kv_heads_per_rank(tp_size())
+        # EngineCore resolved them for the device (EngineArgs.for_device) for every rank.
+        if args.max_num_seqs is None or args.max_num_batched_tokens is None:
+            raise ValueError("the runner needs arguments resolved by EngineArgs.for_device")
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_batched_tokens = args.max_num_batched_tokens
+        # release() gives the model and its memory back; no step runs after.
+        self.released = False
 
         torch.manual_seed(args.seed)
         self.model = self._load_model()
@@ -157,19 +200,20 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Only rank 0 samples; the workers' logits are computed (the LM head is a collective)
         # and dropped.
-        vocab = model_config.hf_config.vocab_size
+        vocab = model_config.vocab_size
         self.sampler = Sampler(vocab, device, args.seed) if tp_rank() == 0 else None
-        if device.type == "cuda" and self.backend.name == "triton":
-            self._warm_up()
-        # Only the Triton backend has the cascade kernel, and only layers without a window use it.
-        self.cascade = self.backend.name == "triton" and any(
+        if device.type == "cuda":  # kernels compile now, not in someone's request
+            for num_seqs in self.backend.warm_up_batches(self.max_num_seqs):
+                self._dummy_forward([32] * num_seqs)
+        # Only layers without a sliding window take the shared-prefix pass.
+        self.cascade = self.backend.supports_cascade and any(
             layer.sliding_window is None for layer in self.model.attention_layers()
         )
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and self.backend.name == "triton" and not args.enforce_eager:
+        if device.type == "cuda" and self.backend.supports_cuda_graphs and not args.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
-                args.max_num_seqs,
+                self.max_num_seqs,
                 self.max_blocks_per_seq,
                 model_config.max_model_len,
                 device,
@@ -184,16 +228,13 @@ class ModelRunner:
 
         # Persistent block tables, one row per running request: each step writes only the block
         # ids the scheduler appended, so host work does not grow with context length.
-        self.block_table = np.zeros((args.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self.row_len = np.zeros(args.max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((self.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.row_len = np.zeros(self.max_num_seqs, dtype=np.int64)
         self.rows: dict[str, int] = {}
-        self.free_rows = list(range(args.max_num_seqs - 1, -1, -1))
-        self.before_forward: Callable[[StepPlan], None] | None = None
-        # Set by the engine when it has a tokenizer: the structured-output bitmasks (rank 0).
-        self.structured: StructuredOutputs | None = None
+        self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
 
     # -- set-up ----------------------------------------------------------------------------
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self) -> LanguageModel:
         mc = self.model_config
         cls = get_model_class(mc.architecture)
         prev_dtype = torch.get_default_dtype()
@@ -210,7 +251,10 @@ class ModelRunner:
         else:
             # One bar for the process group: every rank loads the same tensors.
             load_weights(model, mc.path, progress=tp_rank() == 0)
-        return model.eval()
+        model.eval()
+        if not isinstance(model, LanguageModel):
+            raise TypeError(f"{cls.__name__} lacks what the runner calls on a model")
+        return model
 
     def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:
         """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
@@ -246,7 +290,7 @@ class ModelRunner:
             elif budget is None:
                 sequence = self.max_blocks_per_seq * self.block_bytes
                 # Plus the null block, so that the floor of one full sequence holds.
-                budget = cpu_kv_budget(available_memory(), sequence, args.max_num_seqs)
+                budget = cpu_kv_budget(available_memory(), sequence, self.max_num_seqs)
                 budget += self.block_bytes
             num = budget // self.block_bytes
             # Every rank holds the same blocks (its own heads of them): the smallest budget wins.
@@ -298,32 +342,15 @@ class ModelRunner:
     def _profile_run(self) -> None:
         """A forward pass as large as the scheduler can ever ask for, against a one-block cache
         that every slot points at, then sampling for max_num_seqs rows."""
-        args = self.args
-        num_tokens = min(
-            args.max_num_batched_tokens, args.max_num_seqs * self.model_config.max_model_len
-        )
-        num_seqs = min(args.max_num_seqs, num_tokens)
+        max_seqs = self.max_num_seqs
+        num_tokens = min(self.max_num_batched_tokens, max_seqs * self.model_config.max_model_len)
+        num_seqs = min(max_seqs, num_tokens)
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         caches = self._allocate_kv_cache(1)
         self._dummy_forward(lens)
         del caches
         self._bind_kv_cache([])
-
-    def _warm_up(self) -> None:
-        """Compile every prefill-kernel variant serving can meet (one per sequence-table bucket)
-        now rather than in the middle of someone's request."""
-        from kvfleet.kernels.paged_attention import prefill_seq_bucket
-
-        max_seqs = self.args.max_num_seqs
-        bucket = prefill_seq_bucket(1)
-        while True:
-            count = min(max_seqs, bucket)
-            assert prefill_seq_bucket(count) == bucket
-            self._dummy_forward([32] * count)
-            if count == max_seqs:
-                return
-            bucket *= 2
 
     def _dummy_forward(self, lens: list[int]) -> None:
         """Forward + sampling-sized logits for sequences of the given lengths, every slot and
@@ -364,12 +391,13 @@ class ModelRunner:
         """Give back the KV cache, the CUDA graphs and the weights (the runner runs no step
         after this): a stopped engine frees its memory even while something still refers to
         it (a server object a caller keeps, an LLM in a notebook)."""
-        if self.model is None:
+        if self.released:
             return
         self._bind_kv_cache([])
         self.kv_caches = []
         self.graphs = None
-        self.model = None  # type: ignore[assignment]
+        del self.model
+        self.released = True
         # Now rather than whenever the collector runs: a tensor-parallel teardown waits for
         # every CUDA graph that captured a collective to be destroyed.
         gc.collect()
@@ -382,7 +410,7 @@ class ModelRunner:
         raise StepInterrupted before their next attention layer. Hooks put on for the block
         alone: the forward passes of serving pay nothing for it. (A replayed CUDA graph runs no
         hook: it is one short decode step.)"""
-        if self.model is None:
+        if self.released:
             yield
             return
         # Torch reads a module's hooks into a tuple at each call, under the GIL: adding them
@@ -415,59 +443,75 @@ class ModelRunner:
         if self.sampler is not None:
             self.sampler.forget(request_id)
 
-    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> LaunchedStep:
-        """Queue one step's forward pass (rank 0); `before_forward` hands the plan to the
-        tensor-parallel workers. Tokens of `prev` that the host has not read yet are taken from
-        the device. Nothing here waits for the device unless the step scores prompt tokens."""
+    def launch(self, out: SchedulerOutput, prev: Step | None = None) -> Step:
+        """Queue one step's forward pass (rank 0), its plan sent to the other ranks first.
+        Tokens of `prev` that the host has not read yet are taken from the device. Nothing here
+        waits for the device unless the step scores prompt tokens."""
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
-            return LaunchedStep(out, [], None, {})
+            return Step(out, [], None, {})
         plan = self.plan(out, prev)
-        if self.before_forward is not None:
-            self.before_forward(plan)
-        prev_tokens = None if prev is None or prev.batch is None else prev.batch.token_ids
+        if self.send_plan is not None:
+            self.send_plan(plan)
+        prev_tokens = None if prev is None or prev.sampled is None else prev.sampled.token_ids
         logits, scored = self.forward(plan, prev_tokens)
         prompt_logprobs = {out.scheduled[i][0].request_id: chunk for i, chunk in scored.items()}
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
-        return LaunchedStep(out, sample_reqs, logits, prompt_logprobs)
+        return Step(out, sample_reqs, logits, prompt_logprobs)
 
-    def sample(self, step: LaunchedStep) -> InFlightStep:
-        """Queue the sampling of a launched step, its grammar masks computed on the host first
-        (the forward pass runs meanwhile). Rows of requests that have finished since the launch
-        are not sampled."""
-        reqs, logits = step.reqs, step.logits
-        if logits is None or not reqs:
-            return InFlightStep(step.out, None, step.prompt_logprobs, {})
-        # Nor those still waiting for their grammar (the engine stepped them back).
+    def sample(self, step: Step) -> None:
+        """Queue a launched step's sampling behind its forward pass, the grammar masks computed
+        on the host meanwhile. Rows of requests that finished since the launch, or that wait for
+        their grammar (the scheduler stepped them back), do not sample."""
+        logits, step.logits = step.logits, None
+        if logits is None:
+            return
+        reqs = step.reqs
         live = [
             i for i, r in enumerate(reqs) if not r.status.finished and r.pending_grammar is None
         ]
         if len(live) < len(reqs):
-            reqs = [reqs[i] for i in live]
+            reqs = step.reqs = [reqs[i] for i in live]
             if not reqs:
-                return InFlightStep(step.out, None, step.prompt_logprobs, {})
+                return
             logits = logits[to_device(live, torch.long, logits.device)]
-        assert self.sampler is not None
+        assert self.sampler is not None  # logits come back on rank 0 alone
         grammar = self.structured.masks(reqs) if self.structured is not None else None
         with torch.inference_mode():
-            batch = self.sampler.sample(logits, reqs, grammar)
-        rows = {r.request_id: i for i, r in enumerate(reqs)}
-        return InFlightStep(step.out, batch, step.prompt_logprobs, rows)
+            step.sampled = self.sampler.sample(logits, reqs, grammar)
+        step.sampled_rows = {r.request_id: i for i, r in enumerate(reqs)}
 
-    def resolve(self, step: InFlightStep) -> tuple[list[Request], SamplerOutput]:
-        """Wait for an in-flight step's tokens: the live requests that sampled and what they
-        sampled, with the prompt tokens scored."""
-        if step.batch is None:
-            reqs, sampled = [], SamplerOutput([], [])
-        else:
-            assert self.sampler is not None
-            with torch.inference_mode():  # the penalty counts are inference tensors
-                reqs, sampled = self.sampler.resolve(step.batch)
-        sampled.prompt_logprobs = step.prompt_logprobs
-        return reqs, sampled
+    def resolve(self, step: Step) -> StepResult:
+        """Wait for a sampled step's tokens. Each live row's grammar matcher accepts its token and
+        its penalty counts take it; rows of requests that finished since the sampling (aborted,
+        or stopped by their previous token) are left out, their tokens void."""
+        result = StepResult([], [], [], prompt_logprobs=step.prompt_logprobs)
+        batch = step.sampled
+        if batch is None:
+            return result
+        assert self.sampler is not None
+        tokens, logprobs = batch.read()
+        with torch.inference_mode():  # the penalty counts are inference tensors
+            for i, req in enumerate(step.reqs):
+                if req.status.finished:
+                    continue
+                token, error = tokens[i], batch.failed.get(i)
+                if error is None:
+                    try:
+                        if req.grammar is not None:
+                            req.grammar.accept(token)
+                        self.sampler.record(req, token)
+                    except Exception as e:
+                        error = e
+                if error is not None:
+                    result.failed[len(result.reqs)] = error
+                result.reqs.append(req)
+                result.token_ids.append(token)
+                result.logprobs.append(logprobs[i])
+        return result
 
-    def plan(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> StepPlan:
+    def plan(self, out: SchedulerOutput, prev: Step | None = None) -> StepPlan:
         """Rows for new requests, the block ids appended since the last step, the input ids
         (those the host does not know yet: where in `prev`'s sampled tokens they are)."""
         rows_l: list[int] = []
@@ -503,7 +547,7 @@ class ModelRunner:
                 # previous step sampled (a request that resumes has had it appended).
                 assert prev is not None and c + n == known + 1, (req, c, n)
                 pending_ids.append(len(input_ids) + n - 1)
-                pending_src.append(prev.rows[rid])
+                pending_src.append(prev.sampled_rows[rid])
                 input_ids.extend(tokens[c:known])
                 input_ids.append(0)
             elif n == 1:
@@ -528,7 +572,7 @@ class ModelRunner:
             prompt_logprobs=tuple(scored),
             pending_ids=np.array(pending_ids, dtype=np.int64),
             pending_src=np.array(pending_src, dtype=np.int64),
-            num_prev_sampled=0 if prev is None or prev.batch is None else len(prev.rows),
+            num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.sampled_rows),
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:

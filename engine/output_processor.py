@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.engine.model_runner import StepResult
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.request import EngineRequest, InvalidRequestError, Request, RequestStatus
-from kvfleet.engine.sampler import SamplerOutput
+from kvfleet.engine.sampler import Logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +93,12 @@ class OutputProcessor:
         for child in parent.children:
             del self._child_of[child.request_id]
 
-    def process(self, reqs: list[Request], sampled: SamplerOutput) -> ProcessedStep:
-        """This step's deltas from the tokens sampled for `reqs` (row for row), which the
-        scheduler has appended already. A failure in one request's sampling or detokenization
-        fails that request alone."""
+    def process(self, result: StepResult) -> ProcessedStep:
+        """A step's deltas from its tokens, which the scheduler has appended already. A failure
+        in one request's sampling or detokenization fails that request alone."""
         step = ProcessedStep()
-        for rid, (start, scored) in sampled.prompt_logprobs.items():
+        reqs = result.reqs
+        for rid, (start, scored) in result.prompt_logprobs.items():
             entry = self._child_of.get(rid)
             if entry is None:
                 continue
@@ -108,15 +109,15 @@ class OutputProcessor:
             prompt = parent.request.prompt_token_ids
             for pos, (chosen, top) in enumerate(scored, start):
                 buf[pos] = {prompt[pos]: chosen, **dict(top)}
-        for i, error in sampled.failed.items():
+        for i, error in result.failed.items():
             self._fail(reqs[i], "sampling", error, step)
-        self.generation_tokens_total += len(reqs) - len(sampled.failed)
+        self.generation_tokens_total += len(reqs) - len(result.failed)
         finished: list[_Parent] = []
         for i, (req, token, logprobs) in enumerate(
-            zip(reqs, sampled.token_ids, sampled.logprobs, strict=True)
+            zip(reqs, result.token_ids, result.logprobs, strict=True)
         ):
             entry = self._child_of.get(req.request_id)
-            if entry is None or i in sampled.failed:
+            if entry is None or i in result.failed:
                 continue  # failed with its parent (this step or before)
             parent, index = entry
             try:
@@ -137,7 +138,7 @@ class OutputProcessor:
         index: int,
         req: Request,
         token: int,
-        logprobs: tuple[float, list[tuple[int, float]]] | None,
+        logprobs: Logprobs | None,
         step: ProcessedStep,
     ) -> bool:
         """Detokenize one child's new token, look for stop strings, add it to its parent's

@@ -1,42 +1,24 @@
 """Next-token choice for a batch of requests: penalties, logit bias, temperature, top-k / top-p /
 min-p, greedy or seeded random sampling, and logprobs of the raw model distribution.
 
-Sampling is two calls, so that the host never waits for the device in between: `sample` queues
-the batch's ops and the copy of their results to the host and returns at once; `resolve` waits for
-that copy, then advances each request's grammar matcher and penalty counts with its token. The
-engine launches the next step's forward pass between the two (async scheduling).
-
-Each request's own preparation (its penalty state, its seeded generator, its banned tokens, the
-scalars it feeds into the batched ops) runs on its own, guarded: a request whose preparation
-fails is reported in SamplerOutput.failed and takes part in the batched ops as a neutral greedy
-row whose token is discarded, so one bad request cannot fail the batch. Errors in the batched
-ops themselves belong to no request and propagate."""
+`Sampler.sample` only queues work on the device and returns, so that the host prepares the next
+step meanwhile; `SampledBatch.read` waits for the results. A request whose own part fails (its
+penalty state, generator, banned tokens, grammar mask) samples as a neutral greedy row whose token
+is void, so that it cannot fail the batch; an error in the batched ops belongs to no request and
+propagates."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvfleet.engine.request import Request
 from kvfleet.engine.structured_output import GrammarMasks, apply_bitmask
 
-# A sequence's prompt tokens scored in one step: (position in the prompt of the first, and for
-# each, (its logprob, top N (token id, logprob))).
-PromptLogprobsChunk = tuple[int, list[tuple[float, list[tuple[int, float]]]]]
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    # Per request: (logprob of the chosen token, top-N (token id, logprob)), or None when the
-    # request did not ask for logprobs.
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
-    # Row index -> the error that failed that request's own sampling; its token is meaningless.
-    failed: dict[int, Exception] = field(default_factory=dict)
-    # Request id -> the prompt tokens it scored this step (prompt_logprobs), sampling or not.
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+# A sampled token's logprob and the top N (token id, logprob) of its distribution.
+Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 def to_device(
@@ -87,19 +69,35 @@ class _Row:
 
 @dataclass
 class SampledBatch:
-    """A batch whose sampling is queued on the device: its tokens there (the next step's input)
-    and on their way to the host."""
+    """A batch whose tokens are chosen on the device (the next step's input ids there) and on
+    their way to the host."""
 
-    reqs: list[Request]
     token_ids: torch.Tensor  # on the device, one per row
     tokens_host: torch.Tensor
     rows: list[_Row]
+    # Row -> the error that failed that request's own part; its token is void.
     failed: dict[int, Exception]
     # On their way to the host: each row's chosen-token logprob, and the batch's top values and
     # ids (as wide as the widest request asked for).
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Recorded after the copies to the host; None on the CPU, where they are done at once.
     ready: torch.cuda.Event | None = None
+
+    def read(self) -> tuple[list[int], list[Logprobs | None]]:
+        """Wait for the copies to the host: each row's token, and its logprobs where its
+        request asked for them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.tokens_host.tolist()
+        logprobs: list[Logprobs | None] = [None] * len(tokens)
+        if self.logprobs is not None:
+            picked, top_vals, top_ids = (t.tolist() for t in self.logprobs)
+            for i, row in enumerate(self.rows):
+                if row.logprobs is not None:
+                    n = row.logprobs
+                    top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+                    logprobs[i] = (picked[i], top)
+        return tokens, logprobs
 
 
 class Sampler:
@@ -126,18 +124,13 @@ class Sampler:
         if state is not None:
             state.add(token_id)
 
-    def __call__(
-        self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarMasks | None = None
-    ) -> SamplerOutput:
-        """sample() and resolve() in one: for callers that have nothing to overlap."""
-        return self.resolve(self.sample(logits, reqs, grammar))[1]
-
     def sample(
         self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarMasks | None = None
     ) -> SampledBatch:
         """Queue the batch's sampling on the logits' device; nothing here waits for the device.
         `grammar`: the batch's structured-output bitmask, applied after penalties and bans
-        (logprobs stay those of the raw distribution)."""
+        (logprobs stay those of the raw distribution). Advancing each request past its token
+        (grammar matcher, penalty counts: record) is the caller's, once the token is read."""
         logits = logits.float()
         failed: dict[int, Exception] = {}
         rows: list[_Row] = []
@@ -168,11 +161,11 @@ class Sampler:
         self._apply_logit_bias(logits, reqs, failed)
         if grammar is not None:
             # From StructuredOutputs.masks' pinned buffer, so the copy does not stall the host.
-            # That buffer is rewritten only after this batch is resolved, which waits for
+            # That buffer is rewritten only after this batch is read, which waits for
             # everything queued here first.
             apply_bitmask(logits, grammar.bitmask.to(logits.device, non_blocking=True))
         chosen = self._choose(logits, rows)
-        batch = SampledBatch(reqs, chosen, to_host(chosen), rows, failed)
+        batch = SampledBatch(chosen, to_host(chosen), rows, failed)
         if raw_logprobs is not None:
             picked = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
             top_vals, top_ids = raw_logprobs.topk(max(max(r.logprobs or 0 for r in rows), 1), -1)
@@ -181,43 +174,6 @@ class Sampler:
             batch.ready = torch.cuda.Event()
             batch.ready.record()
         return batch
-
-    def resolve(self, batch: SampledBatch) -> tuple[list[Request], SamplerOutput]:
-        """Wait for a sampled batch's results; each live row's grammar matcher accepts its token
-        and its penalty counts take it. Rows of requests that finished after the batch was
-        launched (aborted, or stopped by their previous token) are left out: their tokens are
-        void. Returns the live rows' requests and their results, row for row."""
-        if batch.ready is not None:
-            batch.ready.synchronize()
-        tokens = batch.tokens_host.tolist()
-        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(tokens)
-        if batch.logprobs is not None:
-            picked, top_vals, top_ids = (t.tolist() for t in batch.logprobs)
-            for i, row in enumerate(batch.rows):
-                if row.logprobs is not None:
-                    n = row.logprobs
-                    top = list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
-                    logprobs[i] = (picked[i], top)
-        reqs: list[Request] = []
-        out = SamplerOutput([], [])
-        for i, req in enumerate(batch.reqs):
-            if req.status.finished:
-                continue
-            row = len(reqs)
-            reqs.append(req)
-            out.token_ids.append(tokens[i])
-            out.logprobs.append(logprobs[i])
-            error = batch.failed.get(i)
-            if error is None:
-                try:
-                    if req.grammar is not None:
-                        req.grammar.accept(tokens[i])
-                    self.record(req, tokens[i])
-                except Exception as e:
-                    error = e
-            if error is not None:
-                out.failed[row] = error
-        return reqs, out
 
     def _prepare(self, req: Request, row: torch.Tensor) -> _Row:
         """This request's part of the batch, checked so the batched ops cannot fail on it."""

@@ -28,8 +28,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # Requests whose grammar failed to compile, with the error: the engine fails them.
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
-    # Requests scheduled to sample while their grammar was still compiling: the engine checks
-    # them again at sampling (these alone, not the whole batch) and steps back those not ready.
+    # Requests scheduled to sample while their grammar was still compiling: checked again at
+    # sampling (these alone, not the whole batch) by settle_grammars.
     unready: list[Request] = field(default_factory=list)
     # Whether Scheduler.advance has moved the requests past this step.
     advanced: bool = False
@@ -171,6 +171,21 @@ class Scheduler:
         out.unready.append(req)
         return num_new
 
+    def settle_grammars(self, out: SchedulerOutput) -> list[tuple[Request, Exception]]:
+        """Before a launched step samples: each request it lists as unready samples if its
+        grammar has compiled since, or steps back if not. Returns those whose grammar failed,
+        with the error, for the engine to fail."""
+        failed = []
+        for req in out.unready:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted since the launch, it starts over anyway; or finished
+            try:
+                if not req.grammar_ready():
+                    self.step_back(req)
+            except Exception as e:
+                failed.append((req, e))
+        return failed
+
     def step_back(self, req: Request) -> None:
         """Undo the sampling a launched step planned for `req` (its grammar is still
         compiling): its last position is computed again, and samples, in a later step."""
@@ -233,6 +248,9 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        # A grammar that allows no further token ends its sequence as a stop would.
+        if req.grammar is not None and req.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:

@@ -15,6 +15,7 @@ from kvfleet.kernels.paged_attention import (
     choose_prefix_splits,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_seq_bucket,
 )
 from kvfleet.kernels.reference import is_fp8
 
@@ -24,6 +25,8 @@ _DEFAULT_NUM_SMS = 132
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_cuda_graphs = True
+    supports_cascade = True
 
     def __init__(self, max_model_len: int, num_sms: int | None = None) -> None:
         self.max_model_len = max_model_len
@@ -41,6 +44,18 @@ class TritonAttentionBackend:
         return choose_num_splits(
             self.max_model_len, batch_size, kv_cache.shape[3], self.num_sms, is_fp8(kv_cache)
         )
+
+    def warm_up_batches(self, max_num_seqs: int) -> list[int]:
+        """One batch per width of the prefill kernel's sequence table (prefill_seq_bucket)."""
+        counts = []
+        bucket = prefill_seq_bucket(1)
+        while True:
+            count = min(max_num_seqs, bucket)
+            assert prefill_seq_bucket(count) == bucket
+            counts.append(count)
+            if count == max_num_seqs:
+                return counts
+            bucket *= 2
 
     def write_kv(
         self,

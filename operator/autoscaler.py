@@ -1,49 +1,14 @@
 """The built-in autoscaler: every interval, per InferenceService in builtin mode, scrape the
-engines (and the routers' held requests), decide with scaling_policy.decide, record the decision.
+engines (and the routers' held requests), decide with scaling_policy.decide, record the decision
+in the status, which the reconciler applies to the engine Deployment (its only writer).
 
-Ownership of the replica count: the autoscaler writes only the InferenceService's status
-(desiredReplicas, lastScaleDecision, and its own memory under status.autoscaling); the reconciler,
-the only writer of the engine Deployment, applies status.desiredReplicas (spec.engine_replicas).
-A status write is a watch event, so the Deployment follows within one reconcile. In external mode
-no loop runs: HPA or KEDA write spec.replicas through /scale and the reconciler applies that.
-
-One asyncio task per InferenceService, started and stopped from its watch events, rather than a
-kopf timer: kopf puts a finalizer on every object with a timer, and this operator deliberately
-writes nothing onto the objects it watches (see reconciler.py).
-
-The memory that must survive a restart (recommendations inside the windows, when work was last
-seen) is kept in status.autoscaling. Writing it every interval would make every service a write
-and a watch event every few seconds, so it is written when a decision changes something, when
-its content (not just its times) changes, and otherwise at most every REFRESH_SECONDS; between
-writes the exact memory is kept in the process. After a restart a window may therefore close up
-to REFRESH_SECONDS early.
-
-For scaling ahead (forecast.py), each step learns the engine start time from the engine pods it
-lists (kept in status.autoscaling too: a restart keeps it; a new start is part of the content, so
-it is written when learned) and keeps the load samples of the last ten minutes (the trend's
-window and the load's cycle, forecast.CYCLE_S) in the process only: after a restart the forecast
-waits for the window to fill again, and knows no cycle until the load falls again.
-
-The remembered times are checked against the operator's clock as a step reads them: one ahead
-(a skewed clock, a status written by hand) counts as now, never holding a window or the idle
-delay open longer than configured, and a gap over CLOCK_SKEW_TOLERANCE_S is reported once, with
-a Warning Event ClockSkew and status.autoscaling.clockSkew (clamp_future).
-
-A step that fails (the API, a scrape or the decision raising) leaves the replica count as it is
-and is tried again the next interval. It is made visible once per cause, not once per interval:
-a log warning and a Warning Event go with each new cause and a Normal one with the recovery,
-status.autoscaling.failure names the cause (written when the cause changes, removed by the next
-step that succeeds), and kvfleet_operator_autoscaling_failures_total{reason} counts every failed
-step. A step whose status write fails (StatusWriteFailed) cannot say so in the status: the
-StatusWriter reports it (status_writer.py). Each service has its own task, so one service's
-failures never delay another's steps.
-
-Each request of a step is sent once, not retried within it: the next interval is its retry. So
-a service costs at most 3 API requests an interval whatever fails (its read, its pod list, one
-status write), and its status writes back off further while they fail (kube.py).
-
-A loop ends when its service is gone: a watch event says so, or, should that event be missed
-(a watch that broke at the wrong moment), the loop's own GET answers 404.
+One asyncio task per service rather than a kopf timer: kopf puts a finalizer on every object
+with a timer, and this operator writes nothing onto the objects it watches (reconciler.py). What
+must survive a restart (the recommendations inside the windows, when work was last seen, the
+engine starts learned) is kept in status.autoscaling, written when its content changes or at most
+every REFRESH_SECONDS, so a settled service is not a write every interval; the process keeps the
+exact memory in between. A failing step changes nothing, is retried the next interval, and is
+reported once per cause. docs/autoscaling.md says what a user sees of each.
 """
 
 from __future__ import annotations
@@ -55,48 +20,39 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-import kopf
 from prometheus_client import Counter
 
-from kvfleet.operator import kube as k
-from kvfleet.operator import service_metrics
+from kvfleet.operator import kube, service_metrics
+from kvfleet.operator.api import GROUP, LABEL_COMPONENT, PLURAL, VERSION
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
-from kvfleet.operator.forecast import EngineStart, Sample, epoch, learn, start_estimate
+from kvfleet.operator.forecast import EngineStart, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
-from kvfleet.operator.resources import (
-    ENGINE_PORT,
-    GROUP,
-    LABEL_COMPONENT,
-    PLURAL,
-    ROUTER_PORT,
-    VERSION,
-)
 from kvfleet.operator.scaling_policy import (
+    Observation,
     PodMetrics,
     Recommendation,
     ScaleDecision,
+    ScalingMemory,
     ScalingPolicy,
     decide,
 )
-from kvfleet.operator.spec import AutoscalingSpec, SpecError, engine_replicas, parse_spec
+from kvfleet.operator.spec import (
+    AutoscalingSpec,
+    SpecError,
+    engine_deployment_replicas,
+    parse_spec,
+)
 from kvfleet.operator.status import timestamp
 from kvfleet.operator.status_writer import StatusWriter
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
 logger = logging.getLogger("kvfleet.operator.autoscaler")
-
-Memory = tuple[tuple[Recommendation, ...], float | None]  # (history, last active)
-
-
-class Gone:
-    """What a step returns for a service that no longer exists."""
-
-
-GONE = Gone()
 
 REFRESH_SECONDS = 60.0
 MAX_REASON = 1024  # the CRD's limit on lastScaleDecision.reason
@@ -158,12 +114,13 @@ def _rfc3339(seconds: float) -> str:
     return timestamp(datetime.datetime.fromtimestamp(seconds, datetime.UTC))
 
 
-def load_memory(status: Mapping[str, Any]) -> Memory:
-    """The autoscaler's memory as persisted in status.autoscaling."""
+def load_memory(status: Mapping[str, Any]) -> ScalingMemory:
+    """The decisions' memory as persisted in status.autoscaling (the forecast's load samples are
+    not: they fill again after a restart)."""
     state = status.get("autoscaling") or {}
     history = tuple(Recommendation(float(t), int(n)) for t, n in state.get("recommendations") or [])
     last_active = state.get("lastActiveTime")
-    return history, epoch(last_active) if last_active else None
+    return ScalingMemory(history, epoch(last_active) if last_active else None)
 
 
 def load_starts(status: Mapping[str, Any]) -> tuple[EngineStart, ...]:
@@ -173,11 +130,8 @@ def load_starts(status: Mapping[str, Any]) -> tuple[EngineStart, ...]:
 
 
 def clamp_future(
-    history: tuple[Recommendation, ...],
-    last_active: float | None,
-    starts: tuple[EngineStart, ...],
-    now: float,
-) -> tuple[tuple[Recommendation, ...], float | None, tuple[EngineStart, ...], dict[str, float]]:
+    memory: ScalingMemory, starts: tuple[EngineStart, ...], now: float
+) -> tuple[ScalingMemory, tuple[EngineStart, ...], dict[str, float]]:
     """The memory with every time ahead of now moved to now, and how far ahead the furthest time
     of each field was, for the fields ahead by more than CLOCK_SKEW_TOLERANCE_S.
 
@@ -194,11 +148,14 @@ def clamp_future(
             return now
         return t
 
-    history = tuple(Recommendation(clamp("recommendations", r.time), r.replicas) for r in history)
+    history = tuple(
+        Recommendation(clamp("recommendations", r.time), r.replicas) for r in memory.history
+    )
+    last_active = memory.last_active
     if last_active is not None:
         last_active = clamp("lastActiveTime", last_active)
     starts = tuple(EngineStart(clamp("engineStarts", s.ready), s.seconds) for s in starts)
-    return history, last_active, starts, ahead
+    return replace(memory, history=history, last_active=last_active), starts, ahead
 
 
 def clock_skew_state(ahead: Mapping[str, float], now: float) -> dict[str, Any]:
@@ -223,16 +180,17 @@ def memory_state(
     """status.autoscaling for a decision: its history as [unix seconds, replicas] pairs, when
     work was last seen, the pods whose metrics did not come or could not be used, with why, and
     the engine starts learned with their estimate."""
+    memory = decision.memory
     state: dict[str, Any] = {
-        "recommendations": [[round(r.time, 3), r.replicas] for r in decision.history],
+        "recommendations": [[round(r.time, 3), r.replicas] for r in memory.history],
         "unreachablePods": sorted(unreachable),
     }
     if unreachable:
         state["unreachableReasons"] = {
             pod: why[:MAX_UNREACHABLE_REASON] for pod, why in sorted(unreachable.items())
         }
-    if decision.last_active is not None:
-        state["lastActiveTime"] = _rfc3339(decision.last_active)
+    if memory.last_active is not None:
+        state["lastActiveTime"] = _rfc3339(memory.last_active)
     if (estimate := start_estimate(starts)) is not None:
         state["engineStarts"] = [[round(s.ready, 3), round(s.seconds, 3)] for s in starts]
         state["engineStartSeconds"] = round(estimate, 3)
@@ -257,7 +215,7 @@ def _written_at(state: Mapping[str, Any]) -> float:
 
 def status_update(
     previous: Mapping[str, Any],
-    current: int,
+    deployment_replicas: int,
     decision: ScaleDecision,
     unreachable: Mapping[str, str],
     now: float,
@@ -271,10 +229,10 @@ def status_update(
     patch: dict[str, Any] = {}
     if previous.get("desiredReplicas") != decision.replicas:
         patch["desiredReplicas"] = decision.replicas
-    if decision.replicas != current:
+    if decision.replicas != deployment_replicas:
         patch["lastScaleDecision"] = {
             "time": _rfc3339(now),
-            "from": current,
+            "from": deployment_replicas,
             "to": decision.replicas,
             "reason": decision.reason[:MAX_REASON],
             "signal": decision.signal,
@@ -313,8 +271,69 @@ def failure_update(
 # -- I/O -----------------------------------------------------------------------------------
 
 
-class StepFailed(Exception):
-    """A step that could not decide; reason is the cause's name in status and the counter."""
+@dataclass
+class ServiceState:
+    """What the autoscaler keeps of one InferenceService while its loop runs."""
+
+    task: asyncio.Task[None]
+    # The InferenceService last read (the watch event's until a read succeeds), to report a
+    # failure that comes before the next read succeeds.
+    seen: dict[str, Any]
+    # The cause last reported: kept here too, so that a status the API server pruned (a CRD
+    # without the field) still gets one write and one Event per cause.
+    failing: str | None = None
+    # The rest was learned of the object with this uid: a recreated object starts afresh.
+    uid: str = ""
+    # The decisions' memory, exact between its status writes; None: read it from the status.
+    memory: ScalingMemory | None = None
+    # Each engine's latency buckets at the last scrape, by pod: the next scrape's difference is
+    # the interval's latency. Not persisted: after a restart the latency signal is absent for one
+    # interval.
+    buckets: dict[str, Buckets] = field(default_factory=dict)
+    # The engine starts learned and the engine pods seen Ready (forecast.learn); None: read the
+    # starts from the status.
+    starts: tuple[tuple[EngineStart, ...], frozenset[str]] | None = None
+
+    def learning_of(self, uid: str) -> None:
+        """Forget what was learned of an earlier object of the same name."""
+        if uid != self.uid:
+            self.uid, self.memory, self.buckets, self.starts = uid, None, {}, None
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A step that decided (the count may be the same)."""
+
+    decision: ScaleDecision
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A step with nothing to scale: the spec is invalid (the reconciler reports it) or not in
+    builtin mode (its loop stops at the watch event). The last decision stands."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Gone:
+    """The service no longer exists: its loop ends."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A step that could not decide; the replica count stays. reason: the cause's name in the
+    status and the counter."""
+
+    reason: str
+    message: str
+
+
+StepOutcome = Decided | Skipped | Gone | Failed
+
+
+class _StepFailed(Exception):
+    """Ends a step early; step() returns it as Failed."""
 
     def __init__(self, reason: str, error: BaseException) -> None:
         super().__init__(f"{type(error).__name__}: {error}")
@@ -325,16 +344,16 @@ class StepFailed(Exception):
 def _failing_as(reason: str) -> Iterator[None]:
     try:
         yield
-    except (k.APIError, aiohttp.ClientError, TimeoutError) as e:
-        raise StepFailed("APIError", e) from e
+    except (kube.APIError, aiohttp.ClientError, TimeoutError) as e:
+        raise _StepFailed("APIError", e) from e
     except Exception as e:
-        raise StepFailed(reason, e) from e
+        raise _StepFailed(reason, e) from e
 
 
 class Autoscaler:
     def __init__(
         self,
-        api: k.Kube,
+        api: kube.Kube,
         status: StatusWriter,
         *,
         interval: float = 10.0,
@@ -345,109 +364,97 @@ class Autoscaler:
         self._status = status
         self._interval = interval
         self._clock = clock
-        self._tasks: dict[k.Key, asyncio.Task[None]] = {}
-        self._memory: dict[str, Memory] = {}  # by uid: a recreated object starts afresh
-        # Each engine's latency buckets at the last scrape, by uid then pod: the next scrape's
-        # difference is the interval's latency. Not persisted: after a restart the latency
-        # signal is absent for one interval.
-        self._buckets: dict[str, dict[str, Buckets]] = {}
-        # By uid: the engine starts learned, the engine pods seen Ready (forecast.learn), and the
-        # load samples the forecast reads (forecast.CYCLE_S of them).
-        self._starts: dict[str, tuple[tuple[EngineStart, ...], frozenset[str]]] = {}
-        self._load: dict[str, tuple[Sample, ...]] = {}
-        # The last InferenceService each loop read (the watch event's until a read succeeds), to
-        # report a failure that comes before the next read succeeds.
-        self._seen: dict[k.Key, dict[str, Any]] = {}
-        # The cause last reported per service: kept here too, so that a status the API server
-        # pruned (a CRD without the field) still gets one write and one Event per cause.
-        self._failing: dict[k.Key, str] = {}
+        self._services: dict[kube.Key, ServiceState] = {}
         self._scraper = Scraper(timeout=scrape_timeout)
 
-    def track(self, key: k.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
+    def track(self, key: kube.Key, body: Mapping[str, Any], *, deleted: bool = False) -> None:
         """Follow an InferenceService's watch event: a loop runs while it exists in builtin
         mode."""
         meta = body.get("metadata") or {}
         mode = ((body.get("spec") or {}).get("autoscaling") or {}).get("mode", "builtin")
         if mode == "builtin" and not deleted and not meta.get("deletionTimestamp"):
-            if key not in self._tasks:
-                self._seen.setdefault(key, dict(body))
-                self._tasks[key] = asyncio.create_task(
-                    self._loop(key), name=f"autoscale {key[0]}/{key[1]}"
-                )
-        elif task := self._tasks.pop(key, None):
-            task.cancel()
-            self._forget(key)
+            if key not in self._services:
+                task = asyncio.create_task(self._loop(key), name=f"autoscale {key[0]}/{key[1]}")
+                self._services[key] = ServiceState(task, dict(body))
+        elif state := self._services.pop(key, None):
+            state.task.cancel()
+            service_metrics.forget_decision(key)
 
     @property
-    def tracked(self) -> set[k.Key]:
+    def tracked(self) -> set[kube.Key]:
         """The services whose loop runs."""
-        return set(self._tasks)
+        return set(self._services)
 
-    def _forget(self, key: k.Key) -> None:
-        service_metrics.forget_decision(key)
-        self._failing.pop(key, None)
-        if body := self._seen.pop(key, None):
-            uid = body["metadata"].get("uid", "")
-            for memory in (self._memory, self._buckets, self._starts, self._load):
-                memory.pop(uid, None)
-
-    async def _loop(self, key: k.Key) -> None:
+    async def _loop(self, key: kube.Key) -> None:
+        state = self._services[key]  # stored by track before this task first runs
         while True:
             await asyncio.sleep(self._interval)
-            try:
-                decision = await self.step(key)
-            except StepFailed as e:
-                await self._failed(key, e)
-                continue
-            if decision is GONE:
-                logger.info("%s/%s: gone, autoscaling stops", *key)
-                if self._tasks.get(key) is asyncio.current_task():
-                    del self._tasks[key]
-                self._forget(key)
-                return
+            match await self.step(key, state):
+                case Failed() as failure:
+                    await self._failed(key, state, failure)
+                case Gone():
+                    logger.info("%s/%s: gone, autoscaling stops", *key)
+                    if self._services.get(key) is state:
+                        del self._services[key]
+                        service_metrics.forget_decision(key)
+                    return
+                case Skipped(why=why):
+                    logger.debug("%s/%s: nothing to scale: %s", *key, why)
+                case Decided():
+                    pass
 
-    async def _failed(self, key: k.Key, failure: StepFailed) -> None:
+    async def _failed(self, key: kube.Key, state: ServiceState, failure: Failed) -> None:
         """Count a failed step; when its cause is new, say so in the log, an Event and the
         status (a failed status write is the StatusWriter's to report)."""
         FAILURES.labels(failure.reason).inc()
-        isvc = self._seen.get(key)
-        if isvc is None or self._failing.get(key) == failure.reason:
-            logger.debug("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
+        if state.failing == failure.reason:
+            logger.debug(
+                "%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure.message
+            )
             return
-        self._failing[key] = failure.reason
+        state.failing = failure.reason
         if failure.reason == STATUS_WRITE_FAILED:
             return
-        logger.warning("%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure)
+        logger.warning(
+            "%s/%s: autoscaling step failed (%s): %s", *key, failure.reason, failure.message
+        )
+        isvc = state.seen
         patch = failure_update(
-            isvc.get("status") or {}, failure.reason, str(failure), self._clock()
+            isvc.get("status") or {}, failure.reason, failure.message, self._clock()
         )
         if not patch:
             return  # recorded before a restart: reported then
-        message = f"{failure.reason}: {failure}; the replica count stays, retried every interval"
+        message = (
+            f"{failure.reason}: {failure.message}; the replica count stays, retried every interval"
+        )
         # Before the write, which may fail: the Event does not depend on it.
-        kopf.event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
-        with contextlib.suppress(k.APIError):  # the StatusWriter reports it
+        kube.post_event(isvc, type="Warning", reason="AutoscalingFailed", message=message)
+        with contextlib.suppress(kube.APIError):  # the StatusWriter reports it
             await self._status.write(key, isvc, patch, periodic=True)
 
-    async def step(self, key: k.Key) -> ScaleDecision | Gone | None:
-        """One scrape and decision; None when there is nothing to scale, GONE when the service
-        no longer exists. Raises StepFailed."""
+    async def step(self, key: kube.Key, state: ServiceState) -> StepOutcome:
+        """One scrape and decision. Each request is sent once: the next interval is its retry."""
+        try:
+            return await self._step(key, state)
+        except _StepFailed as e:
+            return Failed(e.reason, str(e))
+
+    async def _step(self, key: kube.Key, state: ServiceState) -> StepOutcome:
         namespace, name = key
-        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
+        url = kube.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         with _failing_as("APIError"):
             isvc = await self._api.get(url, periodic=True)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-            return GONE
-        self._seen[key] = isvc
+            return Gone()
+        state.seen = isvc
         try:
             spec = parse_spec(name, isvc.get("spec"))
         except SpecError:
-            return None  # the reconciler reports it; the last decision stands
+            return Skipped("invalid spec")
         if spec.autoscaling.mode != "builtin":
-            return None
+            return Skipped(f"autoscaling mode {spec.autoscaling.mode}")
         status = isvc.get("status") or {}
-        # What the reconciler applies to the engine Deployment.
-        current = engine_replicas(spec, status.get("desiredReplicas"))
+        deployment_replicas = engine_deployment_replicas(spec, status.get("desiredReplicas"))
 
         with _failing_as("APIError"):
             pods = await list_pods(self._api, namespace, name, periodic=True)
@@ -464,48 +471,48 @@ class Autoscaler:
                 self._scraper.held_requests(ready_targets(of("router"), ROUTER_PORT)),
             )
         now = self._clock()
-        uid = isvc["metadata"]["uid"]
+        state.learning_of(isvc["metadata"]["uid"])
         latency = None
         if target is not None:
             buckets = {m.pod: m.latency for m in metrics if m.answered and m.latency is not None}
-            latency = service_quantile(target.quantile, self._buckets.get(uid, {}), buckets)
-            self._buckets[uid] = buckets
+            latency = service_quantile(target.quantile, state.buckets, buckets)
+            state.buckets = buckets
         with _failing_as("DecisionFailed"):
-            history, last_active = self._memory.get(uid) or load_memory(status)
-            starts, seen = self._starts.get(uid) or (load_starts(status), None)
-            history, last_active, starts, ahead = clamp_future(history, last_active, starts, now)
-            if last_active is None:
+            memory = state.memory or load_memory(status)
+            starts, seen = state.starts or (load_starts(status), None)
+            memory, starts, ahead = clamp_future(memory, starts, now)
+            if memory.last_active is None:
                 # Never seen busy: the idle time counts from the first look, so a new endpoint
                 # keeps its replica for the whole scale-to-zero delay.
-                last_active = now
+                memory = replace(memory, last_active=now)
             starts, seen = learn(starts, of("engine"), seen)
-            self._starts[uid] = (starts, seen)
-            decision = decide(
-                current,
+            state.starts = starts, seen
+            observation = Observation(
+                deployment_replicas,
                 metrics,
-                policy_of(spec.autoscaling),
-                history,
-                last_active,
-                now,
+                starting=max(0, deployment_replicas - len(engines)),
                 held_requests=held,
-                starting=max(0, current - len(engines)),
                 latency=latency,
-                load=self._load.get(uid, ()),
                 start_seconds=start_estimate(starts),
             )
+            decision = decide(policy_of(spec.autoscaling), observation, memory, now)
         logger.debug(
-            "%s/%s: %d -> %d: %s", namespace, name, current, decision.replicas, decision.reason
+            "%s/%s: %d -> %d: %s",
+            namespace,
+            name,
+            deployment_replicas,
+            decision.replicas,
+            decision.reason,
         )
-        self._memory[uid] = (decision.history, decision.last_active)
-        self._load[uid] = decision.load
+        state.memory = decision.memory
         if decision.wanted is not None:
             service_metrics.record_decision(key, decision.wanted, spec.autoscaling.max_replicas)
-        if 0 < decision.replicas < current:
+        if 0 < decision.replicas < deployment_replicas:
             # Before the status write that makes the reconciler shrink the Deployment.
             await self._rank_for_deletion(namespace, of("engine"), metrics)
         unreachable = {**decision.problems, **silent_routers}
         patch = status_update(
-            status, current, decision, unreachable, now, starts, rewrite=bool(ahead)
+            status, deployment_replicas, decision, unreachable, now, starts, rewrite=bool(ahead)
         )
         if ahead:
             skew = clock_skew_state(ahead, now)
@@ -513,7 +520,7 @@ class Autoscaler:
             # Reported before the write, which may fail: the memory is clamped in the process
             # already, so no later step would find these times again.
             logger.warning("%s/%s: %s", namespace, name, skew["message"])
-            kopf.event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
+            kube.post_event(isvc, type="Warning", reason="ClockSkew", message=skew["message"])
         recovered = failure_update(status, None, "", now)
         if recovered:
             # Merged into the memory's own patch, which replaces every other field it names.
@@ -521,21 +528,24 @@ class Autoscaler:
         if patch:
             try:
                 await self._status.write(key, isvc, patch, periodic=True)
-            except k.APINotFoundError:
-                return GONE
-            except k.APIError as e:
-                raise StepFailed(STATUS_WRITE_FAILED, e) from e
+            except kube.APINotFoundError:
+                return Gone()
+            except kube.APIError as e:
+                raise _StepFailed(STATUS_WRITE_FAILED, e) from e
         # A failed status write's recovery is the StatusWriter's to report.
-        was_failing = self._failing.pop(key, None) not in (None, STATUS_WRITE_FAILED)
+        was_failing = state.failing not in (None, STATUS_WRITE_FAILED)
+        state.failing = None
         if recovered or was_failing:
             message = "autoscaling steps succeed again"
             logger.info("%s/%s: %s", namespace, name, message)
-            kopf.event(isvc, type="Normal", reason="AutoscalingRecovered", message=message)
-        if decision.replicas != current:
-            message = f"engine replicas {current} -> {decision.replicas}: {decision.reason}"
+            kube.post_event(isvc, type="Normal", reason="AutoscalingRecovered", message=message)
+        if decision.replicas != deployment_replicas:
+            message = (
+                f"engine replicas {deployment_replicas} -> {decision.replicas}: {decision.reason}"
+            )
             logger.info("%s/%s: %s", namespace, name, message)
-            kopf.event(isvc, type="Normal", reason="Scaled", message=message)
-        return decision
+            kube.post_event(isvc, type="Normal", reason="Scaled", message=message)
+        return Decided(decision)
 
     async def _rank_for_deletion(
         self, namespace: str, pods: list[dict[str, Any]], metrics: list[PodMetrics]
@@ -545,18 +555,17 @@ class Autoscaler:
         holding it would keep idle GPUs for a ranking."""
         for pod, patch in cost_patches(pods, deletion_costs(metrics)).items():
             try:
-                url = k.resource_url("v1", "pods", namespace, pod)
+                url = kube.resource_url("v1", "pods", namespace, pod)
                 await self._api.merge_patch(url, patch, periodic=True)
-            except k.APINotFoundError:
+            except kube.APINotFoundError:
                 pass  # gone already
-            except k.APIError as e:
+            except kube.APIError as e:
                 DELETION_COST_FAILURES.inc()
                 logger.warning("%s/%s: pod-deletion-cost not written: %s", namespace, pod, e)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        self._seen.clear()
+        tasks = [state.task for state in self._services.values()]
+        self._services.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -158,6 +158,12 @@ def resource_url(
     return url
 
 
+def post_event(obj: Mapping[str, Any], *, type: str, reason: str, message: str) -> None:
+    """An Event about ``obj``, an object as the API answered it, posted by kopf's poster."""
+    # kopf reads any mapping (dicts.walk); its annotation names only its own Body view of one.
+    kopf.event(obj, type=type, reason=reason, message=message)  # pyright: ignore[reportArgumentType]
+
+
 class Kube:
     def __init__(
         self,

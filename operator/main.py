@@ -45,14 +45,13 @@ import prometheus_client
 import yaml
 from pydantic import ValidationError
 
-from kvfleet.operator import kube as k
 from kvfleet.operator import watch_recovery
+from kvfleet.operator.api import GROUP, MANAGED_BY, PLURAL, VERSION
 from kvfleet.operator.autoscaler import Autoscaler
 from kvfleet.operator.config import OperatorConfig, RunSettings
-from kvfleet.operator.kube import Kube, NoClusterError
+from kvfleet.operator.kube import Kube, NoClusterError, resource_url
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import RELIST_SETTLE_S, Reconciler, WorkQueue, register
-from kvfleet.operator.resources import GROUP, MANAGED_BY, PLURAL, VERSION
 from kvfleet.operator.status_writer import StatusWriter
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 from kvfleet.telemetry.settings_flags import COMMA_LIST, add_model_flags, flag_values, one_line
@@ -194,7 +193,7 @@ class WatchProbe:
     ) -> None:
         self._api = api
         self._url = (
-            k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespaces[0])
+            resource_url(f"{GROUP}/{VERSION}", PLURAL, namespaces[0])
             if namespaces
             else f"/apis/{GROUP}/{VERSION}/{PLURAL}"
         )

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfleet.operator import kube as k
-from kvfleet.operator.resources import LABEL_ISVC
+from kvfleet.operator import kube
+from kvfleet.operator.api import LABEL_ISVC
 
 
 async def list_pods(
-    api: k.Kube, namespace: str, name: str, *, periodic: bool = False
+    api: kube.Kube, namespace: str, name: str, *, periodic: bool = False
 ) -> list[dict[str, Any]]:
     """Every pod of the InferenceService ``namespace/name``, engines and routers."""
-    url, selector = k.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
+    url, selector = kube.resource_url("v1", "pods", namespace), f"{LABEL_ISVC}={name}"
     return [
         pod
         for pod in await api.list(url, selector, periodic=periodic)

@@ -21,13 +21,9 @@ from typing import Any
 import kopf
 from prometheus_client import Counter
 
-from kvfleet.operator import kube as k
-from kvfleet.operator import service_metrics
-from kvfleet.operator.autoscaler import Autoscaler
-from kvfleet.operator.backoff import backoff_delay
-from kvfleet.operator.drift import excess, in_sync
-from kvfleet.operator.pods import list_pods
-from kvfleet.operator.resources import (
+from kvfleet.operator import kube, service_metrics
+from kvfleet.operator.admission import policy_violations
+from kvfleet.operator.api import (
     GROUP,
     LABEL_ISVC,
     LABEL_MANAGED_BY,
@@ -35,6 +31,12 @@ from kvfleet.operator.resources import (
     PLURAL,
     PLURALS,
     VERSION,
+)
+from kvfleet.operator.autoscaler import Autoscaler
+from kvfleet.operator.backoff import backoff_delay
+from kvfleet.operator.drift import excess, in_sync
+from kvfleet.operator.pods import list_pods
+from kvfleet.operator.resources import (
     ChildRef,
     OperatorConfig,
     Owner,
@@ -42,7 +44,6 @@ from kvfleet.operator.resources import (
     engine_name,
     engine_selector,
     optional_children,
-    policy_violations,
     router_name,
     service_url,
 )
@@ -50,7 +51,7 @@ from kvfleet.operator.spec import (
     MSG_SCALE_BUILTIN,
     InferenceServiceSpec,
     SpecError,
-    engine_replicas,
+    engine_deployment_replicas,
     fp8_cpu_warning,
     fp8_gpu_problem,
     parse_spec,
@@ -122,7 +123,7 @@ class WorkQueue:
 
     def __init__(
         self,
-        work: Callable[[k.Key], Awaitable[None]],
+        work: Callable[[kube.Key], Awaitable[None]],
         *,
         debounce: float = 0.1,
         backoff: float = 1.0,
@@ -133,10 +134,10 @@ class WorkQueue:
         self._backoff = backoff
         self._max_backoff = max_backoff
         # Per key: any event since the last start, and an urgent one since then.
-        self._dirty: dict[k.Key, tuple[asyncio.Event, asyncio.Event]] = {}
-        self._tasks: dict[k.Key, asyncio.Task[None]] = {}
+        self._dirty: dict[kube.Key, tuple[asyncio.Event, asyncio.Event]] = {}
+        self._tasks: dict[kube.Key, asyncio.Task[None]] = {}
 
-    def enqueue(self, key: k.Key, *, urgent: bool = True) -> None:
+    def enqueue(self, key: kube.Key, *, urgent: bool = True) -> None:
         if key not in self._tasks:
             self._dirty[key] = (asyncio.Event(), asyncio.Event())
             self._tasks[key] = asyncio.create_task(
@@ -147,7 +148,7 @@ class WorkQueue:
         if urgent:
             hurry.set()
 
-    async def _run(self, key: k.Key) -> None:
+    async def _run(self, key: kube.Key) -> None:
         dirty, hurry = self._dirty[key]
         failures = 0
         try:
@@ -165,7 +166,7 @@ class WorkQueue:
                         e.reason if isinstance(e, RetryLater) else "Error"
                     ).inc()
                     delay = backoff_delay(failures, self._backoff, self._max_backoff)
-                    if isinstance(e, RetryLater | k.APIError):
+                    if isinstance(e, RetryLater | kube.APIError):
                         # Expected in operation (an API answer, a wait): one line, no traceback.
                         logger.warning("%s/%s: %s; retrying in %.1fs", *key, e, delay)
                     else:
@@ -186,7 +187,9 @@ class WorkQueue:
 
 def _child_url(obj: dict[str, Any]) -> str:
     meta = obj["metadata"]
-    return k.resource_url(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"])
+    return kube.resource_url(
+        obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"]
+    )
 
 
 def _controlled_by(obj: dict[str, Any], uid: str) -> bool:
@@ -207,7 +210,7 @@ class AddedFieldsKept(Exception):
 class Reconciler:
     def __init__(
         self,
-        api: k.Kube,
+        api: kube.Kube,
         config: OperatorConfig,
         status: StatusWriter,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
@@ -217,17 +220,17 @@ class Reconciler:
         self._status = status
         self._clock = clock
         # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
-        self._replicas_seen: dict[k.Key, tuple[str, str, int | None]] = {}
+        self._spec_replicas_seen: dict[kube.Key, tuple[str, str, int | None]] = {}
         # Per service: (uid, generation) of the spec last warned about, so a warning that holds
         # for a spec is an Event once, not one per reconcile.
-        self._warned: dict[k.Key, tuple[str, int]] = {}
+        self._warned: dict[kube.Key, tuple[str, int]] = {}
 
-    async def reconcile(self, key: k.Key) -> None:
+    async def reconcile(self, key: kube.Key) -> None:
         namespace, name = key
-        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
+        url = kube.resource_url(f"{GROUP}/{VERSION}", PLURAL, namespace, name)
         isvc = await self._api.get(url)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
-            self._replicas_seen.pop(key, None)
+            self._spec_replicas_seen.pop(key, None)
             self._warned.pop(key, None)
             self._status.forget(key)
             service_metrics.forget_status(key)
@@ -237,7 +240,8 @@ class Reconciler:
 
         spec_error: str | None = None
         problems: list[Problem] = []
-        replicas: int | None = None
+        # The engine Deployment's replicas, when this reconcile applies a spec.
+        deployment_replicas: int | None = None
         try:
             spec = parse_spec(name, isvc.get("spec"))
         except SpecError as e:
@@ -256,8 +260,8 @@ class Reconciler:
             self._refuse_scale_request(key, isvc, spec)
             self._warn_once(key, isvc, "FP8OnCPU", fp8_cpu_warning(spec))
         if spec is not None and not refused:
-            replicas = engine_replicas(spec, previous.get("desiredReplicas"))
-            live, problems = await self._converge(owner, spec, replicas)
+            deployment_replicas = engine_deployment_replicas(spec, previous.get("desiredReplicas"))
+            live, problems = await self._converge(owner, spec, deployment_replicas)
         else:
             # Nothing is applied; the children of the last applied spec keep serving.
             live = await self._existing(owner)
@@ -269,7 +273,7 @@ class Reconciler:
             spec_error=spec_error,
             refused=refused,
             child_problems=problems,
-            desired_replicas=replicas,
+            desired_replicas=deployment_replicas,
             model_name=served_model_name(spec) if spec is not None else None,
             url=service_url(owner) if live.get(f"Service/{name}") else None,
             engine=live.get(f"Deployment/{engine_name(name)}"),
@@ -282,15 +286,15 @@ class Reconciler:
         if patch:
             try:
                 await self._status.write(key, isvc, patch)
-            except k.APINotFoundError:
+            except kube.APINotFoundError:
                 return  # deleted meanwhile
         for event in transition_events(previous.get("conditions") or [], status["conditions"]):
-            kopf.event(isvc, type=event.type, reason=event.reason, message=event.message)
+            kube.post_event(isvc, type=event.type, reason=event.reason, message=event.message)
         if problems:
             raise RetryLater("; ".join(p.message for p in problems), problems[0].reason)
 
     def _refuse_scale_request(
-        self, key: k.Key, isvc: dict[str, Any], spec: InferenceServiceSpec
+        self, key: kube.Key, isvc: dict[str, Any], spec: InferenceServiceSpec
     ) -> None:
         """Say so when spec.replicas is set or changed in builtin mode (``kubectl scale``),
         where the autoscaler's decision overrides it.
@@ -299,8 +303,8 @@ class Reconciler:
         enforce it. A restarted operator has not seen the previous value and says nothing.
         """
         seen = (isvc["metadata"]["uid"], spec.autoscaling.mode, spec.replicas)
-        before = self._replicas_seen.get(key)
-        self._replicas_seen[key] = seen
+        before = self._spec_replicas_seen.get(key)
+        self._spec_replicas_seen[key] = seen
         if (
             before is not None
             and before[0] == seen[0]
@@ -309,10 +313,10 @@ class Reconciler:
             and before[2] != spec.replicas
         ):
             logger.warning("%s/%s: replicas %s ignored: %s", *key, spec.replicas, MSG_SCALE_BUILTIN)
-            kopf.event(isvc, type="Warning", reason="ScaleIgnored", message=MSG_SCALE_BUILTIN)
+            kube.post_event(isvc, type="Warning", reason="ScaleIgnored", message=MSG_SCALE_BUILTIN)
 
     def _warn_once(
-        self, key: k.Key, isvc: dict[str, Any], reason: str, message: str | None
+        self, key: kube.Key, isvc: dict[str, Any], reason: str, message: str | None
     ) -> None:
         """A Warning Event for something a spec asks that works but may surprise, once per
         spec generation."""
@@ -323,10 +327,10 @@ class Reconciler:
             return
         self._warned[key] = seen
         logger.warning("%s/%s: %s", *key, message)
-        kopf.event(isvc, type="Warning", reason=reason, message=message)
+        kube.post_event(isvc, type="Warning", reason=reason, message=message)
 
     async def _converge(
-        self, owner: Owner, spec: InferenceServiceSpec, replicas: int
+        self, owner: Owner, spec: InferenceServiceSpec, deployment_replicas: int
     ) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
         """Apply every desired child and remove the ones no longer desired.
 
@@ -335,7 +339,7 @@ class Reconciler:
         """
         live: dict[str, dict[str, Any]] = {}
         problems: list[Problem] = []
-        desired = build_children(owner, spec, self._config, replicas)
+        desired = build_children(owner, spec, self._config, deployment_replicas)
         for obj in desired:
             label = f"{obj['kind']}/{obj['metadata']['name']}"
             try:
@@ -344,14 +348,14 @@ class Reconciler:
                 problems.append(Problem("NameConflict", str(e)))
             except AddedFieldsKept as e:
                 problems.append(Problem("AddedFieldsKept", str(e)))
-            except k.APIError as e:
+            except kube.APIError as e:
                 problems.append(Problem("ApplyFailed", f"{label}: {e}"))
         wanted = {f"{obj['kind']}/{obj['metadata']['name']}" for obj in desired}
         for ref in optional_children(owner):
             if f"{ref.kind}/{ref.name}" not in wanted:
                 try:
                     await self._remove(ref, owner)
-                except k.APIError as e:
+                except kube.APIError as e:
                     problems.append(Problem("ApplyFailed", f"{ref.kind}/{ref.name}: {e}"))
         return live, problems
 
@@ -363,7 +367,7 @@ class Reconciler:
             ("Deployment", "apps/v1", router_name(owner.name)),
             ("Service", "v1", owner.name),
         ):
-            url = k.resource_url(api_version, PLURALS[kind], owner.namespace, name)
+            url = kube.resource_url(api_version, PLURALS[kind], owner.namespace, name)
             if (obj := await self._api.get(url)) is not None:
                 found[f"{kind}/{name}"] = obj
         return found
@@ -401,7 +405,7 @@ class Reconciler:
         return current
 
     async def _remove(self, ref: ChildRef, owner: Owner) -> None:
-        url = k.resource_url(ref.api_version, ref.plural, owner.namespace, ref.name)
+        url = kube.resource_url(ref.api_version, ref.plural, owner.namespace, ref.name)
         current = await self._api.get(url)
         if current is not None and _controlled_by(current, owner.uid):
             logger.info(
@@ -450,7 +454,11 @@ def register(
             queue.enqueue(owner, urgent=False)
 
     def changed(
-        plural: str, event_type: str | None, body: kopf.Body, owner: k.Key, content: object = None
+        plural: str,
+        event_type: str | None,
+        body: kopf.Body,
+        owner: kube.Key,
+        content: object = None,
     ) -> bool:
         """Remember the event; whether its owner needs a reconcile."""
         collection, name = (plural, body.metadata.namespace or ""), body.metadata.name or ""
@@ -470,9 +478,9 @@ def register(
     # async: kopf runs sync handlers in threads, and the queue belongs to the event loop.
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def inference_service_event(
-        name: str, namespace: str, type: str | None, body: kopf.Body, **_: Any
+        name: str, namespace: str | None, type: str | None, body: kopf.Body, **_: Any
     ) -> None:
-        key = (namespace, name)
+        key = (namespace or "", name)  # None only for cluster-scoped kinds
         autoscaler.track(key, body, deleted=type == "DELETED")
         if changed(PLURAL, type, body, key, _reconcile_input(body)):
             queue.enqueue(key)

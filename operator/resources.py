@@ -25,42 +25,27 @@ from pathlib import Path
 from typing import Any
 
 from kvfleet.operator import model_download
+from kvfleet.operator.api import (
+    API_VERSION,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_ISVC,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    MANAGED_BY,
+)
+from kvfleet.operator.command_lines import engine_args, router_args
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.drift import with_hash
 from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
     DisruptionBudgetSpec,
     InferenceServiceSpec,
-    RoutingSpec,
-    desired_replicas,
-    served_model_name,
+    replicas_from_spec,
 )
 from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
-GROUP = "kvfleet.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-
-# The plural resource name of each kind of child.
-PLURALS = {
-    "Deployment": "deployments",
-    "Service": "services",
-    "ConfigMap": "configmaps",
-    "ServiceAccount": "serviceaccounts",
-    "Role": "roles",
-    "RoleBinding": "rolebindings",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-}
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-# Maps any child (pods included, which are owned by ReplicaSets) back to its InferenceService.
-LABEL_ISVC = "kvfleet.dev/inferenceservice"
-MANAGED_BY = "kvfleet-operator"
 CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
 
 SERVICE_PORT = 80
@@ -206,138 +191,6 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return PRESTOP_SLEEP_SECONDS + spec.engine.shutdown_timeout_seconds + SHUTDOWN_MARGIN_SECONDS
 
 
-@dataclass(frozen=True)
-class Violation:
-    """A spec the operator's allow-lists refuse; reason as in the Degraded condition."""
-
-    reason: str
-    message: str
-
-
-def image_repository(image: str) -> str:
-    """The repository of an image reference: without its digest and tag."""
-    name = image.split("@", 1)[0]
-    colon = name.rfind(":")
-    # A colon before the last slash belongs to a registry's port, not a tag.
-    return name[:colon] if colon > name.rfind("/") else name
-
-
-def image_allowed(image: str, allowed: tuple[str, ...]) -> bool:
-    repo = image_repository(image)
-    return any(repo == a or (a.endswith("/") and repo.startswith(a)) for a in allowed)
-
-
-def referenced_secrets(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
-    """(field, Secret name) for every Secret the spec puts into a pod."""
-    found = []
-    for e in spec.engine.env:
-        ref = (e.value_from or {}).get("secretKeyRef")
-        if ref is not None:
-            name = ref.get("name") if isinstance(ref, dict) else None
-            found.append((f"spec.engine.env[{e.name}].valueFrom.secretKeyRef", str(name)))
-    if spec.api_key_secret_ref is not None:
-        found.append(("spec.apiKeySecretRef", spec.api_key_secret_ref.name))
-    if spec.model.hf_token_secret_ref is not None:
-        found.append(("spec.model.hfTokenSecretRef", spec.model.hf_token_secret_ref.name))
-    return found
-
-
-def policy_violations(spec: InferenceServiceSpec, config: OperatorConfig) -> list[Violation]:
-    """What the operator's allow-lists refuse in a spec; empty when it may be applied."""
-    found = []
-    if config.allowed_images is not None:
-        engine_defaults = (config.engine_image, config.engine_cpu_image)
-        for field, image, defaults in (
-            ("spec.engine.image", spec.engine.image, engine_defaults),
-            ("spec.routing.image", spec.routing.image, (config.router_image,)),
-        ):
-            if image is None or image in defaults or image_allowed(image, config.allowed_images):
-                continue
-            found.append(
-                Violation(
-                    "ImageNotAllowed",
-                    f"{field} {image!r} is not in the operator's allowed images "
-                    f"({', '.join(config.allowed_images) or 'none but the defaults'})",
-                )
-            )
-    if config.allowed_secrets is not None:
-        for field, name in referenced_secrets(spec):
-            if name not in config.allowed_secrets:
-                found.append(
-                    Violation(
-                        "SecretNotAllowed",
-                        f"{field}: Secret {name!r} is not in the operator's allowed secrets "
-                        f"({', '.join(config.allowed_secrets) or 'none'})",
-                    )
-                )
-    return found
-
-
-def engine_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
-    """``kvfleet-engine`` arguments for a spec; model_path None serves the built-in default."""
-    e = spec.engine
-    args = ["serve"]
-    if model_path is not None:
-        args += ["--model", model_path]
-    args += [
-        "--served-model-name", served_model_name(spec),
-        "--host", "0.0.0.0",
-        "--port", str(ENGINE_PORT),
-        "--device", "cuda" if spec.resources.gpus > 0 else "cpu",
-        "--dtype", e.dtype,
-        "--block-size", str(e.block_size),
-        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-        "--shutdown-timeout", str(e.shutdown_timeout_seconds),
-    ]  # fmt: skip
-    if spec.resources.gpus > 0:
-        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
-    if e.max_model_len is not None:
-        args += ["--max-model-len", str(e.max_model_len)]
-    if e.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(e.max_num_seqs)]
-    if e.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
-    if e.max_waiting_requests is not None:
-        args += ["--max-waiting-requests", str(e.max_waiting_requests)]
-    if e.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
-    if e.quantization is not None:
-        args += ["--quantization", e.quantization]
-    if e.kv_cache_dtype != "auto":
-        args += ["--kv-cache-dtype", e.kv_cache_dtype]
-    if e.tool_call_parser is not None:
-        args += ["--tool-call-parser", e.tool_call_parser]
-    return args + list(e.extra_args)
-
-
-def router_args(*, engine_service: str, namespace: str, routing: RoutingSpec) -> list[str]:
-    """The ``kvfleet-router`` command line: the contract between the operator and the router.
-
-    The router listens on ``--host``/``--port`` (``/health`` and a proxy for ``/v1/*``), learns
-    the engine endpoints by watching the EndpointSlices of ``--engine-service`` in
-    ``--namespace`` and sends to their ``--engine-port``. The key of a request is the
-    ``--session-header`` value, else the OpenAI ``user`` field (``--use-user-field``), else,
-    with ``--prefix-affinity``, a hash of the first ``--prefix-length`` prompt tokens; keys map
-    to engines by consistent hashing with bounded loads (``--load-factor``), falling back to the
-    least-loaded engine. While no engine is ready a request waits up to ``--hold-timeout``
-    seconds. The router is given no ``--model-path``: the engine's model lives on volumes it
-    cannot share (ReadWriteOnce claims, an engine-image path), so it estimates tokens.
-    """
-    return [
-        "--host", "0.0.0.0",
-        "--port", str(ROUTER_PORT),
-        "--engine-service", engine_service,
-        "--namespace", namespace,
-        "--engine-port", str(ENGINE_PORT),
-        "--session-header", routing.session_header,
-        "--use-user-field" if routing.use_user_field else "--no-use-user-field",
-        "--prefix-affinity" if routing.prefix_affinity else "--no-prefix-affinity",
-        "--prefix-length", str(routing.prefix_length),
-        "--load-factor", str(routing.load_factor),
-        "--hold-timeout", str(routing.hold_timeout_seconds),
-    ]  # fmt: skip
-
-
 @dataclass
 class _ModelWiring:
     """How the model reaches the engine container: its path, volumes and an init container."""
@@ -468,9 +321,13 @@ def _scheduling(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def engine_deployment(
-    owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig, replicas: int | None = None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    config: OperatorConfig,
+    deployment_replicas: int | None = None,
 ) -> dict[str, Any]:
-    """replicas: the autoscaler's count (spec.engine_replicas); None for the spec's own."""
+    """deployment_replicas: its replicas as the reconciler applies them
+    (spec.engine_deployment_replicas); None for the spec's own (spec.replicas_from_spec)."""
     e = spec.engine
     image = e.image or config.default_engine_image(spec)
     model = _model_wiring(owner, spec, image)
@@ -493,7 +350,7 @@ def engine_deployment(
         "image": image,
         **_pull_policy(spec),
         "command": ["kvfleet-engine"],
-        "args": engine_args(spec, model.path),
+        "args": engine_args(spec, model.path, port=ENGINE_PORT),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _engine_env(spec),
         "resources": _engine_resources(spec),
@@ -542,7 +399,9 @@ def engine_deployment(
             "kind": "Deployment",
             "metadata": _metadata(owner, name, "engine"),
             "spec": {
-                "replicas": desired_replicas(spec) if replicas is None else replicas,
+                "replicas": (
+                    replicas_from_spec(spec) if deployment_replicas is None else deployment_replicas
+                ),
                 "selector": {"matchLabels": selector_labels(owner.name, "engine")},
                 # A new pod must be ready before an old one goes: capacity never dips, at the
                 # price of one spare GPU slot during a rollout.
@@ -595,7 +454,11 @@ def router_deployment(
         "image": spec.routing.image or config.router_image,
         "command": ["kvfleet-router"],
         "args": router_args(
-            engine_service=engine_name(owner.name), namespace=owner.namespace, routing=spec.routing
+            port=ROUTER_PORT,
+            engine_service=engine_name(owner.name),
+            engine_port=ENGINE_PORT,
+            namespace=owner.namespace,
+            routing=spec.routing,
         ),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -733,9 +596,10 @@ def build_children(
     owner: Owner,
     spec: InferenceServiceSpec,
     config: OperatorConfig,
-    engine_replicas: int | None = None,
+    deployment_replicas: int | None = None,
 ) -> list[dict[str, Any]]:
-    """All desired children, in creation order (what a pod needs exists before the pod)."""
+    """All desired children, in creation order (what a pod needs exists before the pod);
+    deployment_replicas: the engine Deployment's, as engine_deployment takes them."""
     children = []
     if spec.model.parsed_source.kind == "hf":
         children.append(download_config_map(owner))
@@ -745,7 +609,7 @@ def build_children(
         router_role_binding(owner),
         engine_service(owner),
         disruption_budget(owner, "engine", spec.engine.disruption_budget),
-        engine_deployment(owner, spec, config, engine_replicas),
+        engine_deployment(owner, spec, config, deployment_replicas),
         disruption_budget(owner, "router", spec.routing.disruption_budget),
         router_deployment(owner, spec, config),
         router_service(owner),

@@ -1,33 +1,18 @@
-"""The scale decision: a pure function of the current replica count, what each engine pod
-reported, the policy, recent recommendations and the time. No I/O, so every rule is testable
-with a fake clock.
+"""The scale decision: a pure function of the service's policy, what a step saw of it and what
+the previous decisions remembered, at a given time. No I/O, so every rule is testable with a fake
+clock.
 
-Two signals, as the engines report them: requests in flight (running + waiting) per replica over
-a target, and mean KV-cache usage over a target; and optionally a third, a latency quantile of
-the service over the last interval (TTFT or queue time, from the engines' histograms: latency.py)
-over a target. Each gives a replica count (with a tolerance band that ignores small
-deviations); the largest wins, and the decision names it (``signal``). With scale_ahead and a
-learned engine start time, a fourth: the requests in flight the trend of the last minute projects
-one engine start ahead (forecast.py), so that the replicas a steady rise will need are serving
-when it gets there rather than one start time later; never beyond the load's own cycle (a rise
-back to a level the load fell from within the last ten minutes projects nothing); it only ever
-raises the count. Then, as HPA does: clamp to [min, max] (with bound_replicas, which the
-reconciler uses too), scale up only to the lowest recommendation seen within the scale-up window
-and by a bounded step, and scale down only to the highest recommendation seen within the
-scale-down window.
-A pod that did not answer, or answered with values no engine can report (not finite, negative,
-absurdly large, a KV-cache usage outside [0, 1]), is never a reason to scale: its numbers are left
-out, as if it had not answered, and it holds any scale-down. Nor is a replica still starting; a
-starting replica counts as idle when scaling up (it takes its share of the load once ready), as
-HPA counts unready pods, so a slow model load does not make the scaler climb to the maximum.
-
-The history keeps only the latest recommendation of each replica count: the windows only ask
-for the highest and lowest value seen since some time, which an older equal entry never
-changes, so what is persisted stays a handful of entries."""
+It follows HPA where HPA has an answer (metric over target with a tolerance, the largest signal
+wins, stabilization windows, a bounded step, unready pods counted as idle) and adds what HPA
+lacks: a latency target, scaling from and to zero on the routers' held requests, and scaling
+ahead of a rise by the engines' learned start time (forecast.py). docs/autoscaling.md states
+every rule a user sees.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfleet.operator.forecast import Projection, Sample, projection, recent, remember
@@ -119,20 +104,48 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
+class Observation:
+    """What a step saw of the service: the input of one decision."""
+
+    # The engine Deployment's replicas (HPA's current count), the count a decision moves from.
+    deployment_replicas: int
+    # The metrics of the ready engine pods.
+    pods: Sequence[PodMetrics] = ()
+    # Replicas asked for that are not ready yet, so not among ``pods``.
+    starting: int = 0
+    # Requests the routers hold while no engine is ready.
+    held_requests: float = 0.0
+    # The service's latency quantile over the last interval, in seconds (None: no request
+    # finished in it, or the policy has no latency target).
+    latency: float | None = None
+    # The engines' learned start time (None: none learned yet, so no forecast).
+    start_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ScalingMemory:
+    """What a decision hands the next one."""
+
+    # The recommendations inside the windows: only the latest of each replica count, which is
+    # all the windows ask (the highest and lowest seen since some time), so it stays short.
+    history: tuple[Recommendation, ...] = ()
+    # When work was last seen.
+    last_active: float | None = None
+    # The load samples the forecast reads (forecast.CYCLE_S of them).
+    load: tuple[Sample, ...] = ()
+
+
+@dataclass(frozen=True)
 class ScaleDecision:
     replicas: int
     reason: str
-    history: tuple[Recommendation, ...]  # to persist for the next decision
-    last_active: float | None  # when work was last seen
+    memory: ScalingMemory  # for the next decision
     # What set the count before windows and bounds: queueDepth, kvCacheUsage, latency, forecast,
     # heldRequests (scale from zero), idle, or unknown (no engine answered).
     signal: str = "unknown"
     signals: dict[str, float] = field(default_factory=dict)
     unanswered: tuple[str, ...] = ()
     problems: dict[str, str] = field(default_factory=dict)  # why each unanswered pod is
-    # The load history the forecast reads (forecast.CYCLE_S of it), this step's included: for the
-    # next decision.
-    load: tuple[Sample, ...] = ()
     # What the signals asked for before [min_replicas, max_replicas] bounded it (None: not
     # given): above max_replicas, the service is held at its maximum.
     wanted: int | None = None
@@ -157,23 +170,12 @@ def _from_ratio(current: int, ratio: float, tolerance: float) -> int:
 
 
 def decide(
-    current: int,
-    pods: list[PodMetrics],
-    policy: ScalingPolicy,
-    history: tuple[Recommendation, ...],
-    last_active: float | None,
-    now: float,
-    held_requests: float = 0.0,
-    starting: int = 0,
-    latency: float | None = None,
-    load: tuple[Sample, ...] = (),
-    start_seconds: float | None = None,
+    policy: ScalingPolicy, seen: Observation, memory: ScalingMemory, now: float
 ) -> ScaleDecision:
-    """``starting``: replicas asked for that are not ready yet, so not among ``pods``.
-    ``latency``: the service's latency quantile over the last interval, in seconds (None: no
-    request finished in it, or the policy has no latency target).
-    ``load``: the previous decisions' load samples (ScaleDecision.load); ``start_seconds``: the
-    engines' learned start time (None: none learned yet, so no forecast)."""
+    """The replica count for what ``seen`` reports, given what ``memory`` recalls."""
+    current, pods, starting = seen.deployment_replicas, seen.pods, seen.starting
+    history, last_active = memory.history, memory.last_active
+    held_requests, latency = seen.held_requests, seen.latency
     problems = {p.pod: why for p in pods if (why := p.problem) is not None}
     answered = [p for p in pods if p.pod not in problems]
     unanswered = tuple(problems)
@@ -192,7 +194,7 @@ def decide(
         "held": held_requests,
     }
 
-    load = recent(load, now)
+    load = recent(memory.load, now)
     # -- what the load asks for ------------------------------------------------------------
     if current == 0:
         if held_requests > 0:
@@ -234,7 +236,7 @@ def decide(
         # quantity, unmoved by replicas joining (a per-replica figure halves when they double).
         demand = per_replica * current
         load = remember(load, Sample(now, demand))
-        if policy.scale_ahead and start_seconds is not None:
+        if policy.scale_ahead and (start_seconds := seen.start_seconds) is not None:
             # The rise is capped at doubling the demand or the current capacity, whichever is
             # more: what one decision's step may add anyway.
             ahead = projection(
@@ -301,7 +303,14 @@ def decide(
     if bounded != desired:
         desired, why = bounded, f"{why}; bounded to [{policy.min_replicas}, {policy.max_replicas}]"
     return ScaleDecision(
-        desired, why, history, last_active, signal, signals, unanswered, problems, load, wanted
+        desired,
+        why,
+        ScalingMemory(history, last_active, load),
+        signal,
+        signals,
+        unanswered,
+        problems,
+        wanted,
     )
 
 

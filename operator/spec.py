@@ -511,8 +511,9 @@ def served_model_name(spec: InferenceServiceSpec) -> str:
             return src.path.rstrip("/").rsplit("/", 1)[-1] or src.path
 
 
-def desired_replicas(spec: InferenceServiceSpec) -> int:
-    """Engine replicas to run until the autoscaler (builtin mode) decides otherwise.
+def replicas_from_spec(spec: InferenceServiceSpec) -> int:
+    """The engine replicas the spec alone gives: the engine Deployment's replicas in external
+    mode, and in builtin mode until the autoscaler's first decision.
 
     spec.replicas wins when set: in external mode HPA/KEDA write it through /scale (the CRD
     requires it there), and in builtin mode the CRD keeps it within [minReplicas, maxReplicas].
@@ -525,17 +526,17 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
     return max(spec.autoscaling.min_replicas, 1)
 
 
-def engine_replicas(spec: InferenceServiceSpec, decided: int | None) -> int:
-    """The engine Deployment's replicas, given the autoscaler's last decision (status
-    .desiredReplicas, None before the first).
+def engine_deployment_replicas(spec: InferenceServiceSpec, desired: int | None) -> int:
+    """The engine Deployment's replicas, as the reconciler applies them, given the autoscaler's
+    last decision (status.desiredReplicas, None before the first).
 
     external: spec.replicas, which HPA/KEDA drive through /scale. builtin: the operator owns the
     count, so spec.replicas only seeds it; bounds changed since the decision apply at once.
     """
     a = spec.autoscaling
-    if a.mode == "external" or decided is None:
-        return desired_replicas(spec)
-    return bound_replicas(decided, a.min_replicas, a.max_replicas)
+    if a.mode == "external" or desired is None:
+        return replicas_from_spec(spec)
+    return bound_replicas(desired, a.min_replicas, a.max_replicas)
 
 
 class SpecError(ValueError):

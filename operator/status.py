@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator.resources import LABEL_COMPONENT
+from kvfleet.operator.api import LABEL_COMPONENT
 
 # Degraded reasons, most urgent first: the condition shows the first found, its message all.
 SEVERITY = (

@@ -18,11 +18,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 from prometheus_client import Counter
 
-from kvfleet.operator import kube as k
-from kvfleet.operator.resources import GROUP, PLURAL, VERSION
+from kvfleet.operator import kube
+from kvfleet.operator.api import GROUP, PLURAL, VERSION
 
 logger = logging.getLogger("kvfleet.operator.status")
 
@@ -46,38 +45,42 @@ def failure_cause(status: int) -> str:
 
 
 class StatusWriter:
-    def __init__(self, api: k.Kube) -> None:
+    def __init__(self, api: kube.Kube) -> None:
         self._api = api
         # The cause last reported per service, until a write succeeds or the service is gone.
-        self._failing: dict[k.Key, str] = {}
+        self._failing: dict[kube.Key, str] = {}
 
     async def write(
-        self, key: k.Key, isvc: dict[str, Any], patch: Mapping[str, Any], *, periodic: bool = False
+        self,
+        key: kube.Key,
+        isvc: dict[str, Any],
+        patch: Mapping[str, Any],
+        *,
+        periodic: bool = False,
     ) -> None:
         """Merge ``patch`` into the status of ``isvc``; raises APIError after reporting it.
         ``periodic``: the caller's, as for kube.Kube."""
-        url = k.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key, "status")
+        url = kube.resource_url(f"{GROUP}/{VERSION}", PLURAL, *key, "status")
         try:
             await self._api.merge_patch(url, {"status": patch}, periodic=periodic)
-        except k.APINotFoundError:
+        except kube.APINotFoundError:
             self.forget(key)
             raise
-        except k.APIError as e:
+        except kube.APIError as e:
             cause = failure_cause(e.status)
-            if not isinstance(e, k.WriteDeferred):
+            if not isinstance(e, kube.WriteDeferred):
                 FAILURES.labels(cause).inc()
             if self._failing.get(key) != cause:
                 self._failing[key] = cause
                 message = f"status not written ({cause}): {e}; retried with backoff"
                 logger.warning("%s/%s: %s", *key, message)
-                # kopf posts an Event for any mapping, though its annotation says its Body view.
-                kopf.event(isvc, type="Warning", reason="StatusWriteFailed", message=message)  # pyright: ignore[reportArgumentType]
+                kube.post_event(isvc, type="Warning", reason="StatusWriteFailed", message=message)
             raise
         if self._failing.pop(key, None) is not None:
             message = "the status is written again"
             logger.info("%s/%s: %s", *key, message)
-            kopf.event(isvc, type="Normal", reason="StatusWriteRecovered", message=message)  # pyright: ignore[reportArgumentType]
+            kube.post_event(isvc, type="Normal", reason="StatusWriteRecovered", message=message)
 
-    def forget(self, key: k.Key) -> None:
+    def forget(self, key: kube.Key) -> None:
         """The service is gone."""
         self._failing.pop(key, None)

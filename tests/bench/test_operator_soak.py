@@ -20,7 +20,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvfleet.operator.resources import PLURALS, Owner, build_children
+from kvfleet.operator.api import PLURALS
+from kvfleet.operator.resources import Owner, build_children
 from kvfleet.operator.spec import parse_spec
 from tests.support.kmock import (
     DEPLOYMENTS,

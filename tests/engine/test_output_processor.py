@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvfleet.engine.model_runner import StepResult
 from kvfleet.engine.output_processor import OutputProcessor
 from kvfleet.engine.request import EngineRequest, Request, RequestStatus
-from kvfleet.engine.sampler import SamplerOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
 PROMPT = [0, 1]
@@ -42,7 +42,7 @@ def step(processor: OutputProcessor, reqs: list[Request], sampled: list[int], **
     for req, token in zip(reqs, sampled, strict=True):
         req.append_token(token)
     logprobs = kwargs.pop("logprobs", [None] * len(reqs))
-    return processor.process(reqs, SamplerOutput(sampled, logprobs, **kwargs))
+    return processor.process(StepResult(reqs, sampled, logprobs, **kwargs))
 
 
 def test_a_stop_string_ends_one_choice_and_the_request_fans_in():

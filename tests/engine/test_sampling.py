@@ -173,10 +173,14 @@ def _req(rid: str, **sp) -> Request:
     return Request(rid, [5, 6, 7], SamplingParams(**sp), frozenset({1}), max_tokens=16)
 
 
+def _tokens(sampler: Sampler, logits: torch.Tensor, *reqs: Request) -> list[int]:
+    return sampler.sample(logits, list(reqs)).read()[0]
+
+
 def _sample_counts(sampler: Sampler, logits: torch.Tensor, req: Request, n: int) -> torch.Tensor:
     counts = torch.zeros(logits.shape[-1])
     for _ in range(n):
-        tok = sampler(logits.clone().unsqueeze(0), [req]).token_ids[0]
+        tok = _tokens(sampler, logits.clone().unsqueeze(0), req)[0]
         counts[tok] += 1
         sampler.forget(req.request_id)
     return counts
@@ -209,14 +213,14 @@ def test_presence_and_frequency_penalties():
     sampler._apply_penalties_and_bans(penalized[0], req)
     # token 2: 2 - 0.5*2 - 0.25 = 0.75; token 3: 1.4 - 0.5 - 0.25 = 0.65; prompt tokens untouched.
     assert torch.allclose(penalized, torch.tensor([[1.0, 1.0, 0.75, 0.65]]))
-    assert sampler(logits.clone(), [req]).token_ids == [0]
+    assert _tokens(sampler, logits.clone(), req) == [0]
 
 
 def test_min_tokens_bans_eos_and_stop_ids():
     sampler = Sampler(vocab_size=4, device=torch.device("cpu"), seed=0)
     req = _req("m", temperature=0, min_tokens=2, stop_token_ids=[3])
     logits = torch.tensor([[0.0, 9.0, 1.0, 8.0]])  # eos (1) and stop id (3) lead
-    assert sampler(logits.clone(), [req]).token_ids == [2]
+    assert _tokens(sampler, logits.clone(), req) == [2]
     req.append_token(2)
     req.append_token(2)
-    assert sampler(logits.clone(), [req]).token_ids == [1]
+    assert _tokens(sampler, logits.clone(), req) == [1]

@@ -474,6 +474,34 @@ def test_stop_on_last_allowed_token_is_a_stop_not_length() -> None:
     assert req.status is RequestStatus.FINISHED_STOPPED
 
 
+class _EndsAfter:
+    """A grammar matcher that allows no further token once it has seen `n`."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    @property
+    def terminated(self) -> bool:
+        return self.left == 0
+
+    def accept(self, token_id: int) -> None:
+        self.left -= 1
+
+
+def test_a_grammar_that_allows_no_further_token_is_a_stop() -> None:
+    req = make_request("a", 5, max_tokens=10)
+    matcher = _EndsAfter(3)
+    req.grammar = matcher
+
+    def accepted(r: Request) -> int:
+        matcher.accept(FILLER)  # as the runner does when it reads the token
+        return FILLER
+
+    run_one(req, accepted)
+    assert req.output_token_ids == [FILLER] * 3
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason is None
+
+
 @pytest.mark.parametrize("max_tokens", [None, 100])
 def test_max_tokens_capped_by_max_model_len(max_tokens: int | None) -> None:
     sched = make_scheduler()
@@ -712,8 +740,8 @@ def test_prefix_cache_hit_on_admission() -> None:
 class _Compiled:
     """What a compile job's future holds: a grammar that starts a matcher."""
 
-    def matcher(self) -> str:
-        return "matcher"
+    def matcher(self) -> _EndsAfter:
+        return _EndsAfter(1000)
 
 
 def test_a_request_steps_back_to_sample_once_its_grammar_has_compiled() -> None:
@@ -727,14 +755,14 @@ def test_a_request_steps_back_to_sample_once_its_grammar_has_compiled() -> None:
     assert out.scheduled == [(a, 40)]
     sched.advance(out)
     assert a.num_pending == 1
-    sched.step_back(a)  # what the engine does when it finds the grammar still compiling
+    assert sched.settle_grammars(out) == []  # at sampling, still compiling: a steps back
     assert sched.update(out, {}) == [] and a.num_pending == 0 and a.num_computed_tokens == 39
     out, _ = step(sched)
     assert out.empty and a.grammar is None  # the last position alone waits
     compiling.set_result(_Compiled())
     out, advanced = step(sched)
     assert out.scheduled == [(a, 1)] and advanced == [a]
-    assert a.grammar == "matcher" and a.pending_grammar is None
+    assert isinstance(a.grammar, _EndsAfter) and a.pending_grammar is None
     run(sched)
     assert a.num_output_tokens == 2
     assert_all_free(sched)
@@ -770,7 +798,7 @@ def test_a_grammar_that_failed_is_reported_and_its_request_not_run() -> None:
     out = sched.schedule()
     assert out.scheduled == [(a, 20), (b, 5)] and not out.failed
     sched.advance(out)
-    sched.step_back(a)
+    assert sched.settle_grammars(out) == []
     sched.update(out, {"b": FILLER})
     error = ValueError("invalid regex")
     failing.set_exception(error)
@@ -780,6 +808,20 @@ def test_a_grammar_that_failed_is_reported_and_its_request_not_run() -> None:
     run(sched)
     assert b.num_output_tokens == 3
     assert_all_free(sched)
+
+
+def test_a_grammar_that_fails_while_its_step_runs_is_reported_at_sampling() -> None:
+    sched = make_scheduler(budget=64)
+    failing: Future = Future()
+    a = make_request("a", 20, grammar=failing)
+    sched.add_request(a)
+    out = sched.schedule()
+    assert out.unready == [a]
+    sched.advance(out)
+    error = ValueError("invalid regex")
+    failing.set_exception(error)
+    assert sched.settle_grammars(out) == [(a, error)]
+    assert a.num_pending == 1  # not stepped back: the engine fails it
 
 
 # -- property: random workloads ----------------------------------------------------------------

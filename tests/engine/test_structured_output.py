@@ -241,9 +241,9 @@ def test_a_failing_matcher_fails_its_row_alone(structured, tokenizer):
     masks = structured.masks(reqs)
     assert list(masks.failed) == [1]
     sampler = Sampler(structured.vocab_size, torch.device("cpu"), 0)
-    out = sampler(torch.randn(3, structured.vocab_size), reqs, masks)
-    assert list(out.failed) == [1]
-    assert tokenizer.decode([out.token_ids[0]])[0] in "yn"
+    batch = sampler.sample(torch.randn(3, structured.vocab_size), reqs, masks)
+    assert list(batch.failed) == [1]
+    assert tokenizer.decode([batch.read()[0][0]])[0] in "yn"
 
 
 # -- through the engine -----------------------------------------------------------------------

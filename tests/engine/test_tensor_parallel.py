@@ -164,22 +164,33 @@ def test_a_worker_that_cannot_load_its_shard_is_reported_not_waited_for(model_di
     assert not mp.active_children()
 
 
-def test_an_engine_that_fails_after_its_workers_start_stops_them(model_dirs, monkeypatch):
-    """A failure after the shards are loaded (here the grammar compiler's tokenizer; on two GPUs,
-    llguidance refusing the EOS ids) must not leave the workers running and holding their
-    memory: the next engine on those GPUs found no room for a KV cache."""
+@pytest.mark.parametrize("failing", ["StructuredOutputs", "KVCacheManager"])
+def test_an_engine_that_fails_after_its_workers_start_stops_them(model_dirs, monkeypatch, failing):
+    """A failure at start-up must not leave the workers running and holding their memory: the
+    next engine on those GPUs found no room for a KV cache. The grammar compiler's tokenizer
+    (on two GPUs, llguidance refused the EOS ids) is read before any worker starts; what fails
+    after the shards are loaded gives back rank 0's runner too."""
     import kvfleet.engine.engine_core as engine_core
 
     def refuse(*args, **kwargs):
         raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
 
-    monkeypatch.setattr(engine_core, "StructuredOutputs", refuse)
+    monkeypatch.setattr(engine_core, failing, refuse)
     released = []
     monkeypatch.setattr(engine_core.ModelRunner, "release", lambda runner: released.append(runner))
+    started = []
+    start = engine_core.TensorParallelWorkers.__init__
+
+    def spy(self, args):
+        started.append(self)
+        start(self, args)
+
+    monkeypatch.setattr(engine_core.TensorParallelWorkers, "__init__", spy)
     with pytest.raises(TypeError, match="eos_token"):
         EngineCore(EngineArgs(model=str(model_dirs["llama"]), tensor_parallel_size=2,
                               device="cpu"))  # fmt: skip
-    assert len(released) == 1
+    after_load = failing == "KVCacheManager"
+    assert len(started) == len(released) == after_load
     assert not dist.is_initialized()
     assert not mp.active_children()
 
@@ -216,7 +227,8 @@ def test_the_runner_is_released_before_the_process_group_is_destroyed(model_dirs
     at_teardown = []
 
     def shutdown() -> None:
-        at_teardown.append((core.runner.model, core.runner.graphs, core.runner.kv_caches))
+        runner = core.runner
+        at_teardown.append((getattr(runner, "model", None), runner.graphs, runner.kv_caches))
         teardown()
 
     monkeypatch.setattr(workers, "shutdown", shutdown)

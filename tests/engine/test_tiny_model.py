@@ -234,4 +234,4 @@ def test_shutdown_gives_the_memory_back(model_dirs) -> None:
     llm.shutdown()  # twice is harmless
     gc.collect()
     assert cache() is None and weight() is None
-    assert runner.kv_caches == [] and runner.model is None
+    assert runner.kv_caches == [] and runner.released and not hasattr(runner, "model")

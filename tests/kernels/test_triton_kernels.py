@@ -27,6 +27,7 @@ from kvfleet.kernels.paged_attention import (
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_seq_bucket,
 )
 from kvfleet.kernels.rms_norm import rms_norm
 
@@ -317,6 +318,19 @@ def _metadata(seq_lens: list[int], q_lens: list[int], tables: torch.Tensor) -> A
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
+
+
+def test_the_warm_up_meets_every_prefill_kernel_variant_serving_can() -> None:
+    """One batch per width of the prefill kernel's sequence table, up to max_num_seqs: every
+    batch serving can run uses a width the warm-up compiled."""
+    backend = TritonAttentionBackend(max_model_len=1024, num_sms=132)
+    for max_num_seqs in (1, 8, 128, 129, 300, 512):
+        counts = backend.warm_up_batches(max_num_seqs)
+        assert counts[-1] == max_num_seqs
+        widths = [prefill_seq_bucket(n) for n in counts]
+        assert len(set(widths)) == len(widths)
+        assert {prefill_seq_bucket(n) for n in range(1, max_num_seqs + 1)} == set(widths)
+    assert TorchAttentionBackend().warm_up_batches(512) == []
 
 
 def test_backend_writes_then_attends_like_the_torch_backend() -> None:

@@ -18,8 +18,10 @@ from kvfleet.operator.autoscaler import (
 )
 from kvfleet.operator.forecast import EngineStart
 from kvfleet.operator.scaling_policy import (
+    Observation,
     PodMetrics,
     Recommendation,
+    ScalingMemory,
     ScalingPolicy,
     compact_history,
     decide,
@@ -57,7 +59,7 @@ def pods(*loads: float, kv: float = 0.1) -> list[PodMetrics]:
 def test_scale_up_table(current, metrics, expected, reason_part):
     if reason_part == "step limited" and current == 1:
         expected = 5
-    d = decide(current, metrics, POLICY, (), None, now=1000.0)
+    d = decide(POLICY, Observation(current, metrics), ScalingMemory(), 1000.0)
     assert d.replicas == expected
     assert reason_part in d.reason
 
@@ -67,17 +69,17 @@ def test_scale_down_waits_for_the_window_then_follows_the_highest_recommendation
     current, t = 4, 0.0
     # Busy at 4 replicas for a while, then the load drops to what 2 replicas carry.
     for _ in range(5):
-        d = decide(current, pods(8, 8, 8, 8), POLICY, history, None, t)
-        history, t = d.history, t + 10
+        d = decide(POLICY, Observation(current, pods(8, 8, 8, 8)), ScalingMemory(history), t)
+        history, t = d.memory.history, t + 10
         assert d.replicas == 4
     last_busy = t - 10
     while t < last_busy + 300:
-        d = decide(current, pods(4, 4, 4, 4), POLICY, history, t, t)
-        history = d.history
+        d = decide(POLICY, Observation(current, pods(4, 4, 4, 4)), ScalingMemory(history, t), t)
+        history = d.memory.history
         assert d.replicas == 4, f"scaled down at t={t} inside the window"
         assert "window" in d.reason
         t += 10
-    d = decide(current, pods(4, 4, 4, 4), POLICY, history, t, t)
+    d = decide(POLICY, Observation(current, pods(4, 4, 4, 4)), ScalingMemory(history, t), t)
     assert d.replicas == 2
 
 
@@ -87,52 +89,56 @@ def test_scale_up_follows_the_lowest_recommendation_of_its_window():
                                               "scaleUpStabilizationSeconds": 60}})  # fmt: skip
     policy = policy_of(spec.autoscaling)
     assert policy.scale_up_stabilization_s == 60
-    d = decide(2, pods(8, 8), policy, (), None, now=0.0)  # on target: 2 is recommended at 0
+    # On target: 2 is recommended at 0.
+    d = decide(policy, Observation(2, pods(8, 8)), ScalingMemory(), 0.0)
     assert d.replicas == 2
-    history, t = d.history, 10.0
+    history, t = d.memory.history, 10.0
     # Twice the target asks for 4, but 2 was recommended less than 60 s ago.
     while t < 60:
-        d = decide(2, pods(16, 16), policy, history, t, t)
-        history = d.history
+        d = decide(policy, Observation(2, pods(16, 16)), ScalingMemory(history, t), t)
+        history = d.memory.history
         assert d.replicas == 2, f"scaled up at t={t} inside the window"
         assert "scale-up held by the 60s window" in d.reason
         t += 10
     # The 2 of t=0 has left the window: every recommendation inside it is 4.
-    d = decide(2, pods(16, 16), policy, history, t, t)
+    d = decide(policy, Observation(2, pods(16, 16)), ScalingMemory(history, t), t)
     assert d.replicas == 4 and "held" not in d.reason
     # A dip inside the window bounds the step: the lowest recommendation wins, not the latest.
-    history = (Recommendation(0.0, 2), Recommendation(50.0, 3))
-    assert decide(2, pods(16, 16), policy, history, 55.0, 70.0).replicas == 3
+    dip = ScalingMemory((Recommendation(0.0, 2), Recommendation(50.0, 3)), 55.0)
+    assert decide(policy, Observation(2, pods(16, 16)), dip, 70.0).replicas == 3
     # Without a window (the default), the same load scales up at once.
     assert policy_of(parse_spec("llm", {}).autoscaling).scale_up_stabilization_s == 0
-    assert decide(2, pods(16, 16), POLICY, history, 55.0, 70.0).replicas == 4
+    assert decide(POLICY, Observation(2, pods(16, 16)), dip, 70.0).replicas == 4
 
 
 def test_scale_to_zero_only_after_the_idle_delay_and_back_on_held_requests():
     policy = ScalingPolicy(min_replicas=0, max_replicas=3, scale_down_stabilization_s=0,
                            scale_to_zero_delay_s=600)  # fmt: skip
-    d = decide(1, pods(0, kv=0.0), policy, (), last_active=0.0, now=599.0)
+    d = decide(policy, Observation(1, pods(0, kv=0.0)), ScalingMemory(last_active=0.0), 599.0)
     assert d.replicas == 1 and "idle" in d.reason
-    d = decide(1, pods(0, kv=0.0), policy, d.history, last_active=0.0, now=601.0)
+    d = decide(policy, Observation(1, pods(0, kv=0.0)), ScalingMemory(d.memory.history, 0.0), 601.0)
     assert d.replicas == 0
-    d = decide(0, [], policy, d.history, last_active=0.0, now=700.0)
+    d = decide(policy, Observation(0, []), ScalingMemory(d.memory.history, 0.0), 700.0)
     assert d.replicas == 0
-    d = decide(0, [], policy, d.history, last_active=0.0, now=710.0, held_requests=3)
-    assert d.replicas == 1 and "held" in d.reason and d.last_active == 710.0
+    d = decide(
+        policy, Observation(0, [], held_requests=3), ScalingMemory(d.memory.history, 0.0), 710.0
+    )
+    assert d.replicas == 1 and "held" in d.reason and d.memory.last_active == 710.0
 
 
 def test_a_silent_pod_never_causes_a_scale_down():
     silent = [*pods(0, 0), PodMetrics("p2")]
     policy = ScalingPolicy(min_replicas=1, max_replicas=5, scale_down_stabilization_s=0)
-    d = decide(3, silent, policy, (), None, now=10.0)
+    d = decide(policy, Observation(3, silent), ScalingMemory(), 10.0)
     assert d.replicas == 3 and d.unanswered == ("p2",)
-    assert decide(3, [PodMetrics("a"), PodMetrics("b")], policy, (), None, 10.0).replicas == 3
+    none_answered = Observation(3, [PodMetrics("a"), PodMetrics("b")])
+    assert decide(policy, none_answered, ScalingMemory(), 10.0).replicas == 3
 
 
 def test_restart_keeps_the_window_through_the_persisted_history():
-    d1 = decide(4, pods(8, 8, 8, 8), POLICY, (), None, now=0.0)
-    persisted = tuple(Recommendation(r.time, r.replicas) for r in d1.history)
-    d2 = decide(4, pods(0, 0, 0, 0), POLICY, persisted, 0.0, now=60.0)
+    d1 = decide(POLICY, Observation(4, pods(8, 8, 8, 8)), ScalingMemory(), 0.0)
+    persisted = tuple(Recommendation(r.time, r.replicas) for r in d1.memory.history)
+    d2 = decide(POLICY, Observation(4, pods(0, 0, 0, 0)), ScalingMemory(persisted, 0.0), 60.0)
     assert d2.replicas == 4
 
 
@@ -160,7 +166,12 @@ loads = st.lists(st.floats(0, 500, allow_nan=False), min_size=0, max_size=12)
 @settings(max_examples=300, deadline=None)
 @given(policies, st.integers(0, 16), loads, st.floats(0, 1), st.floats(0, 20))
 def test_result_is_always_within_bounds(policy, current, load, kv, held):
-    d = decide(current, pods(*load, kv=kv), policy, (), None, 1000.0, held)
+    d = decide(
+        policy,
+        Observation(current, pods(*load, kv=kv), held_requests=held),
+        ScalingMemory(),
+        1000.0,
+    )
     assert policy.min_replicas <= d.replicas <= policy.max_replicas
 
 
@@ -169,8 +180,8 @@ def test_result_is_always_within_bounds(policy, current, load, kv, held):
 def test_monotonic_in_load(policy, current, load, extra, kv):
     base = pods(*load, kv=kv) if load else pods(0.0, kv=kv)
     more = [PodMetrics(p.pod, (p.running or 0) + extra, p.waiting, kv) for p in base]
-    d_low = decide(current, base, policy, (), 0.0, 1000.0)
-    d_high = decide(current, more, policy, (), 0.0, 1000.0)
+    d_low = decide(policy, Observation(current, base), ScalingMemory(last_active=0.0), 1000.0)
+    d_high = decide(policy, Observation(current, more), ScalingMemory(last_active=0.0), 1000.0)
     assert d_high.replicas >= d_low.replicas
 
 
@@ -180,8 +191,13 @@ def test_noise_inside_the_tolerance_never_flaps(current, noise):
     history: tuple[Recommendation, ...] = ()
     for i, eps in enumerate(noise):
         per_pod = POLICY.target_queue_depth * (1 + eps)
-        d = decide(current, pods(*[per_pod] * current), POLICY, history, float(i), float(i * 10))
-        history = d.history
+        d = decide(
+            POLICY,
+            Observation(current, pods(*[per_pod] * current)),
+            ScalingMemory(history, float(i)),
+            float(i * 10),
+        )
+        history = d.memory.history
         assert d.replicas == current
 
 
@@ -190,7 +206,12 @@ def test_noise_inside_the_tolerance_never_flaps(current, noise):
 def test_never_below_a_recommendation_inside_the_down_window(policy, current, earlier, load):
     earlier = min(max(earlier, policy.min_replicas), policy.max_replicas)
     history = (Recommendation(990.0, earlier),)
-    d = decide(current, pods(*load) if load else pods(0.0), policy, history, 999.0, 1000.0)
+    d = decide(
+        policy,
+        Observation(current, pods(*load) if load else pods(0.0)),
+        ScalingMemory(history, 999.0),
+        1000.0,
+    )
     if policy.scale_down_stabilization_s > 10 and d.replicas < current:
         assert d.replicas >= min(earlier, current)
 
@@ -199,10 +220,10 @@ def test_starting_replicas_count_as_idle_going_up_and_hold_going_down():
     policy = ScalingPolicy(min_replicas=1, max_replicas=20, target_queue_depth=8,
                            scale_down_stabilization_s=0)  # fmt: skip
     # 5 asked for, 1 ready with 40 in flight: once all 5 are up that is 8 each, on target.
-    assert decide(5, pods(40), policy, (), None, 10.0, starting=4).replicas == 5
+    assert decide(policy, Observation(5, pods(40), starting=4), ScalingMemory(), 10.0).replicas == 5
     # Without knowing about the starting ones, it would climb as if one replica carried it all.
-    assert decide(5, pods(40), policy, (), None, 10.0).replicas == 10
-    d = decide(5, pods(0), policy, (), None, 10.0, starting=4)
+    assert decide(policy, Observation(5, pods(40)), ScalingMemory(), 10.0).replicas == 10
+    d = decide(policy, Observation(5, pods(0), starting=4), ScalingMemory(), 10.0)
     assert d.replicas == 5 and "starting" in d.reason
 
 
@@ -211,7 +232,9 @@ def test_history_keeps_the_latest_entry_of_each_count():
     assert compact_history(h) == (Recommendation(5, 4), Recommendation(9, 3), Recommendation(12, 2))
     history: tuple[Recommendation, ...] = ()
     for t in range(200):
-        history = decide(3, pods(8, 8, 8), POLICY, history, None, float(t)).history
+        history = decide(
+            POLICY, Observation(3, pods(8, 8, 8)), ScalingMemory(history), float(t)
+        ).memory.history
     assert len(history) == 1
 
 
@@ -224,12 +247,20 @@ histories = st.lists(st.tuples(st.floats(0, 400), st.integers(0, 12)), min_size=
 @given(policies, st.integers(0, 12), histories, loads, st.integers(0, 3))
 def test_compaction_never_changes_a_decision(policy, current, history, load, starting):
     metrics = pods(*load) if load else pods(0.0)
-    full = decide(current, metrics, policy, history, 100.0, 400.0, starting=starting)
+    full = decide(
+        policy,
+        Observation(current, metrics, starting=starting),
+        ScalingMemory(history, 100.0),
+        400.0,
+    )
     compact = decide(
-        current, metrics, policy, compact_history(history), 100.0, 400.0, starting=starting
+        policy,
+        Observation(current, metrics, starting=starting),
+        ScalingMemory(compact_history(history), 100.0),
+        400.0,
     )
     assert (full.replicas, full.reason) == (compact.replicas, compact.reason)
-    assert full.history == compact.history
+    assert full.memory.history == compact.memory.history
 
 
 readings = st.floats(allow_nan=True, allow_infinity=True)
@@ -240,7 +271,7 @@ readings = st.floats(allow_nan=True, allow_infinity=True)
        readings)  # fmt: skip
 def test_any_reading_at_all_gives_a_decision_within_bounds(policy, current, raw, held):
     metrics = [PodMetrics(f"p{i}", r, w, kv) for i, (r, w, kv) in enumerate(raw)]
-    d = decide(current, metrics, policy, (), None, 1000.0, held)
+    d = decide(policy, Observation(current, metrics, held_requests=held), ScalingMemory(), 1000.0)
     assert policy.min_replicas <= d.replicas <= policy.max_replicas
     assert all(math.isfinite(v) for v in d.signals.values())
     assert set(d.unanswered) == set(d.problems) == {p.pod for p in metrics if not p.answered}
@@ -255,54 +286,55 @@ HOUR = 3600.0
 def test_a_recommendation_from_the_future_holds_only_one_window_from_now():
     # Four replicas recommended "an hour from now" (a skewed clock, or a status written by
     # hand), then idle: the scale-down window of 300 s counts from now, not from then.
-    history, last_active, _, ahead = clamp_future((Recommendation(T0 + HOUR, 4),), T0, (), now=T0)
-    assert history == (Recommendation(T0, 4),) and set(ahead) == {"recommendations"}
+    future = ScalingMemory((Recommendation(T0 + HOUR, 4),), T0)
+    memory, _, ahead = clamp_future(future, (), now=T0)
+    assert memory.history == (Recommendation(T0, 4),) and set(ahead) == {"recommendations"}
     assert ahead["recommendations"] == pytest.approx(HOUR)
     idle = pods(0.5, 0.5, 0.5, 0.5)
-    d = decide(4, idle, POLICY, history, last_active, T0 + 290)
+    d = decide(POLICY, Observation(4, idle), memory, T0 + 290)
     assert d.replicas == 4 and "window" in d.reason
-    d = decide(4, idle, POLICY, d.history, last_active, T0 + 310)
+    d = decide(POLICY, Observation(4, idle), d.memory, T0 + 310)
     assert d.replicas == 1
 
 
 def test_a_future_last_active_time_does_not_delay_scale_to_zero():
     policy = ScalingPolicy(min_replicas=0, max_replicas=2, scale_down_stabilization_s=60,
                            scale_to_zero_delay_s=600)  # fmt: skip
-    history, last_active, _, ahead = clamp_future((), T0 + HOUR, (), now=T0)
-    assert last_active == T0 and set(ahead) == {"lastActiveTime"}
+    memory, _, ahead = clamp_future(ScalingMemory(last_active=T0 + HOUR), (), now=T0)
+    assert memory.last_active == T0 and set(ahead) == {"lastActiveTime"}
     idle = pods(0, kv=0.0)
-    d = decide(1, idle, policy, history, last_active, T0 + 590)
+    d = decide(policy, Observation(1, idle), memory, T0 + 590)
     assert d.replicas == 1 and "idle for 590s" in d.reason
     # Zero once the idle delay has passed and the last "1" left the 60 s window.
-    d = decide(1, idle, policy, d.history, last_active, T0 + 620)
-    d = decide(1, idle, policy, d.history, last_active, T0 + 660)
+    d = decide(policy, Observation(1, idle), d.memory, T0 + 620)
+    d = decide(policy, Observation(1, idle), d.memory, T0 + 660)
     assert d.replicas == 0 and "no work for 600s" in d.reason
 
 
 def test_engine_starts_from_the_future_are_clamped_and_past_times_kept():
     starts = (EngineStart(T0 - 100, 20.0), EngineStart(T0 + HOUR, 30.0))
     history = (Recommendation(T0 - 50, 2), Recommendation(T0 - 10, 3))
-    clamped_history, last_active, clamped, ahead = clamp_future(history, T0 - 5, starts, now=T0)
-    assert clamped_history == history and last_active == T0 - 5
+    memory, clamped, ahead = clamp_future(ScalingMemory(history, T0 - 5), starts, now=T0)
+    assert memory == ScalingMemory(history, T0 - 5)
     assert clamped == (EngineStart(T0 - 100, 20.0), EngineStart(T0, 30.0))
     assert set(ahead) == {"engineStarts"}
 
 
 def test_skew_within_the_tolerance_is_clamped_without_a_report():
     small = CLOCK_SKEW_TOLERANCE_S / 2
-    history, last_active, _, ahead = clamp_future(
-        (Recommendation(T0 + small, 2),), T0 + small, (), now=T0
+    memory, _, ahead = clamp_future(
+        ScalingMemory((Recommendation(T0 + small, 2),), T0 + small), (), now=T0
     )
-    assert history == (Recommendation(T0, 2),) and last_active == T0 and ahead == {}
+    assert memory == ScalingMemory((Recommendation(T0, 2),), T0) and ahead == {}
 
 
 def test_clamped_memory_is_rewritten_and_its_report_names_the_fields():
-    memory = {"recommendations": [[T0, 2]], "unreachablePods": [],
-              "lastActiveTime": "2025-06-15T16:06:40Z"}  # fmt: skip
-    old = {"desiredReplicas": 2, "autoscaling": memory}
-    history, last_active, _, ahead = clamp_future(*load_memory(old), (), now=T0 + 10)
-    assert last_active == T0 + 10 and set(ahead) == {"lastActiveTime"}
-    d = decide(2, pods(8, 8), POLICY, history, last_active, T0 + 10)
+    state = {"recommendations": [[T0, 2]], "unreachablePods": [],
+             "lastActiveTime": "2025-06-15T16:06:40Z"}  # fmt: skip
+    old = {"desiredReplicas": 2, "autoscaling": state}
+    memory, _, ahead = clamp_future(load_memory(old), (), now=T0 + 10)
+    assert memory.last_active == T0 + 10 and set(ahead) == {"lastActiveTime"}
+    d = decide(POLICY, Observation(2, pods(8, 8)), memory, T0 + 10)
     # Same content, written 10 s ago: only the rewrite replaces the time from the future.
     assert status_update(old, 2, d, {}, T0 + 10) == {}
     patch = status_update(old, 2, d, {}, T0 + 10, rewrite=True)

@@ -18,7 +18,13 @@ import aiohttp
 import pytest
 
 from kvfleet.operator.metrics_scraper import Scraper, Target
-from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    Observation,
+    PodMetrics,
+    ScalingMemory,
+    ScalingPolicy,
+    decide,
+)
 from tests.support.net import free_port
 
 MODEL = "tiny"
@@ -105,7 +111,7 @@ def test_decisions_follow_the_load_of_real_engines(engines):
         async with aiohttp.ClientSession() as scraper:
             idle = await _scrape_until(scraper, targets, lambda ms: all(m.answered for m in ms))
             assert [m.in_flight for m in idle] == [0, 0]
-            d = decide(2, idle, POLICY, (), None, now=0.0)
+            d = decide(POLICY, Observation(2, idle), ScalingMemory(), 0.0)
             assert d.replicas == 2  # idle, but a new service keeps its size for the window
 
             async with aiohttp.ClientSession() as clients:
@@ -123,7 +129,7 @@ def test_decisions_follow_the_load_of_real_engines(engines):
                 )
                 assert all(m.waiting == STREAMS_PER_ENGINE - MAX_NUM_SEQS for m in busy)
                 assert all(0 < (m.kv_cache_usage or 0) <= 1 for m in busy)
-                up = decide(2, busy, POLICY, d.history, d.last_active, now=10.0)
+                up = decide(POLICY, Observation(2, busy), d.memory, 10.0)
                 # 12 in flight per replica against a target of 4: three times the replicas.
                 assert up.replicas == 6, up.reason
                 assert up.signals["queue_per_replica"] == STREAMS_PER_ENGINE
@@ -135,9 +141,9 @@ def test_decisions_follow_the_load_of_real_engines(engines):
             quiet = await _scrape_until(
                 scraper, targets, lambda ms: all(m.in_flight == 0 for m in ms)
             )
-            held = decide(6, quiet, POLICY, up.history, up.last_active, now=20.0)
+            held = decide(POLICY, Observation(6, quiet), up.memory, 20.0)
             assert held.replicas == 6 and "window" in held.reason
-            down = decide(6, quiet, POLICY, held.history, held.last_active, now=311.0)
+            down = decide(POLICY, Observation(6, quiet), held.memory, 311.0)
             assert down.replicas == 1, down.reason
 
     asyncio.run(main())

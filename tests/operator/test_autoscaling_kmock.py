@@ -24,8 +24,8 @@ from kvfleet.operator.autoscaler import REFRESH_SECONDS, load_memory, status_upd
 from kvfleet.operator.deletion_cost import DELETION_COST
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.resources import common_labels
-from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision
-from kvfleet.operator.spec import engine_replicas, parse_spec
+from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingMemory
+from kvfleet.operator.spec import engine_deployment_replicas, parse_spec
 from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, RUNNING, WAITING
 from tests.support.kmock import (
     CONFIG,
@@ -59,8 +59,7 @@ def decision(replicas: int, history: list[tuple[float, int]], last_active: float
     return ScaleDecision(
         replicas=replicas,
         reason="why",
-        history=tuple(Recommendation(t, n) for t, n in history),
-        last_active=last_active,
+        memory=ScalingMemory(tuple(Recommendation(t, n) for t, n in history), last_active),
         signal="queueDepth",
         signals={"current": 2.0, "in_flight": 9.0},
     )
@@ -82,7 +81,7 @@ def test_a_change_is_recorded_with_its_metrics_and_the_memory():
         "unreachablePods": [],
         "lastActiveTime": "2025-06-15T15:06:40Z",
     }
-    assert load_memory(patch) == ((Recommendation(T0, 3),), T0)
+    assert load_memory(patch) == ScalingMemory((Recommendation(T0, 3),), T0)
 
 
 def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
@@ -110,14 +109,14 @@ def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
 
 def test_builtin_mode_owns_the_count_and_external_mode_follows_the_spec():
     builtin = parse_spec("x", {"autoscaling": {"minReplicas": 0, "maxReplicas": 4}})
-    assert engine_replicas(builtin, None) == 1  # before any decision
-    assert engine_replicas(builtin, 3) == 3
-    assert engine_replicas(builtin, 0) == 0
-    assert engine_replicas(builtin, 9) == 4  # maxReplicas lowered since the decision
+    assert engine_deployment_replicas(builtin, None) == 1  # before any decision
+    assert engine_deployment_replicas(builtin, 3) == 3
+    assert engine_deployment_replicas(builtin, 0) == 0
+    assert engine_deployment_replicas(builtin, 9) == 4  # maxReplicas lowered since the decision
     pinned = parse_spec("x", {"replicas": 2, "autoscaling": {"maxReplicas": 4}})
-    assert engine_replicas(pinned, 3) == 3  # spec.replicas only seeds a builtin count
+    assert engine_deployment_replicas(pinned, 3) == 3  # spec.replicas only seeds a builtin count
     external = parse_spec("x", {"replicas": 2, "autoscaling": {"mode": "external"}})
-    assert engine_replicas(external, 3) == 2
+    assert engine_deployment_replicas(external, 3) == 2
 
 
 @pytest.mark.parametrize("name", ["keda-scaledobject.yaml", "hpa.yaml"])
@@ -262,7 +261,7 @@ async def add_pod(k: APIServer, isvc: str, component: str, server: MetricsServer
     return name
 
 
-def engine_replicas_of(k: APIServer, isvc: str) -> int | None:
+def deployment_replicas_of(k: APIServer, isvc: str) -> int | None:
     deploy = k.live(DEPLOYMENTS, NS, f"{isvc}-engine")
     return deploy["spec"]["replicas"] if deploy else None
 
@@ -294,17 +293,18 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
     engines = [await servers() for _ in range(4)]
     async with operator(k, clock):
         await create(k, spec)
-        await eventually(lambda: engine_replicas_of(k, "llm") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "llm") == 1)
         await add_pod(k, "llm", "engine", engines[0])
         await steps(engines[0])
-        assert engine_replicas_of(k, "llm") == 1 and "lastScaleDecision" not in status_of(k, "llm")
+        assert deployment_replicas_of(k, "llm") == 1
+        assert "lastScaleDecision" not in status_of(k, "llm")
 
         # Rising load: 16 in flight on one replica, target 4 per replica.
         before = engines[0].scrapes
         engines[0].load(running=4, waiting=12, kv=0.3)
         await eventually(lambda: status_of(k, "llm").get("desiredReplicas") == 4)
         assert engines[0].scrapes - before <= 2, "not decided within two intervals"
-        await eventually(lambda: engine_replicas_of(k, "llm") == 4)
+        await eventually(lambda: deployment_replicas_of(k, "llm") == 4)
         last = status_of(k, "llm")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (1, 4)
         assert last["metrics"]["inFlight"] == 16 and last["metrics"]["queuePerReplica"] == 16
@@ -318,7 +318,7 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
         for engine in engines:
             engine.load(running=4)
         await steps(engines[0])
-        assert engine_replicas_of(k, "llm") == 4
+        assert deployment_replicas_of(k, "llm") == 4
 
         # Falling load: held for the 300 s window, whatever the load says meanwhile.
         for engine in engines:
@@ -329,7 +329,7 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
         for t in (100, 200):
             clock.now = T0 + t
             await steps(engines[0])
-            assert engine_replicas_of(k, "llm") == 4
+            assert deployment_replicas_of(k, "llm") == 4
         assert status_of(k, "llm")["autoscaling"]["recommendations"][0] == [T0, 4]
 
     # The window survives a restart: the new process reads it back from the status.
@@ -337,7 +337,7 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
     async with operator(k, clock):
         clock.now = T0 + 290
         await steps(engines[0])
-        assert engine_replicas_of(k, "llm") == 4
+        assert deployment_replicas_of(k, "llm") == 4
         # A silent pod is reported and is never a reason to scale down.
         engines[3].silent = True
         # As above: the clock moves only once the steps see the silent pod, or a step in
@@ -348,13 +348,13 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
         assert status_of(k, "llm")["autoscaling"]["unreachablePods"] == [
             f"llm-engine-{engines[3].port}"
         ]
-        assert engine_replicas_of(k, "llm") == 4
+        assert deployment_replicas_of(k, "llm") == 4
         # Holding is a recommendation of its own, so the window restarts from it.
         engines[3].silent = False
         await steps(engines[0])
         clock.now = T0 + 500
         await steps(engines[0])
-        assert engine_replicas_of(k, "llm") == 4
+        assert deployment_replicas_of(k, "llm") == 4
         assert status_of(k, "llm")["autoscaling"]["unreachablePods"] == []
         # The scale-down marks which engines go: the coldest (fewest cached blocks at equal
         # load) costs least, so the ReplicaSet deletes it first; the warmest stays.
@@ -363,7 +363,7 @@ async def test_scales_up_within_two_intervals_and_down_only_after_the_window(clu
         await steps(engines[0])
         mark_down = len(k)
         clock.now = T0 + 620
-        await eventually(lambda: engine_replicas_of(k, "llm") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "llm") == 1)
         last = status_of(k, "llm")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (4, 1)
         assert by_operator(k, mark)
@@ -390,7 +390,7 @@ async def test_scales_to_zero_after_the_idle_delay_and_back_on_held_requests(clu
     async with operator(k, clock):
         await create(k, spec)
         # A new service starts with one replica even though minReplicas is 0.
-        await eventually(lambda: engine_replicas_of(k, "idle") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "idle") == 1)
         engine_pod = await add_pod(k, "idle", "engine", engine)
         await add_pod(k, "idle", "router", router)
         await steps(engine)
@@ -399,21 +399,21 @@ async def test_scales_to_zero_after_the_idle_delay_and_back_on_held_requests(clu
         for t in (300, 590, 620):
             clock.now = T0 + t
             await steps(engine)
-            assert engine_replicas_of(k, "idle") == 1, f"at {t}s"
+            assert deployment_replicas_of(k, "idle") == 1, f"at {t}s"
         clock.now = T0 + 670
-        await eventually(lambda: engine_replicas_of(k, "idle") == 0)
+        await eventually(lambda: deployment_replicas_of(k, "idle") == 0)
         last = status_of(k, "idle")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (1, 0) and "no work for 600s" in last["reason"]
         await api(k, "delete", url(PODS, engine_pod))
 
         # At zero only the router is scraped; nothing held, nothing happens.
         await steps(router)
-        assert engine_replicas_of(k, "idle") == 0
+        assert deployment_replicas_of(k, "idle") == 0
         before = router.scrapes
         router.held = 3
         await eventually(lambda: status_of(k, "idle").get("desiredReplicas") == 1)
         assert router.scrapes - before <= 2
-        await eventually(lambda: engine_replicas_of(k, "idle") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "idle") == 1)
         last = status_of(k, "idle")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (0, 1) and "held" in last["reason"]
         assert last["metrics"]["heldRequests"] == 3
@@ -451,9 +451,9 @@ async def test_a_recommendation_from_the_future_is_clamped_and_reported(cluster,
         # Idle, the four replicas go once the 300 s window counted from now has passed.
         clock.now = T0 + 290
         await steps(engines[0])
-        assert engine_replicas_of(k, "skew") == 4
+        assert deployment_replicas_of(k, "skew") == 4
         clock.now = T0 + 310
-        await eventually(lambda: engine_replicas_of(k, "skew") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "skew") == 1)
         # Reported once: the memory now holds the clamped times.
         assert len([e for e in k.every(EVENTS) if e["reason"] == "ClockSkew"]) == 1
     assert_rbac_covers(k)
@@ -467,24 +467,24 @@ async def test_external_mode_leaves_the_count_to_the_external_scaler(cluster, se
     engine.load(running=4, waiting=28)  # far above target: builtin mode would scale
     async with operator(k, clock):
         await create(k, spec)
-        await eventually(lambda: engine_replicas_of(k, "ext") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "ext") == 1)
         await add_pod(k, "ext", "engine", engine)
-        await eventually(lambda: engine_replicas_of(k, "ext") == 4)
+        await eventually(lambda: deployment_replicas_of(k, "ext") == 4)
 
         # Handed to HPA/KEDA: the operator stops deciding and applies spec.replicas.
         mark = len(k)
         await api(k, "patch", url(ISVCS, "ext"), {
             "spec": {"replicas": 2, "autoscaling": {"mode": "external"}}
         })  # fmt: skip
-        await eventually(lambda: engine_replicas_of(k, "ext") == 2)
+        await eventually(lambda: deployment_replicas_of(k, "ext") == 2)
         await eventually(lambda: status_of(k, "ext").get("desiredReplicas") == 2)
         scrapes = engine.scrapes
         # What /scale does when HPA or KEDA resizes: spec.replicas changes.
         await api(k, "patch", url(ISVCS, "ext"), {"spec": {"replicas": 3}})
-        await eventually(lambda: engine_replicas_of(k, "ext") == 3)
+        await eventually(lambda: deployment_replicas_of(k, "ext") == 3)
         await asyncio.sleep(8 * INTERVAL)
         assert engine.scrapes <= scrapes + 1  # one step may have been under way
-        assert engine_replicas_of(k, "ext") == 3
+        assert deployment_replicas_of(k, "ext") == 3
         assert status_of(k, "ext")["lastScaleDecision"]["to"] == 4  # the last builtin one
         # Every write since: the Deployment following spec.replicas, and status following it.
         status_writes = [
@@ -518,13 +518,13 @@ async def test_a_repeated_series_is_no_phantom_load_and_a_conflicting_one_is_rep
     series = f'{RUNNING}{{model_name="kvfleet-tiny-random-llama"}}'
     async with operator(k, clock):
         await create(k, spec)
-        await eventually(lambda: engine_replicas_of(k, "dup") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "dup") == 1)
         pod = await add_pod(k, "dup", "engine", engine)
         # On target: 4 requests on one replica, the running series said three times.
         engine.load(running=4)
         engine.extra = f"{series} 4\n{series} 4.0\n"
         await steps(engine, 3)
-        assert engine_replicas_of(k, "dup") == 1
+        assert deployment_replicas_of(k, "dup") == 1
         assert "lastScaleDecision" not in status_of(k, "dup")
         assert status_of(k, "dup")["autoscaling"]["unreachablePods"] == []
         # The same series with another value: the pod's answer is unusable, and says why.
@@ -533,7 +533,7 @@ async def test_a_repeated_series_is_no_phantom_load_and_a_conflicting_one_is_rep
         autoscaling = status_of(k, "dup")["autoscaling"]
         assert autoscaling["unreachablePods"] == [pod]
         assert autoscaling["unreachableReasons"][pod] == f"{RUNNING}: one series is both 4 and 40"
-        assert engine_replicas_of(k, "dup") == 1
+        assert deployment_replicas_of(k, "dup") == 1
     assert_rbac_covers(k)
 
 
@@ -545,7 +545,7 @@ async def test_scale_up_waits_for_the_scale_up_window_of_the_spec(cluster, serve
     engine = await servers()
     async with operator(k, clock):
         await create(k, spec)
-        await eventually(lambda: engine_replicas_of(k, "burst") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "burst") == 1)
         await add_pod(k, "burst", "engine", engine)
         await steps(engine)  # idle: 1 is recommended at T0
 
@@ -556,10 +556,10 @@ async def test_scale_up_waits_for_the_scale_up_window_of_the_spec(cluster, serve
         for t in (0, 30, 59):
             clock.now = T0 + t
             await steps(engine)
-            assert engine_replicas_of(k, "burst") == 1, f"scaled up at {t}s"
+            assert deployment_replicas_of(k, "burst") == 1, f"scaled up at {t}s"
             assert "lastScaleDecision" not in status_of(k, "burst")
         clock.now = T0 + 61
-        await eventually(lambda: engine_replicas_of(k, "burst") == 4)
+        await eventually(lambda: deployment_replicas_of(k, "burst") == 4)
         last = status_of(k, "burst")["lastScaleDecision"]
         assert (last["from"], last["to"]) == (1, 4)
     assert_rbac_covers(k)
@@ -573,7 +573,7 @@ async def test_a_latency_target_scales_on_the_intervals_ttft(cluster, servers):
     engine = await servers()
     async with operator(k, clock):
         await create(k, spec)
-        await eventually(lambda: engine_replicas_of(k, "slo") == 1)
+        await eventually(lambda: deployment_replicas_of(k, "slo") == 1)
         await add_pod(k, "slo", "engine", engine)
         engine.load(running=2)
         # Many slow first tokens long ago (before the operator's first look), then only fast
@@ -582,7 +582,7 @@ async def test_a_latency_target_scales_on_the_intervals_ttft(cluster, servers):
         await steps(engine)
         engine.ttft = (50.0, 50.0, 1050.0)
         await steps(engine)
-        assert engine_replicas_of(k, "slo") == 1
+        assert deployment_replicas_of(k, "slo") == 1
 
         # Now every first token of the interval takes 0.1-1 s: p90 0.91 s against 0.5 s.
         count = 1050.0
@@ -590,7 +590,7 @@ async def test_a_latency_target_scales_on_the_intervals_ttft(cluster, servers):
             count += 100
             engine.ttft = (50.0, count - 1000, count)
             await steps(engine, 1)
-        await eventually(lambda: engine_replicas_of(k, "slo") == 2)
+        await eventually(lambda: deployment_replicas_of(k, "slo") == 2)
         last = status_of(k, "slo")["lastScaleDecision"]
         assert (last["from"], last["to"], last["signal"]) == (1, 2, "latency")
         assert last["reason"].startswith("p90 TTFT 0.9")

@@ -29,7 +29,14 @@ from kvfleet.operator.forecast import (
     remember,
     start_estimate,
 )
-from kvfleet.operator.scaling_policy import PodMetrics, Recommendation, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    Observation,
+    PodMetrics,
+    Recommendation,
+    ScalingMemory,
+    ScalingPolicy,
+    decide,
+)
 from kvfleet.operator.spec import parse_spec
 
 T0 = 1_750_000_000.0
@@ -238,11 +245,11 @@ def first_scale_up(policy: ScalingPolicy, load, every: float, start: float | Non
     samples: tuple[Sample, ...] = ()
     for i in range(1000):
         now = T0 + i * every
-        d = decide(1, engines(1, load(now - T0)), policy, (), None, now, load=samples,
-                   start_seconds=start)  # fmt: skip
+        seen = Observation(1, engines(1, load(now - T0)), start_seconds=start)
+        d = decide(policy, seen, ScalingMemory(load=samples), now)
         if d.replicas > 1:
             return now - T0
-        samples = d.load
+        samples = d.memory.load
     raise AssertionError("never scaled up")
 
 
@@ -256,7 +263,12 @@ def test_a_steady_ramp_scales_up_one_start_time_earlier_and_says_why():
     # With it: 4.4 projected 20 s (the start time) ahead at t = 14 s, seen at 15.
     assert first_scale_up(AHEAD, load, 5.0, 20.0) == 15
     samples = tuple(Sample(T0 + t, load(t)) for t in (0, 5, 10))
-    d = decide(1, engines(1, load(15)), AHEAD, (), None, T0 + 15, load=samples, start_seconds=20)
+    d = decide(
+        AHEAD,
+        Observation(1, engines(1, load(15)), start_seconds=20),
+        ScalingMemory(load=samples),
+        T0 + 15,
+    )
     assert (d.replicas, d.signal) == (2, "forecast")
     assert d.reason.startswith("forecast: 2.50 requests in flight rising 0.1/s, 4.50 in 20s")
     assert d.signals["forecast_horizon"] == 20
@@ -303,10 +315,11 @@ def test_the_forecast_never_lowers_a_decision_nor_passes_max_replicas(
     samples = tuple(Sample(T0 + i * every, v) for i, v in enumerate(values[:-1]))
     now = T0 + (len(values) - 1) * every
     ready = max(1, current - starting)
-    args = (current, engines(ready, values[-1]))
-    kwargs = dict(load=samples, start_seconds=start, starting=current - ready)
-    plain = decide(*args, PLAIN, (), None, now, **kwargs)
-    ahead = decide(*args, AHEAD, (), None, now, **kwargs)
+    seen = Observation(
+        current, engines(ready, values[-1]), starting=current - ready, start_seconds=start
+    )
+    plain = decide(PLAIN, seen, ScalingMemory(load=samples), now)
+    ahead = decide(AHEAD, seen, ScalingMemory(load=samples), now)
     assert plain.replicas <= ahead.replicas <= AHEAD.max_replicas
     if ahead.replicas != plain.replicas:
         assert ahead.signal == "forecast" and ahead.replicas > plain.replicas
@@ -318,9 +331,9 @@ def test_a_flat_or_falling_load_adds_nothing(values, every, current):
     values = sorted(values, reverse=True)
     samples = tuple(Sample(T0 + i * every, v) for i, v in enumerate(values[:-1]))
     now = T0 + (len(values) - 1) * every
-    args = (current, engines(current, values[-1]))
-    plain = decide(*args, PLAIN, (), None, now, load=samples, start_seconds=60)
-    ahead = decide(*args, AHEAD, (), None, now, load=samples, start_seconds=60)
+    seen = Observation(current, engines(current, values[-1]), start_seconds=60)
+    plain = decide(PLAIN, seen, ScalingMemory(load=samples), now)
+    ahead = decide(AHEAD, seen, ScalingMemory(load=samples), now)
     assert (ahead.replicas, ahead.reason, ahead.signal) == (
         plain.replicas,
         plain.reason,
@@ -345,10 +358,9 @@ def test_a_load_rising_back_towards_a_level_it_fell_from_gets_nothing_from_the_f
     window = [Sample(now - 5 * i, top / 2 * v) for i, v in enumerate(sorted(rise, reverse=True))]
     then = now - WINDOW_S - 10 - ago
     samples = (Sample(then, top), Sample(then + 5, 0.0), *reversed(window))
-    args = (current, engines(current, samples[-1].value))
-    kwargs = dict(load=samples[:-1], start_seconds=60)
-    plain = decide(*args, PLAIN, (), None, now, **kwargs)
-    ahead = decide(*args, AHEAD, (), None, now, **kwargs)
+    seen = Observation(current, engines(current, samples[-1].value), start_seconds=60)
+    plain = decide(PLAIN, seen, ScalingMemory(load=samples[:-1]), now)
+    ahead = decide(AHEAD, seen, ScalingMemory(load=samples[:-1]), now)
     assert (ahead.replicas, ahead.signal) == (plain.replicas, plain.signal)
     assert "forecast_slope" not in ahead.signals
 
@@ -358,12 +370,17 @@ def test_the_forecast_keeps_to_the_scale_up_window_and_step():
     windowed = ScalingPolicy(max_replicas=8, target_queue_depth=4, scale_ahead=True,
                              scale_up_stabilization_s=60)  # fmt: skip
     # The service was at 1 replica within the window: the forecast's 2 waits, as any signal.
-    d = decide(1, engines(1, 2.5), windowed, (Recommendation(T0, 1),), None, T0 + 15,
-               load=samples, start_seconds=20)  # fmt: skip
+    seen = Observation(1, engines(1, 2.5), start_seconds=20)
+    d = decide(windowed, seen, ScalingMemory((Recommendation(T0, 1),), load=samples), T0 + 15)
     assert d.replicas == 1 and "scale-up held" in d.reason and d.signal == "forecast"
     # A steep rise projected far ahead is capped (at double the capacity), and so is the step.
     steep = tuple(Sample(T0 + t, 1 + 10 * t) for t in (0, 5, 10))
-    d = decide(1, engines(1, 151), AHEAD, (), None, T0 + 15, load=steep, start_seconds=600)
+    d = decide(
+        AHEAD,
+        Observation(1, engines(1, 151), start_seconds=600),
+        ScalingMemory(load=steep),
+        T0 + 15,
+    )
     assert d.signals["forecast_in_flight"] == pytest.approx(302)
     assert d.replicas == 5  # queue depth asks for 38 -> at most 1 + 4 per step anyway
 
@@ -371,21 +388,21 @@ def test_the_forecast_keeps_to_the_scale_up_window_and_step():
 def test_a_forecast_the_cycle_held_back_says_so_and_the_decision_keeps_the_cycle():
     # One request past the top of 12 the load fell from: 14 projected, not the trend's 15.
     samples = saw(13)
-    now, history = samples[-1].time, samples[:-1]
-    d = decide(3, engines(3, 13), AHEAD, (), None, now, load=history, start_seconds=20)
+    now, before = samples[-1].time, ScalingMemory(load=samples[:-1])
+    d = decide(AHEAD, Observation(3, engines(3, 13), start_seconds=20), before, now)
     assert (d.replicas, d.signal) == (4, "forecast")
     assert d.reason == (
         "forecast: 13.00 requests in flight rising 0.1/s, 14.00 in 20s (the engine start time; "
         "no further past 12.00, the top the load fell from, than it is now), target 4 per replica"
     )
     # The next decision gets the whole cycle back, not just the trend's window.
-    assert d.load == samples and samples[-1].time - samples[0].time > WINDOW_S
+    assert d.memory.load == samples and samples[-1].time - samples[0].time > WINDOW_S
 
 
 def test_replicas_still_starting_hold_the_forecast():
     samples = tuple(Sample(T0 + t, 1 + 0.1 * t) for t in (0, 5, 10))
-    d = decide(2, engines(1, 2.5), AHEAD, (), None, T0 + 15, starting=1, load=samples,
-               start_seconds=20)  # fmt: skip
+    seen = Observation(2, engines(1, 2.5), starting=1, start_seconds=20)
+    d = decide(AHEAD, seen, ScalingMemory(load=samples), T0 + 15)
     assert d.replicas == 2 and d.signal != "forecast"
     assert "forecast_slope" in d.signals  # still reported
 
@@ -403,7 +420,7 @@ def test_scale_ahead_is_on_by_default_and_can_be_turned_off():
 
 def test_the_learned_start_time_is_persisted_when_learned_and_read_back():
     starts = (EngineStart(T0 - 100, 18.0), EngineStart(T0 - 50, 22.0))
-    d = decide(1, engines(1, 1.0), AHEAD, (), None, T0)
+    d = decide(AHEAD, Observation(1, engines(1, 1.0)), ScalingMemory(), T0)
     status = {"desiredReplicas": 1}
     patch = status_update(status, 1, d, {}, T0, starts)
     assert patch["autoscaling"]["engineStarts"] == [[T0 - 100, 18.0], [T0 - 50, 22.0]]
@@ -420,7 +437,12 @@ def test_the_learned_start_time_is_persisted_when_learned_and_read_back():
 
 def test_a_forecast_decision_names_its_signal_and_metrics_in_status():
     samples = tuple(Sample(T0 + t, 1 + 0.1 * t) for t in (0, 5, 10))
-    d = decide(1, engines(1, 2.5), AHEAD, (), None, T0 + 15, load=samples, start_seconds=20)
+    d = decide(
+        AHEAD,
+        Observation(1, engines(1, 2.5), start_seconds=20),
+        ScalingMemory(load=samples),
+        T0 + 15,
+    )
     last = status_update({}, 1, d, {}, T0 + 15)["lastScaleDecision"]
     assert last["signal"] == "forecast"
     assert last["metrics"]["forecastHorizonSeconds"] == 20

@@ -103,7 +103,7 @@ def status_of(k: APIServer, isvc: str) -> dict[str, Any]:
     return (k.live(ISVCS, NS, isvc) or {}).get("status") or {}
 
 
-def engine_replicas_of(k: APIServer, isvc: str) -> int | None:
+def deployment_replicas_of(k: APIServer, isvc: str) -> int | None:
     deploy = k.live(DEPLOYMENTS, NS, f"{isvc}-engine")
     return deploy["spec"]["replicas"] if deploy else None
 
@@ -130,7 +130,7 @@ async def test_a_rising_load_scales_up_one_start_time_earlier_with_scale_ahead(c
     ):
         for name, at in (("ahead", ahead_at), ("plain", plain_at)):
             await create(k, service(name, scale_ahead=name == "ahead"))
-            await eventually(lambda name=name: engine_replicas_of(k, name) == 1)
+            await eventually(lambda name=name: deployment_replicas_of(k, name) == 1)
             await add_engine(k, name, int(at.rsplit(":", 1)[1]))
         # The start time is learned from the pod and kept in status.
         for name in scrapes:
@@ -162,5 +162,5 @@ async def test_a_rising_load_scales_up_one_start_time_earlier_with_scale_ahead(c
         assert last["metrics"]["forecastHorizonSeconds"] == pytest.approx(START_SECONDS, abs=0.5)
         assert "forecast:" in last["reason"] and "(the engine start time)" in last["reason"]
         assert status_of(k, "plain")["lastScaleDecision"]["signal"] == "queueDepth"
-        await eventually(lambda: engine_replicas_of(k, "ahead") == 2)
+        await eventually(lambda: deployment_replicas_of(k, "ahead") == 2)
     assert_rbac_covers(k)

@@ -12,7 +12,13 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from kvfleet.operator.autoscaler import policy_of, status_update
 from kvfleet.operator.latency import interval, merge, quantile, service_quantile
 from kvfleet.operator.metrics_scraper import histogram_buckets
-from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    Observation,
+    PodMetrics,
+    ScalingMemory,
+    ScalingPolicy,
+    decide,
+)
 from kvfleet.operator.spec import parse_spec
 from kvfleet.telemetry.metrics_reader import parse_samples
 
@@ -90,29 +96,31 @@ def pods(n: int, in_flight: float) -> list[PodMetrics]:
 
 
 def test_latency_over_target_scales_up_and_is_named():
-    d = decide(2, pods(2, 4.0), POLICY, (), None, T0, latency=2.5)
+    d = decide(POLICY, Observation(2, pods(2, 4.0), latency=2.5), ScalingMemory(), T0)
     assert (d.replicas, d.signal) == (5, "latency")
     assert d.reason == "p90 TTFT 2.5s, target 1s"
     assert d.signals["latency"] == 2.5
 
 
 def test_the_largest_signal_wins_and_queue_depth_wins_ties():
-    d = decide(2, pods(2, 24.0), POLICY, (), None, T0, latency=1.5)
+    d = decide(POLICY, Observation(2, pods(2, 24.0), latency=1.5), ScalingMemory(), T0)
     assert (d.replicas, d.signal) == (6, "queueDepth")
-    assert decide(2, pods(2, 8.0), POLICY, (), None, T0, latency=1.0).signal == "queueDepth"
-    low_latency = decide(2, pods(2, 8.0), POLICY, (), None, T0, latency=0.01)
+    on_target = decide(POLICY, Observation(2, pods(2, 8.0), latency=1.0), ScalingMemory(), T0)
+    assert on_target.signal == "queueDepth"
+    low_latency = decide(POLICY, Observation(2, pods(2, 8.0), latency=0.01), ScalingMemory(), T0)
     assert (low_latency.replicas, low_latency.signal) == (2, "queueDepth")
 
 
 def test_no_latency_reading_or_no_target_leaves_two_signals():
-    d = decide(2, pods(2, 4.0), POLICY, (), None, T0, latency=None)
+    d = decide(POLICY, Observation(2, pods(2, 4.0), latency=None), ScalingMemory(), T0)
     assert "latency" not in d.signals and d.signal != "latency"
     plain = ScalingPolicy(min_replicas=1, max_replicas=10)
-    assert "latency" not in decide(2, pods(2, 4.0), plain, (), None, T0, latency=9.0).signals
+    d = decide(plain, Observation(2, pods(2, 4.0), latency=9.0), ScalingMemory(), T0)
+    assert "latency" not in d.signals
 
 
 def test_latency_asks_for_no_more_while_replicas_are_still_starting():
-    d = decide(4, pods(2, 4.0), POLICY, (), None, T0, starting=2, latency=5.0)
+    d = decide(POLICY, Observation(4, pods(2, 4.0), starting=2, latency=5.0), ScalingMemory(), T0)
     assert d.replicas == 4
 
 
@@ -121,7 +129,7 @@ def test_a_latency_target_in_the_spec_becomes_the_policy_and_the_status_names_th
         "metric": "queueTime", "quantile": 0.95, "targetSeconds": 0.5}}})  # fmt: skip
     policy = policy_of(spec.autoscaling)
     assert (policy.latency_target_s, policy.latency_name) == (0.5, "p95 queue time")
-    d = decide(1, pods(1, 1.0), policy, (), None, T0, latency=1.0)
+    d = decide(policy, Observation(1, pods(1, 1.0), latency=1.0), ScalingMemory(), T0)
     patch = status_update({}, 1, d, {}, T0)
     assert patch["lastScaleDecision"]["signal"] == "latency"
     assert patch["lastScaleDecision"]["metrics"]["latencySeconds"] == 1.0

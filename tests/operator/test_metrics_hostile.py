@@ -19,7 +19,13 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from kvfleet.operator.metrics_scraper import MAX_BODY_BYTES, Scraper, Target
-from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    Observation,
+    PodMetrics,
+    ScalingMemory,
+    ScalingPolicy,
+    decide,
+)
 from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, RUNNING, WAITING
 from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS as HELD_REQUESTS
 
@@ -140,7 +146,7 @@ async def test_one_bad_pod_never_stops_the_good_pods_driving_the_decision(pods, 
     targets = await pods({"bad": answer(body), "busy": answer(exposition(running="32"))})
     async with Scraper(timeout=2.0) as scraper:
         metrics = await scraper.engines(targets)
-    d = decide(2, metrics, POLICY, (), None, now=1000.0)
+    d = decide(POLICY, Observation(2, metrics), ScalingMemory(), 1000.0)
     assert d.replicas > 2, d.reason  # scaled up for the busy pod, never down for the bad one
     assert d.unanswered == ("bad",)
     assert "outside" in d.problems["bad"]
@@ -182,16 +188,18 @@ async def test_a_repeated_series_counts_once_and_a_conflicting_one_is_a_bad_answ
     )
     async with Scraper(timeout=5.0) as scraper:
         metrics = {m.pod: m for m in await scraper.engines(targets)}
-    single = decide(1, [metrics["once"]], POLICY, (), None, now=1000.0)
+    single = decide(POLICY, Observation(1, [metrics["once"]]), ScalingMemory(), 1000.0)
     assert metrics["once"].running == 8.0
     for name in ("repeated", "repeated-apart"):
         assert metrics[name] == PodMetrics(name, 8.0, 0.0, 0.1)
-        d = decide(1, [metrics[name]], POLICY, (), None, now=1000.0)
+        d = decide(POLICY, Observation(1, [metrics[name]]), ScalingMemory(), 1000.0)
         assert (d.replicas, d.signals) == (single.replicas, single.signals)
     for name in ("conflicting", "conflicting-apart"):
         assert not metrics[name].answered
         assert metrics[name].error == f"{RUNNING}: one series is both 8 and 16"
-        d = decide(1, [metrics[name], metrics["once"]], POLICY, (), None, now=1000.0)
+        d = decide(
+            POLICY, Observation(1, [metrics[name], metrics["once"]]), ScalingMemory(), 1000.0
+        )
         assert d.unanswered == (name,) and "both 8 and 16" in d.problems[name]
     assert failures("conflicting_series") - before == 2
 
@@ -209,17 +217,23 @@ BAD_PODS = {
 def test_decide_rejects_impossible_values_at_its_boundary(bad):
     # Built directly, bypassing the scraper: decide must not raise, nor scale on them.
     busy = PodMetrics("busy", 32.0, 0.0, 0.1)
-    d = decide(2, [bad, busy], POLICY, (), None, now=1000.0)
+    d = decide(POLICY, Observation(2, [bad, busy]), ScalingMemory(), 1000.0)
     assert d.unanswered == (bad.pod,) and "outside" in d.problems[bad.pod]
     assert d.replicas > 2
     idle = PodMetrics("idle", 0.0, 0.0, 0.0)
-    assert decide(2, [bad, idle], POLICY, (), None, now=1000.0).replicas == 2  # held, not down
-    assert decide(2, [bad], POLICY, (), None, now=1000.0).replicas == 2
+    held = decide(POLICY, Observation(2, [bad, idle]), ScalingMemory(), 1000.0)
+    assert held.replicas == 2  # held, not down
+    assert decide(POLICY, Observation(2, [bad]), ScalingMemory(), 1000.0).replicas == 2
 
 
 @pytest.mark.parametrize("held", [math.nan, math.inf, -math.inf, -3.0])
 def test_decide_ignores_an_impossible_held_count(held):
-    d = decide(0, [], ScalingPolicy(min_replicas=0), (), None, 1000.0, held_requests=held)
+    d = decide(
+        ScalingPolicy(min_replicas=0),
+        Observation(0, [], held_requests=held),
+        ScalingMemory(),
+        1000.0,
+    )
     assert d.replicas == 0 and d.signals["held"] == 0.0
 
 

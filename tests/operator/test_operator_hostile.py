@@ -19,17 +19,16 @@ import pytest
 import yaml
 
 from kvfleet.operator import engine_flags
+from kvfleet.operator.admission import image_allowed, image_repository, policy_violations
+from kvfleet.operator.command_lines import engine_args
 from kvfleet.operator.engine_flags import SERVE_FLAGS, ExtraArgsError, given_flags
 from kvfleet.operator.resources import (
+    ENGINE_PORT,
     PRESTOP_SLEEP_SECONDS,
     SHUTDOWN_MARGIN_SECONDS,
     OperatorConfig,
     Owner,
     build_children,
-    engine_args,
-    image_allowed,
-    image_repository,
-    policy_violations,
 )
 from kvfleet.operator.spec import (
     MANAGED_FLAGS,
@@ -130,7 +129,9 @@ def test_every_flag_the_operator_sets_is_managed():
         "apiKeySecretRef": {"name": "k"},
     }
     for spec in (parse_spec("llm", raw), parse_spec("llm", {"engine": {"enablePrefixCaching": 0}})):
-        set_by_operator = [a for a in engine_args(spec, "/m") if a.startswith("-")]
+        set_by_operator = [
+            a for a in engine_args(spec, "/m", port=ENGINE_PORT) if a.startswith("-")
+        ]
         assert set(set_by_operator) <= set(MANAGED_FLAGS)
 
 

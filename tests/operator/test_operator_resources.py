@@ -18,29 +18,28 @@ import yaml
 
 from kvfleet.operator import model_download
 from kvfleet.operator import spec as spec_module
+from kvfleet.operator.admission import policy_violations
+from kvfleet.operator.api import LABEL_ISVC, LABEL_MANAGED_BY
+from kvfleet.operator.command_lines import router_args
 from kvfleet.operator.drift import EXACT_PATHS, HASH_ANNOTATION, excess, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, ROUTER_RULES, allows
 from kvfleet.operator.resources import (
     CONFIG_HASH_ANNOTATION,
-    LABEL_ISVC,
-    LABEL_MANAGED_BY,
     OperatorConfig,
     Owner,
     build_children,
     engine_deployment,
     model_download_script,
-    policy_violations,
-    router_args,
     router_service,
 )
 from kvfleet.operator.spec import (
     DEMO_MODEL_NAME,
     InferenceServiceSpec,
     ModelSource,
-    desired_replicas,
     parse_source,
     parse_spec,
+    replicas_from_spec,
     served_model_name,
 )
 from kvfleet.operator.status import Observed, compute_status, status_patch, transition_events
@@ -395,9 +394,9 @@ def test_single_gpu_engine_has_no_tensor_parallelism_and_no_shared_memory():
 
 
 def test_router_cli_contract():
-    assert router_args(
-        engine_service="llm-engine", namespace="team-a", routing=spec_of({}).routing
-    ) == [
+    # What the router Deployment runs: the ports the manifests declare included.
+    args = container(children({})["Deployment/llm-router"], "router")["args"]
+    assert args == [
         "--host", "0.0.0.0", "--port", "8080",
         "--engine-service", "llm-engine", "--namespace", "team-a", "--engine-port", "8000",
         "--session-header", "x-session-id", "--use-user-field", "--prefix-affinity",
@@ -415,7 +414,7 @@ def test_router_cli_contract():
             }
         }
     ).routing
-    args = router_args(engine_service="e", namespace="n", routing=routing)
+    args = router_args(port=1, engine_service="e", engine_port=2, namespace="n", routing=routing)
     assert "--no-use-user-field" in args and "--no-prefix-affinity" in args
     assert args[args.index("--session-header") + 1] == "x-conversation"
     assert args[args.index("--load-factor") + 1] == "2.0"
@@ -469,13 +468,13 @@ def test_operator_settings_and_cli():
     assert ns.namespace == ("a", "b", "c") and ns.peering == "p"
 
 
-def test_desired_replicas():
-    assert desired_replicas(spec_of({})) == 1
-    assert desired_replicas(spec_of({"autoscaling": {"minReplicas": 0, "maxReplicas": 3}})) == 1
-    assert desired_replicas(spec_of({"autoscaling": {"minReplicas": 2, "maxReplicas": 3}})) == 2
-    assert desired_replicas(spec_of({"replicas": 3, "autoscaling": {"maxReplicas": 4}})) == 3
+def test_replicas_from_spec():
+    assert replicas_from_spec(spec_of({})) == 1
+    assert replicas_from_spec(spec_of({"autoscaling": {"minReplicas": 0, "maxReplicas": 3}})) == 1
+    assert replicas_from_spec(spec_of({"autoscaling": {"minReplicas": 2, "maxReplicas": 3}})) == 2
+    assert replicas_from_spec(spec_of({"replicas": 3, "autoscaling": {"maxReplicas": 4}})) == 3
     external = {"replicas": 0, "autoscaling": {"mode": "external", "minReplicas": 0}}
-    assert desired_replicas(spec_of(external)) == 0
+    assert replicas_from_spec(spec_of(external)) == 0
     assert children(external)["Deployment/llm-engine"]["spec"]["replicas"] == 0
 
 

@@ -19,7 +19,13 @@ from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.outputs import EngineStats
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.resources import common_labels
-from kvfleet.operator.scaling_policy import PodMetrics, ScalingPolicy, decide
+from kvfleet.operator.scaling_policy import (
+    Observation,
+    PodMetrics,
+    ScalingMemory,
+    ScalingPolicy,
+    decide,
+)
 from tests.support.kmock import (
     CONFIG,
     DEMO,
@@ -54,11 +60,11 @@ def replicas(kind: str) -> float | None:
 def test_the_decision_says_what_the_signals_wanted_beyond_the_bound():
     policy = ScalingPolicy(min_replicas=1, max_replicas=2, target_queue_depth=2)
     busy = [PodMetrics("e0", running=2, waiting=10, kv_cache_usage=0.5)]
-    decision = decide(1, busy, policy, (), T0, T0)
+    decision = decide(policy, Observation(1, busy), ScalingMemory(last_active=T0), T0)
     assert decision.replicas == 2 and decision.wanted == 6
     assert decision.wanted > policy.max_replicas  # what the at-maxReplicas alert reads
     calm = [PodMetrics("e0", running=1, waiting=0, kv_cache_usage=0.1)]
-    assert decide(1, calm, policy, (), T0, T0).wanted == 1
+    assert decide(policy, Observation(1, calm), ScalingMemory(last_active=T0), T0).wanted == 1
 
 
 @contextlib.asynccontextmanager

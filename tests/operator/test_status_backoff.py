@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from kvfleet.operator.api import PLURALS
 from kvfleet.operator.main import build_registry, build_settings
-from kvfleet.operator.resources import PLURALS
 from kvfleet.operator.spec import MSG_SCALE_BUILTIN
 from kvfleet.operator.status import Observed, Problem, compute_status, status_patch
 from tests.support.kmock import (

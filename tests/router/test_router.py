@@ -19,7 +19,7 @@ from kubernetes_asyncio.client import Configuration
 from kubernetes_asyncio.config import ConfigException
 from multidict import CIMultiDict
 
-from kvfleet.operator.resources import router_args
+from kvfleet.operator.command_lines import router_args
 from kvfleet.operator.spec import RoutingSpec
 from kvfleet.router.endpoints import (
     EndpointSliceWatcher,
@@ -47,6 +47,7 @@ from kvfleet.router.routing_key import (
     token_prefix_key,
 )
 from kvfleet.router.settings import RouterSettings
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 from tests.support.servers import serving
 
 POLICY = KeyPolicy(prefix_length=32)
@@ -217,7 +218,15 @@ def test_cli_accepts_the_operator_contract(capsys) -> None:
     spec = RoutingSpec.model_validate(
         {"sessionHeader": "x-conv", "useUserField": False, "prefixLength": 128}
     )
-    ns = parse_args(router_args(engine_service="chat-engine", namespace="ml", routing=spec))
+    ns = parse_args(
+        router_args(
+            port=ROUTER_PORT,
+            engine_service="chat-engine",
+            engine_port=ENGINE_PORT,
+            namespace="ml",
+            routing=spec,
+        )
+    )
     assert (ns.engine_service, ns.namespace, ns.engine_port, ns.port) == (
         "chat-engine", "ml", 8000, 8080,
     )  # fmt: skip

@@ -126,9 +126,10 @@ def test_the_sampler_biases_each_row_alone_and_skips_failed_rows(monkeypatch) ->
 
     monkeypatch.setattr(sampler, "_prepare", failing)
     logits = torch.tensor([[0.0, 1.0, 0.5, 0.2, 9.0, 0.3]] * 4)
-    out = sampler(logits, reqs)
-    assert out.token_ids[0] == 2 and out.token_ids[1] == 4 and out.token_ids[3] == 1
-    assert list(out.failed) == [2]
+    batch = sampler.sample(logits, reqs)
+    token_ids, _ = batch.read()
+    assert token_ids[0] == 2 and token_ids[1] == 4 and token_ids[3] == 1
+    assert list(batch.failed) == [2]
 
 
 BAD = [
