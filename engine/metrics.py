@@ -42,8 +42,12 @@ class _EngineStateCollector(Collector):
     so they can never drift from it."""
 
     def __init__(self, stats: Callable[[], EngineStats], args: EngineArgs, model_name: str) -> None:
+        # EngineCore resolved them for the device (EngineArgs.for_device).
+        if args.max_num_seqs is None:
+            raise ValueError("the engine's state needs arguments resolved by EngineArgs.for_device")
         self.stats = stats
         self.args = args
+        self.max_num_seqs = args.max_num_seqs
         self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -68,7 +72,7 @@ class _EngineStateCollector(Collector):
         # Routers read it to tell an engine with free batch slots (a request starts at once)
         # from one that queues it.
         yield gauge(metric_names.MAX_NUM_SEQS, "Requests the engine runs in one batch at most.",
-                    self.args.max_num_seqs)  # fmt: skip
+                    self.max_num_seqs)  # fmt: skip
         info = GaugeMetricFamily(
             metric_names.CACHE_CONFIG_INFO,
             "KV-cache configuration.",
