@@ -28,11 +28,10 @@ import prometheus_client
 import pytest
 import yaml
 
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.main import build_parser, build_registry, build_settings
 from kvfleet.operator.rbac import NAMESPACED_OPERATOR_RULES, OPERATOR_RULES, as_manifest
 from kvfleet.operator.resources import (
-    ENGINE_PORT,
-    OperatorConfig,
     Owner,
     common_labels,
     engine_deployment,
@@ -41,6 +40,7 @@ from kvfleet.operator.resources import (
     router_service,
 )
 from kvfleet.operator.spec import parse_spec
+from kvfleet.telemetry.ports import ENGINE_PORT
 from tests.support.kmock import CONFIG as KMOCK_CONFIG
 from tests.support.kmock import eventually, kube_for, run_operator
 from tests.support.net import free_port

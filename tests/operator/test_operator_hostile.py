@@ -21,12 +21,11 @@ import yaml
 from kvfleet.operator import engine_flags
 from kvfleet.operator.admission import image_allowed, image_repository, policy_violations
 from kvfleet.operator.command_lines import engine_args
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.engine_flags import SERVE_FLAGS, ExtraArgsError, given_flags
 from kvfleet.operator.resources import (
-    ENGINE_PORT,
     PRESTOP_SLEEP_SECONDS,
     SHUTDOWN_MARGIN_SECONDS,
-    OperatorConfig,
     Owner,
     build_children,
 )
@@ -38,6 +37,7 @@ from kvfleet.operator.spec import (
     parse_spec,
 )
 from kvfleet.operator.status import Observed, Problem, compute_status, transition_events
+from kvfleet.telemetry.ports import ENGINE_PORT
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

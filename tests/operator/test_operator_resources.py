@@ -21,12 +21,12 @@ from kvfleet.operator import spec as spec_module
 from kvfleet.operator.admission import policy_violations
 from kvfleet.operator.api import LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.command_lines import router_args
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.drift import EXACT_PATHS, HASH_ANNOTATION, excess, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, ROUTER_RULES, allows
 from kvfleet.operator.resources import (
     CONFIG_HASH_ANNOTATION,
-    OperatorConfig,
     Owner,
     build_children,
     engine_deployment,
