@@ -62,11 +62,11 @@ from cluster_sim import ClusterSim, controller_uid, resource_key, send, simulate
 from common import free_port, stop
 
 from kvfleet.operator.api import PLURAL, PLURALS
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.drift import excess, in_sync
 from kvfleet.operator.kube import BACKOFFS_S
 from kvfleet.operator.reconciler import CHILD_RESOURCES
 from kvfleet.operator.resources import (
-    OperatorConfig,
     Owner,
     build_children,
     optional_children,

@@ -8,20 +8,18 @@ import logging
 import os
 import signal
 import sys
-import types
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
+from typing import NoReturn
 
-from pydantic import BaseModel, ValidationError
-from pydantic.fields import FieldInfo
+from pydantic import ValidationError
 
 # Nothing heavy is imported here (no torch, aiohttp or the engine): --help, a mistyped flag and
 # a model path that is not there are answered at once; each command imports what it runs.
 from kvfleet.engine.checkpoint_path import find_checkpoint
 from kvfleet.engine.engine_args import EngineArgs
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
-from kvfleet.protocol.byte_size import BYTE_SIZE, FORMS, byte_size_flag, format_byte_size
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
+from kvfleet.telemetry.settings_flags import DEFAULT, add_model_flags, flag_values, one_line
 from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, tracing_from
 
 logger = logging.getLogger("kvfleet.engine")
@@ -32,74 +30,6 @@ EXIT_START_ERROR = 2
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
-def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
-    """argparse type and choices for a pydantic field annotation."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if get_origin(annotation) in (types.UnionType,) or (
-        args and get_origin(annotation) is not Literal
-    ):
-        annotation = args[0]
-    if get_origin(annotation) is Literal:
-        choices = list(get_args(annotation))
-        return type(choices[0]), choices
-    return annotation, None
-
-
-# argparse fills in the parser's own default, so the help cannot name a stale one.
-DEFAULT = " (default: %(default)s)"
-
-
-def _is_byte_size(field: FieldInfo) -> bool:
-    """A field typed ByteSize (protocol.byte_size), alone or in a union with None."""
-    inner = [a for a in get_args(field.annotation) if get_origin(a) is Annotated]
-    return BYTE_SIZE in field.metadata or any(BYTE_SIZE in get_args(a)[1:] for a in inner)
-
-
-def with_default(help_text: str, default: Any) -> str:
-    """A flag's help with its default appended; a flag without one (None) says in its own words
-    what leaving it out means."""
-    return help_text if default is None else (help_text + DEFAULT).strip()
-
-
-def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], title: str) -> None:
-    """One flag per field of a settings model, named as `vllm serve` names them."""
-    group = parser.add_argument_group(title)
-    for name, field in model.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = with_default(field.description or "", field.default)
-        if get_origin(field.annotation) in (types.UnionType,) and list in [
-            get_origin(a) for a in get_args(field.annotation)
-        ]:
-            group.add_argument(flag, nargs="+", default=field.default, help=help_text)
-        elif name == "model":
-            group.add_argument(
-                flag,
-                default=None,
-                help="HF model directory (config.json + *.safetensors), or a .gguf file or a "
-                "directory holding one; default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched "
-                "once into ~/.cache/kvfleet and served as smollm2-135m-instruct",
-            )
-        elif _is_byte_size(field):
-            # The default as a size ("16Mi"): argparse passes a string default through `type`.
-            default = None if field.default is None else format_byte_size(field.default)
-            group.add_argument(
-                flag,
-                type=byte_size_flag,
-                default=default,
-                metavar="SIZE",
-                help=with_default(f"{field.description}; {FORMS}", default),
-            )
-        elif field.annotation is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
-            )
-        else:
-            typ, choices = _flag_type(field.annotation)
-            group.add_argument(
-                flag, type=typ, choices=choices, default=field.default, help=help_text
-            )
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser, EngineArgs, "engine")
 
@@ -107,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """The engine's arguments from the flags, the model fetched if it is the default one, and
     its path checked: a path that names no model is said before the engine is imported."""
-    values = {name: getattr(ns, name) for name in EngineArgs.model_fields}
+    values = flag_values(ns, EngineArgs)
     if values["model"] is None:
         from kvfleet.engine.default_model import default_model_path
 
@@ -188,7 +118,7 @@ def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     """The server's settings from `serve` flags, the API key resolved (flag, file, environment)
     so that a missing or empty key file fails at startup; the default model is served under its
     short name rather than its cache path."""
-    settings = ServerSettings(**{name: getattr(ns, name) for name in ServerSettings.model_fields})
+    settings = ServerSettings(**flag_values(ns, ServerSettings))
     settings.api_key = resolve_api_key(settings)
     if settings.served_model_name is None and ns.model is None:
         from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
@@ -205,7 +135,8 @@ class FlagParser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        ns, extras = super().parse_known_args(args, namespace)
+        # A namespace of our own, as argparse would make: its type is then Namespace, not None.
+        ns, extras = super().parse_known_args(args, namespace or argparse.Namespace())
         if extras:
             self.error(self._unrecognized(extras))
         return ns, extras
@@ -285,26 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         # model) or while `generate` runs.
         logger.warning("interrupted")
         return EXIT_INTERRUPTED
-
-
-def one_line(e: ValidationError) -> str:
-    """A settings error as a person reads it: each flag, the value given and what is wrong with
-    it, no dump. Settings fields are flags of the same name (max_num_seqs: --max-num-seqs)."""
-    parts = []
-    for err in e.errors():
-        message = err["msg"].removeprefix("Value error, ")
-        if not err["loc"]:
-            parts.append(message)
-            continue
-        flag = "--" + str(err["loc"][0]).replace("_", "-")
-        # A number is shown as given; a string's own validator names it (a template would be
-        # long), and argparse has checked choices.
-        value = err.get("input")
-        given = (
-            f" {value}" if isinstance(value, int | float) and not isinstance(value, bool) else ""
-        )
-        parts.append(f"{flag}{given}: {message}")
-    return "; ".join(parts)
 
 
 if __name__ == "__main__":

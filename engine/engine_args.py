@@ -54,7 +54,11 @@ class EngineArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str
+    model: str = Field(
+        description="HF model directory (config.json + *.safetensors), or a .gguf file or a "
+        "directory holding one; default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched once "
+        "into ~/.cache/kvfleet and served as smollm2-135m-instruct"
+    )
     tokenizer: str | None = Field(
         default=None,
         description="HF tokenizer directory, for a GGUF file without one; default: the model's",

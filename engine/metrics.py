@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.structured_output import GrammarStats
+from kvfleet.telemetry import metric_names
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -25,13 +26,13 @@ _ITL_BUCKETS = (
 
 
 def _gauge(name: str, doc: str, label: list[str], value: float) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+    g = GaugeMetricFamily(name, doc, labels=[metric_names.MODEL_NAME])
     g.add_metric(label, value)
     return g
 
 
 def _counter(name: str, doc: str, label: list[str], value: float) -> CounterMetricFamily:
-    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c = CounterMetricFamily(name, doc, labels=[metric_names.MODEL_NAME])
     c.add_metric(label, value)
     return c
 
@@ -41,8 +42,12 @@ class _EngineStateCollector(Collector):
     so they can never drift from it."""
 
     def __init__(self, stats: Callable[[], EngineStats], args: EngineArgs, model_name: str) -> None:
+        # EngineCore resolved them for the device (EngineArgs.for_device).
+        if args.max_num_seqs is None:
+            raise ValueError("the engine's state needs arguments resolved by EngineArgs.for_device")
         self.stats = stats
         self.args = args
+        self.max_num_seqs = args.max_num_seqs
         self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -55,23 +60,23 @@ class _EngineStateCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return _counter(name, doc, label, value)
 
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+        yield gauge(metric_names.RUNNING, "Requests in the running batch.",
                     s.num_requests_running)  # fmt: skip
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+        yield gauge(metric_names.WAITING, "Requests waiting to be scheduled.",
                     s.num_requests_waiting)  # fmt: skip
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+        yield gauge(metric_names.KV_CACHE_USAGE, "Fraction of KV-cache blocks in use (0..1).",
                     s.kv_cache_usage_perc)  # fmt: skip
-        yield gauge("kvfleet_engine_prefix_cache_blocks",
+        yield gauge(metric_names.PREFIX_CACHE_BLOCKS,
                     "KV-cache blocks holding reusable prompt prefixes, in use or not.",
                     s.num_cached_blocks)  # fmt: skip
         # Routers read it to tell an engine with free batch slots (a request starts at once)
         # from one that queues it.
-        yield gauge("kvfleet_engine_max_num_seqs", "Requests the engine runs in one batch at most.",
-                    self.args.max_num_seqs)  # fmt: skip
+        yield gauge(metric_names.MAX_NUM_SEQS, "Requests the engine runs in one batch at most.",
+                    self.max_num_seqs)  # fmt: skip
         info = GaugeMetricFamily(
-            "vllm:cache_config_info",
+            metric_names.CACHE_CONFIG_INFO,
             "KV-cache configuration.",
-            labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            labels=[metric_names.MODEL_NAME, *metric_names.CACHE_CONFIG_LABELS],
         )
         args = self.args
         info.add_metric(
@@ -84,13 +89,14 @@ class _EngineStateCollector(Collector):
             1.0,
         )
         yield info
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter(metric_names.PREFIX_CACHE_QUERIES,
+                      "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)  # fmt: skip
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+        yield counter(metric_names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)  # fmt: skip
-        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
-        yield counter("vllm:num_preemptions", "Requests preempted.", s.num_preemptions)
+        yield counter(metric_names.PROMPT_TOKENS, "Prompt tokens processed.", s.prompt_tokens)
+        yield counter(metric_names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens)
+        yield counter(metric_names.PREEMPTIONS, "Requests preempted.", s.num_preemptions)
 
 
 class _GrammarCollector(Collector):
@@ -107,24 +113,24 @@ class _GrammarCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         label = [self.model_name]
         available = GaugeMetricFamily(
-            "kvfleet_engine_structured_outputs_available",
+            metric_names.STRUCTURED_OUTPUTS_AVAILABLE,
             "1 when the engine serves structured outputs; 0 with the reason why not.",
-            labels=["model_name", "reason"],
+            labels=[metric_names.MODEL_NAME, metric_names.UNAVAILABLE_REASON],
         )
         available.add_metric([*label, self.unavailable or ""], 0.0 if self.unavailable else 1.0)
         yield available
         if self.stats is None:
             return
         s = self.stats()
-        yield _gauge("kvfleet_engine_grammar_cache_entries", "Compiled grammars cached.", label,
+        yield _gauge(metric_names.GRAMMAR_CACHE_ENTRIES, "Compiled grammars cached.", label,
                      s.cache_entries)  # fmt: skip
-        yield _gauge("kvfleet_engine_grammar_cache_bytes",
+        yield _gauge(metric_names.GRAMMAR_CACHE_BYTES,
                      "Bytes the cached grammars hold, as the grammar sandbox measured them.",
                      label, s.cache_bytes)  # fmt: skip
-        yield _counter("kvfleet_engine_grammar_compiles",
+        yield _counter(metric_names.GRAMMAR_COMPILES,
                        "Constraints compiled (grammar cache misses).", label,
                        s.compiles)  # fmt: skip
-        yield _counter("kvfleet_engine_grammar_compiler_crashes",
+        yield _counter(metric_names.GRAMMAR_COMPILER_CRASHES,
                        "Constraints that crashed or overran a grammar sandbox worker (each one a "
                        "400).", label, s.crashes)  # fmt: skip
 
@@ -137,36 +143,36 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.args = args
         self.model_name = model_name
-        labels = ["model_name"]
+        labels = [metric_names.MODEL_NAME]
         self.request_success = Counter(
-            "vllm:request_success",
+            metric_names.REQUEST_SUCCESS,
             "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
+            [metric_names.MODEL_NAME, metric_names.FINISHED_REASON],
             registry=self.registry,
         )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
+            metric_names.TIME_TO_FIRST_TOKEN,
             "Time to first token.",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
+            metric_names.INTER_TOKEN_LATENCY,
             "Time between successive tokens of a request.",
             labels,
             buckets=_ITL_BUCKETS,
             registry=self.registry,
         )
         self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
+            metric_names.E2E_REQUEST_LATENCY,
             "Arrival to last token.",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds",
+            metric_names.REQUEST_QUEUE_TIME,
             "Arrival to first scheduling.",
             labels,
             buckets=_LATENCY_BUCKETS,
@@ -175,21 +181,21 @@ class EngineMetrics:
         # vLLM's phases of a request: scheduled to first token (the prefill, with any wait for
         # its grammar's first mask), first token to finish, scheduled to finish.
         self.prefill_time = Histogram(
-            "vllm:request_prefill_time_seconds",
+            metric_names.REQUEST_PREFILL_TIME,
             "First scheduling to first token.",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.decode_time = Histogram(
-            "vllm:request_decode_time_seconds",
+            metric_names.REQUEST_DECODE_TIME,
             "First token to last token.",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.inference_time = Histogram(
-            "vllm:request_inference_time_seconds",
+            metric_names.REQUEST_INFERENCE_TIME,
             "First scheduling to last token.",
             labels,
             buckets=_LATENCY_BUCKETS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet.operator.resources import OperatorConfig
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.spec import InferenceServiceSpec
 
 

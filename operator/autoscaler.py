@@ -33,7 +33,6 @@ from kvfleet.operator.forecast import EngineStart, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
 from kvfleet.operator.metrics_scraper import Scraper, ready_targets
 from kvfleet.operator.pods import list_pods
-from kvfleet.operator.resources import ENGINE_PORT, ROUTER_PORT
 from kvfleet.operator.scaling_policy import (
     Observation,
     PodMetrics,
@@ -51,6 +50,7 @@ from kvfleet.operator.spec import (
 )
 from kvfleet.operator.status import timestamp
 from kvfleet.operator.status_writer import StatusWriter
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
 logger = logging.getLogger("kvfleet.operator.autoscaler")
 

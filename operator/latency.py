@@ -15,13 +15,13 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
+from kvfleet.telemetry.metric_names import REQUEST_QUEUE_TIME, TIME_TO_FIRST_TOKEN
+
 # (upper bound, cumulative count), by increasing bound, the last one +Inf.
 Buckets = tuple[tuple[float, float], ...]
 
-LATENCY_METRICS = {
-    "ttft": "vllm:time_to_first_token_seconds",
-    "queueTime": "vllm:request_queue_time_seconds",
-}
+# The engine's histogram of each spec.autoscaling.latencyTarget.metric.
+LATENCY_METRICS = {"ttft": TIME_TO_FIRST_TOKEN, "queueTime": REQUEST_QUEUE_TIME}
 
 
 def interval(previous: Buckets | None, current: Buckets) -> Buckets | None:

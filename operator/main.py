@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import random
 import socket
 import sys
@@ -44,16 +43,18 @@ from typing import Any
 import kopf
 import prometheus_client
 import yaml
+from pydantic import ValidationError
 
 from kvfleet.operator import watch_recovery
 from kvfleet.operator.api import GROUP, MANAGED_BY, PLURAL, VERSION
 from kvfleet.operator.autoscaler import Autoscaler
+from kvfleet.operator.config import OperatorConfig, RunSettings
 from kvfleet.operator.kube import Kube, NoClusterError, resource_url
 from kvfleet.operator.rbac import cluster_role, namespaced_role, namespaced_role_binding
 from kvfleet.operator.reconciler import RELIST_SETTLE_S, Reconciler, WorkQueue, register
-from kvfleet.operator.resources import OperatorConfig
 from kvfleet.operator.status_writer import StatusWriter
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
+from kvfleet.telemetry.settings_flags import COMMA_LIST, add_model_flags, flag_values, one_line
 
 logger = logging.getLogger("kvfleet.operator")
 
@@ -69,6 +70,8 @@ REQUEST_TIMEOUT_S = 60.0
 WATCH_STALE_S = 300.0
 PROBE_LIST_TIMEOUT_S = 3.0  # under the chart's livenessProbe timeoutSeconds (5)
 WATCHER_TASK_PREFIX = "watcher for "  # how kopf names its watch tasks
+# A setting that is not valid exits 2, as argparse's usage errors do.
+EXIT_USAGE = 2
 
 
 class WatchBackoffs:
@@ -246,26 +249,24 @@ async def _operate(kube: Kube, **operator_args: Any) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    config = OperatorConfig(
-        engine_image=ns.engine_image,
-        engine_cpu_image=ns.engine_cpu_image,
-        router_image=ns.router_image,
-        allowed_images=split_list(ns.allowed_images),
-        allowed_secrets=split_list(ns.allowed_secrets),
-    )
-    settings = build_settings(ns.peering)
+    try:
+        config = OperatorConfig(**flag_values(ns, OperatorConfig))
+        run = RunSettings(**flag_values(ns, RunSettings))
+    except ValidationError as e:
+        logger.error("%s", one_line(e))
+        return EXIT_USAGE
+    settings = build_settings(run.peering)
     kube = Kube()
-    given = ns.namespace or [os.environ.get("KVFLEET_NAMESPACES", "")]
-    namespaces = [n.strip() for arg in given for n in arg.split(",") if n.strip()]
+    namespaces = list(run.namespace)
     registry = build_registry(
         settings,
         config,
-        autoscale_interval=ns.autoscale_interval,
-        scrape_timeout=ns.scrape_timeout,
+        autoscale_interval=run.autoscale_interval,
+        scrape_timeout=run.scrape_timeout,
         kube=kube,
         namespaces=namespaces,
     )
-    host, _, port = ns.metrics_address.rpartition(":")
+    host, _, port = run.metrics_address.rpartition(":")
     prometheus_client.start_http_server(int(port), host or "0.0.0.0")
     logger.info(
         "kvfleet operator: namespaces=%s engine image %s (CPU: %s), router image %s, "
@@ -284,20 +285,13 @@ def _run(ns: argparse.Namespace) -> int:
             settings=settings,
             clusterwide=not namespaces,
             namespaces=namespaces,
-            liveness_endpoint=f"http://{ns.health_address}/healthz",
+            liveness_endpoint=f"http://{run.health_address}/healthz",
         )
     )
 
 
-def split_list(value: str | None) -> tuple[str, ...] | None:
-    """A comma-separated allow-list; None (not given) allows anything, "" nothing."""
-    if value is None:
-        return None
-    return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
 def _print_rbac(ns: argparse.Namespace) -> int:
-    namespaces = [n.strip() for arg in ns.namespace for n in arg.split(",") if n.strip()]
+    namespaces = ns.namespace
     if not namespaces:
         sys.stdout.write(yaml.safe_dump(cluster_role(), sort_keys=False))
         return 0
@@ -312,85 +306,15 @@ def _print_rbac(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfleet-operator", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="kvfleet-operator", description=(__doc__ or "").split("\n")[0]
+    )
     add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="reconcile InferenceService objects")
-    # "%(default)s": argparse prints the parser's own default (an environment variable's value
-    # included), which cannot go stale.
-    d = " (default: %(default)s)"
-    images = OperatorConfig.default()
     add_log_flags(run, defaults=False)
-    run.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        default=[],
-        help="a namespace to serve; repeatable or comma-separated (env KVFLEET_NAMESPACES); "
-        "default: all namespaces",
-    )
-    run.add_argument(
-        "--engine-image",
-        default=os.environ.get("KVFLEET_ENGINE_IMAGE") or images.engine_image,
-        help="the engine image of a spec that names none and asks for GPUs "
-        "(env KVFLEET_ENGINE_IMAGE)" + d,
-    )
-    run.add_argument(
-        "--engine-cpu-image",
-        default=os.environ.get("KVFLEET_ENGINE_CPU_IMAGE") or images.engine_cpu_image,
-        help="the engine image of a spec that names none and asks for no GPU "
-        "(env KVFLEET_ENGINE_CPU_IMAGE)" + d,
-    )
-    run.add_argument(
-        "--router-image",
-        default=os.environ.get("KVFLEET_ROUTER_IMAGE") or images.router_image,
-        help="the router image of a spec that names none (env KVFLEET_ROUTER_IMAGE)" + d,
-    )
-    run.add_argument(
-        "--health-address",
-        default=os.environ.get("KVFLEET_HEALTH_ADDRESS", "0.0.0.0:8081"),
-        help="where /healthz answers for liveness probes (env KVFLEET_HEALTH_ADDRESS)" + d,
-    )
-    run.add_argument(
-        "--metrics-address",
-        default=os.environ.get("KVFLEET_METRICS_ADDRESS", "0.0.0.0:8082"),
-        help="where /metrics answers with the operator's Prometheus metrics "
-        "(env KVFLEET_METRICS_ADDRESS)" + d,
-    )
-    run.add_argument(
-        "--peering",
-        default=os.environ.get("KVFLEET_PEERING") or None,
-        help="kopf peering object name: one active replica, the others on standby "
-        "(env KVFLEET_PEERING); default: standalone",
-    )
-    run.add_argument(
-        "--autoscale-interval",
-        type=float,
-        default=float(os.environ.get("KVFLEET_AUTOSCALE_INTERVAL", "10")),
-        help="seconds between autoscaling decisions of a builtin-mode InferenceService "
-        "(env KVFLEET_AUTOSCALE_INTERVAL)" + d,
-    )
-    run.add_argument(
-        "--scrape-timeout",
-        type=float,
-        default=float(os.environ.get("KVFLEET_SCRAPE_TIMEOUT", "2")),
-        help="seconds a pod has to answer /metrics before it counts as unreachable "
-        "(env KVFLEET_SCRAPE_TIMEOUT)" + d,
-    )
-    run.add_argument(
-        "--allowed-images",
-        default=os.environ.get("KVFLEET_ALLOWED_IMAGES"),
-        help="comma-separated images a spec may choose (spec.engine.image, spec.routing.image) "
-        "besides the defaults: 'repo/' allows every repository under it, anything else that "
-        "exact repository, any tag (env KVFLEET_ALLOWED_IMAGES); default: any image",
-    )
-    run.add_argument(
-        "--allowed-secrets",
-        default=os.environ.get("KVFLEET_ALLOWED_SECRETS"),
-        help="comma-separated Secret names a spec may reference (env secretKeyRef, "
-        "apiKeySecretRef, hfTokenSecretRef); '' allows none (env KVFLEET_ALLOWED_SECRETS); "
-        "default: any Secret of the namespace",
-    )
+    add_model_flags(run, RunSettings, "operator")
+    add_model_flags(run, OperatorConfig, "defaults and allow-lists of InferenceServices")
     run.set_defaults(func=_run)
     rbac = sub.add_parser(
         "print-rbac",
@@ -399,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbac.add_argument(
         "-n",
         "--namespace",
-        action="append",
+        action="extend",
+        type=COMMA_LIST.parse,
         default=[],
         help="a watched namespace; repeatable or comma-separated",
     )

@@ -22,17 +22,21 @@ from prometheus_client import Counter
 
 from kvfleet.operator.latency import Buckets
 from kvfleet.operator.scaling_policy import MAX_BLOCKS, MAX_REQUESTS, PodMetrics, out_of_range
+from kvfleet.telemetry.metric_names import (
+    KV_CACHE_USAGE,
+    PREFIX_CACHE_BLOCKS,
+    ROUTER_HELD_REQUESTS,
+    RUNNING,
+    WAITING,
+)
 from kvfleet.telemetry.metrics_reader import ScrapeError, SeriesSums, sample_lines
 
 logger = logging.getLogger("kvfleet.operator.metrics")
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
-# Optional: engines before it lack it, and the autoscaler then ranks warmth by KV-cache usage.
-CACHED_BLOCKS = "kvfleet_engine_prefix_cache_blocks"
-# The router's gauge of requests waiting for a ready engine (scale from zero).
-HELD_REQUESTS = "kvfleet_router_held_requests"
+# What the autoscaler reads of each engine; the prefix-cache blocks are optional: engines before
+# them lack them, and the autoscaler then ranks warmth by KV-cache usage.
+ENGINE_REQUIRED = (RUNNING, WAITING, KV_CACHE_USAGE)
+ENGINE_NAMES = (*ENGINE_REQUIRED, PREFIX_CACHE_BLOCKS)
 METRICS_PATH = "/metrics"
 
 # A counter past 2**53 can no longer count by ones in a float: broken, not busy.
@@ -179,7 +183,7 @@ class Scraper:
         finally:
             slots.release()
         for name, value in values.items():
-            high = {KV_CACHE_USAGE: 1.0, CACHED_BLOCKS: MAX_BLOCKS}.get(name, MAX_REQUESTS)
+            high = {KV_CACHE_USAGE: 1.0, PREFIX_CACHE_BLOCKS: MAX_BLOCKS}.get(name, MAX_REQUESTS)
             if name.endswith("}"):  # a histogram bucket: a count since the engine started
                 high = MAX_COUNT
             if why := out_of_range(value, high):
@@ -227,11 +231,10 @@ class Scraper:
         """Queue depth, KV-cache usage and cached blocks of each engine, and the cumulative
         buckets of ``latency_histogram`` if named; a pod without the first two is unanswered,
         with the reason as its ``error``."""
-        required = (RUNNING, WAITING, KV_CACHE_USAGE)
-        names = (*required, CACHED_BLOCKS)
+        names = ENGINE_NAMES
         if latency_histogram is not None:
             names = (*names, f"{latency_histogram}_bucket")
-        results = await self._scrape(targets, names, required=required)
+        results = await self._scrape(targets, names, required=ENGINE_REQUIRED)
         return [
             PodMetrics(target.name, error=values)
             if isinstance(values, str)
@@ -240,7 +243,7 @@ class Scraper:
                 values[RUNNING],
                 values[WAITING],
                 values[KV_CACHE_USAGE],
-                cached_blocks=values.get(CACHED_BLOCKS),
+                cached_blocks=values.get(PREFIX_CACHE_BLOCKS),
                 latency=histogram_buckets(values, latency_histogram) if latency_histogram else None,
             )
             for target, values in zip(targets, results, strict=True)
@@ -250,11 +253,11 @@ class Scraper:
         """Requests the routers hold for want of a ready engine, summed; and why each router that
         did not count did not. A router that answers without the gauge holds nothing (a labelled
         gauge has no series until first set)."""
-        results = await self._scrape(targets, (HELD_REQUESTS,))
+        results = await self._scrape(targets, (ROUTER_HELD_REQUESTS,))
         held, failed = 0.0, {}
         for target, values in zip(targets, results, strict=True):
             if isinstance(values, str):
                 failed[target.name] = values
             else:
-                held += values.get(HELD_REQUESTS, 0.0)
+                held += values.get(ROUTER_HELD_REQUESTS, 0.0)
         return held, failed

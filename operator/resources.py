@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from kvfleet.operator.api import (
     MANAGED_BY,
 )
 from kvfleet.operator.command_lines import engine_args, router_args
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.drift import with_hash
 from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
@@ -44,11 +44,10 @@ from kvfleet.operator.spec import (
     InferenceServiceSpec,
     replicas_from_spec,
 )
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
 CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
 
-ENGINE_PORT = 8000
-ROUTER_PORT = 8080
 SERVICE_PORT = 80
 # Seconds between the pod leaving the endpoints and SIGTERM: routers and kube-proxy stop
 # sending new requests before the engine starts refusing them.
@@ -62,41 +61,6 @@ PVC_MOUNT = "/mnt/model"
 SCRIPT_DIR = "/etc/kvfleet/model-download"
 SCRIPT_FILE = "download.py"
 RUN_AS = 1000
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    """Operator-wide defaults that an InferenceService may override, and what it may choose.
-
-    allowed_images: None, any image; else the engine and router images a spec may name (the
-    defaults above are always allowed): an entry ending in "/" allows every repository under
-    it, any other entry exactly that repository, with any tag or digest. allowed_secrets: None,
-    any Secret of the namespace; else the only Secret names a spec may reference (env
-    valueFrom.secretKeyRef, apiKeySecretRef, hfTokenSecretRef).
-    """
-
-    engine_image: str
-    router_image: str
-    # The engine image of a spec with no GPU that names none: the CPU build, a fifth the size
-    # of the CUDA one, which a CPU node would pull for nothing.
-    engine_cpu_image: str | None = None
-    allowed_images: tuple[str, ...] | None = None
-    allowed_secrets: tuple[str, ...] | None = None
-
-    @classmethod
-    def default(cls) -> OperatorConfig:
-        version = importlib.metadata.version("kvfleet")
-        return cls(
-            engine_image=f"ghcr.io/kvfleet/engine:{version}",
-            router_image=f"ghcr.io/kvfleet/operator:{version}",
-            engine_cpu_image=f"ghcr.io/kvfleet/engine:{version}-cpu",
-        )
-
-    def default_engine_image(self, spec: InferenceServiceSpec) -> str:
-        """The engine image of a spec that names none: by whether it asks for GPUs."""
-        if spec.resources.gpus == 0 and self.engine_cpu_image:
-            return self.engine_cpu_image
-        return self.engine_image
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ powers of 1000 (a trailing B is allowed: KiB, MB). Units are case-insensitive.""
 
 from __future__ import annotations
 
-import argparse
 import re
 from decimal import Decimal
 from typing import Annotated, Any
@@ -48,12 +47,18 @@ def format_byte_size(size: int) -> str:
     return str(size)
 
 
-def byte_size_flag(text: str) -> int:
-    """argparse's `type` for a size flag: argparse names the flag before this message."""
-    try:
+class _ByteSizeSyntax:
+    """How a size is written on the command line (a FlagSyntax of kvfleet.telemetry's
+    settings_flags, which builds the flags of a ByteSize field)."""
+
+    metavar = "SIZE"
+    forms = FORMS
+
+    def parse(self, text: str) -> int:
         return parse_byte_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+
+    def show(self, value: int) -> str:
+        return format_byte_size(value)
 
 
 def _byte_size_value(value: Any) -> Any:
@@ -61,6 +66,5 @@ def _byte_size_value(value: Any) -> Any:
     return parse_byte_size(value) if isinstance(value, str) else value
 
 
-# A settings field in bytes that also takes "4Gi" or "512MB" (pydantic).
-BYTE_SIZE = BeforeValidator(_byte_size_value)
-ByteSize = Annotated[int, BYTE_SIZE]
+# A settings field in bytes that also takes "4Gi" or "512MB" (pydantic), and as a flag.
+ByteSize = Annotated[int, BeforeValidator(_byte_size_value), _ByteSizeSyntax()]

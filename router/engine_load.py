@@ -28,13 +28,11 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvfleet.telemetry.metric_names import MAX_NUM_SEQS, RUNNING, WAITING
 from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples, sample_lines
 
 logger = logging.getLogger("kvfleet.router.engine_load")
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-MAX_NUM_SEQS = "kvfleet_engine_max_num_seqs"
 NAMES = (RUNNING, WAITING, MAX_NUM_SEQS)
 # An engine's whole exposition is tens of KiB.
 MAX_BODY_BYTES = 1 * 2**20

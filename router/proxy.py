@@ -26,7 +26,7 @@ from collections.abc import (
     Iterator,
     Mapping,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -51,7 +51,7 @@ from kvfleet.protocol.json_body import (
     check_content_encoding,
     check_headers,
 )
-from kvfleet.router.breaker import BreakerPolicy, Breakers
+from kvfleet.router.breaker import Breakers
 from kvfleet.router.engine_load import (
     EngineLoadPoller,
     EngineReport,
@@ -60,18 +60,17 @@ from kvfleet.router.engine_load import (
 )
 from kvfleet.router.hash_ring import HashRing
 from kvfleet.router.request_body import (
-    BodyLimits,
     check_content_length,
     parse_json_body,
     too_large,
 )
 from kvfleet.router.routing_key import (
     REASONS,
-    KeyPolicy,
     PromptTokenizer,
     RoutingKey,
     routing_key,
 )
+from kvfleet.router.settings import RouterSettings
 from kvfleet.router.sse import EventFramer, error_events, is_event_stream
 from kvfleet.telemetry.http import (
     SPAN,
@@ -81,6 +80,7 @@ from kvfleet.telemetry.http import (
     openai_error,
 )
 from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER
+from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS
 from kvfleet.telemetry.tracing import Tracing
 
 logger = logging.getLogger("kvfleet.router")
@@ -325,7 +325,7 @@ class RouterMetrics:
             registry=r,
         )
         self.held = Gauge(
-            "kvfleet_router_held_requests",
+            ROUTER_HELD_REQUESTS,
             "Requests waiting for a ready engine (scale-from-zero signal).",
             registry=r,
         )
@@ -345,32 +345,6 @@ class RouterMetrics:
         for m in ("tokens", "characters"):
             mode.labels(m).set(1 if m == prefix_key_mode else 0)
         r.register(_InFlightCollector(balancer, breakers))
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    policy: KeyPolicy = field(default_factory=KeyPolicy)
-    load_factor: float = 1.25
-    hold_timeout_s: float = 120.0
-    body: BodyLimits = field(default_factory=BodyLimits)
-    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
-    probe_timeout_s: float = 5.0
-    # Idle keep-alive connections close after this; it is also the time a client has to send
-    # a complete request head after connecting or after its previous response.
-    keepalive_timeout_s: float = 15.0
-    body_timeout_s: float = 30.0
-    # Seconds between scrapes of the engines' own load (engine_load.py); 0: own counts only.
-    engine_load_interval_s: float = 1.0
-    # From the request sent to the response's headers. A non-streamed answer's headers come
-    # when its generation ends, so this is the longest generation the router waits for; the
-    # OpenAI SDK's own default timeout is as long.
-    first_byte_timeout_s: float = 600.0
-    # The longest silence of an engine once its response began, and before a stream's headers
-    # (the engine sends those at once, or with the first token under a new schema). A stream
-    # is silent from its start until its first token: while the request waits in the engine's
-    # queue and its prompt prefills (seconds for the longest prompts; the engine calls itself
-    # stalled after 60 s in one step), and while a preempted request waits to resume.
-    idle_timeout_s: float = 120.0
 
 
 _ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -422,13 +396,13 @@ class Router:
         self._health_checks: dict[str, asyncio.Task[bool]] = {}
         self.poller = (
             EngineLoadPoller(
-                settings.engine_load_interval_s,
+                settings.engine_load_interval,
                 lambda: self.balancer.endpoints,
                 lambda ep: self.balancer.in_flight.get(ep, 0),
                 self.balancer.report,
                 lambda ep, reason: self.metrics.engine_load_failures.labels(ep, reason).inc(),
             )
-            if settings.engine_load_interval_s > 0
+            if settings.engine_load_interval > 0
             else None
         )
 
@@ -469,14 +443,14 @@ class Router:
         check_content_encoding(request.headers.get("Content-Encoding"))
         check_content_length(request.content_length, limits)
         try:
-            async with asyncio.timeout(self.settings.body_timeout_s):
+            async with asyncio.timeout(self.settings.body_timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large(limits.max_bytes) from None  # a chunked body past the limit
         except TimeoutError:
             raise RequestRefused(
                 408,
-                f"the request body did not arrive within {self.settings.body_timeout_s:g} s",
+                f"the request body did not arrive within {self.settings.body_timeout:g} s",
                 "body_timeout",
             ) from None
 
@@ -558,7 +532,7 @@ class Router:
         try:
             async with self.session.get(
                 f"http://{endpoint}/health",
-                timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout),
                 trace_request_ctx={},
             ) as r:
                 return r.status == 200
@@ -595,9 +569,9 @@ class Router:
         self.metrics.requests.labels(rk.reason).inc()
         self._start_probes()
         # A stream's headers come at once: its wait for them is bounded as its silences are.
-        first_byte_s = self.settings.first_byte_timeout_s
+        first_byte_s = self.settings.upstream_first_byte_timeout
         if isinstance(parsed, dict) and parsed.get("stream") is True:
-            first_byte_s = min(first_byte_s, self.settings.idle_timeout_s)
+            first_byte_s = min(first_byte_s, self.settings.upstream_idle_timeout)
         held = 0.0
         tried: frozenset[str] = frozenset()
         failure: UpstreamFailure | None = None
@@ -611,7 +585,7 @@ class Router:
             ):
                 self.metrics.spilled.inc()
             if endpoint is None and not tried:
-                endpoint, held = await self._hold(rk.key, received + self.settings.hold_timeout_s)
+                endpoint, held = await self._hold(rk.key, received + self.settings.hold_timeout)
                 if endpoint is None:
                     self.metrics.hold_timeouts.inc()
                     return openai_error(503, "no engine became ready in time",
@@ -721,7 +695,7 @@ class Router:
             # Only reading the engine is guarded: a write that fails is the client gone, which
             # says nothing about the engine (the handler is cancelled, or the error ends it).
             try:
-                async with asyncio.timeout(self.settings.idle_timeout_s):
+                async with asyncio.timeout(self.settings.upstream_idle_timeout):
                     chunk = await upstream.content.readany()
             except UPSTREAM_ERRORS as e:
                 silent = isinstance(e, TimeoutError) and _connected(upstream)
@@ -765,7 +739,7 @@ class Router:
             return
         if silent:
             code = "upstream_timeout"
-            message = f"the engine sent nothing for {self.settings.idle_timeout_s:g} s"
+            message = f"the engine sent nothing for {self.settings.upstream_idle_timeout:g} s"
         else:
             code, message = "upstream_stream_broken", "the engine's stream broke off"
         error_body = {"message": message, "type": "upstream_error", "param": None, "code": code}
@@ -826,7 +800,7 @@ def build_runner(router: Router) -> web.AppRunner:
         build_app(router),
         handler_cancellation=True,
         access_log=None,
-        keepalive_timeout=router.settings.keepalive_timeout_s,
+        keepalive_timeout=router.settings.keepalive_timeout,
         auto_decompress=False,
         lingering_time=1.0,
     )

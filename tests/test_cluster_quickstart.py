@@ -13,9 +13,9 @@ import shlex
 import pytest
 import yaml
 
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.main import build_parser
 from kvfleet.operator.resources import (
-    OperatorConfig,
     Owner,
     engine_deployment,
     router_deployment,

@@ -24,7 +24,8 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from kvfleet.engine.default_model import WHEEL_ENV, WHEEL_REQUIREMENT
-from kvfleet.operator.resources import ENGINE_PORT, ROUTER_PORT, RUN_AS
+from kvfleet.operator.resources import RUN_AS
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"

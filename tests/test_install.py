@@ -138,11 +138,12 @@ def test_console_script_help(installed: Path, tmp_path: Path, script: str) -> No
 BUILD_DOWNLOADING_SERVICE = """
 from pathlib import Path
 from kvfleet.operator import model_download
-from kvfleet.operator.resources import OperatorConfig, Owner, build_children
+from kvfleet.operator.config import OperatorConfig
+from kvfleet.operator.resources import Owner, build_children
 from kvfleet.operator.spec import parse_spec
 spec = parse_spec("llm", {"model": {"source": "hf://org/model"}, "resources": {"gpus": 1}})
 owner = Owner(name="llm", namespace="ns", uid="0b8f7c1e-0000-4000-8000-000000000001")
-config_map = build_children(owner, spec, OperatorConfig.default())[0]
+config_map = build_children(owner, spec, OperatorConfig())[0]
 assert config_map["data"]["download.py"] == Path(model_download.__file__).read_text()
 print(model_download.__file__)
 """

@@ -19,7 +19,8 @@ PACKAGES = ("engine", "kernels", "operator", "router", "protocol", "telemetry")
 
 # What each package may import of the project (itself always). protocol is the small module
 # the engine's server and the router share: the wire format's bounds, chat rendering. telemetry
-# is the log format and trace set-up all three processes share.
+# is what all three processes share: the log format, trace set-up, the names of the metrics one
+# exports and another reads, the ports they listen on, and how settings become flags.
 ALLOWED = {
     "kernels": set(),
     "protocol": set(),

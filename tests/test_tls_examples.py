@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from kvfleet.operator.resources import Owner, router_service
-from kvfleet.router.proxy import RouterSettings
 from kvfleet.router.request_body import BodyLimits
+from kvfleet.router.settings import RouterSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "tls"
@@ -201,7 +201,7 @@ def test_a_token_stream_flows_and_a_long_generation_is_not_cut():
     # nginx's timeouts run between two reads or writes: a non-streamed answer is silent until
     # its generation ends, which the router waits for up to its first-byte timeout.
     for timeout in ("proxy-read-timeout", "proxy-send-timeout"):
-        assert int(annotations[prefix + timeout]) >= settings.first_byte_timeout_s
+        assert int(annotations[prefix + timeout]) >= settings.upstream_first_byte_timeout
     assert _nginx_bytes(annotations[prefix + "proxy-body-size"]) >= BodyLimits().max_bytes
     # A Gateway API request timeout covers the whole exchange: 0s turns it off.
     for rule in GATEWAY_API["HTTPRoute"]["spec"]["rules"]:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvfleet.engine.liveness import CPU_SECONDS_PER_TOKEN, GPU_SECONDS_PER_TOKEN
 from kvfleet.engine.server.tool_parsers import TOOL_CALL_PARSERS
 from kvfleet.protocol.byte_size import ByteSize
+from kvfleet.telemetry.ports import ENGINE_PORT
 
 API_KEY_ENV = "KVFLEET_API_KEY"
 
@@ -26,7 +27,9 @@ class ServerSettings(BaseModel):
         description="the address to listen on: 0.0.0.0 every IPv4 interface, 127.0.0.1 this "
         "machine only, :: every IPv6 one",
     )
-    port: int = Field(default=8000, ge=0, le=65535, description="the TCP port; 0: any free one")
+    port: int = Field(
+        default=ENGINE_PORT, ge=0, le=65535, description="the TCP port; 0: any free one"
+    )
     served_model_name: list[str] | None = Field(
         default=None,
         description="the names clients give as the request's model (the first is the one "

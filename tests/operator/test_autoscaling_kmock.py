@@ -23,10 +23,10 @@ from aiohttp import web
 from kvfleet.operator.autoscaler import REFRESH_SECONDS, load_memory, status_update
 from kvfleet.operator.deletion_cost import DELETION_COST
 from kvfleet.operator.main import build_registry, build_settings
-from kvfleet.operator.metrics_scraper import KV_CACHE_USAGE, RUNNING, WAITING
 from kvfleet.operator.resources import common_labels
 from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingMemory
 from kvfleet.operator.spec import engine_deployment_replicas, parse_spec
+from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, RUNNING, WAITING
 from tests.support.kmock import (
     CONFIG,
     DEMO,

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvfleet.operator.resources import OperatorConfig, Owner, build_children
+from kvfleet.operator.config import OperatorConfig
+from kvfleet.operator.resources import Owner, build_children
 from kvfleet.operator.spec import (
     MANAGED_FLAGS,
     SpecError,

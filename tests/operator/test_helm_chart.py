@@ -28,11 +28,10 @@ import prometheus_client
 import pytest
 import yaml
 
-from kvfleet.operator.main import build_parser, build_registry, build_settings, split_list
+from kvfleet.operator.config import OperatorConfig
+from kvfleet.operator.main import build_parser, build_registry, build_settings
 from kvfleet.operator.rbac import NAMESPACED_OPERATOR_RULES, OPERATOR_RULES, as_manifest
 from kvfleet.operator.resources import (
-    ENGINE_PORT,
-    OperatorConfig,
     Owner,
     common_labels,
     engine_deployment,
@@ -41,6 +40,7 @@ from kvfleet.operator.resources import (
     router_service,
 )
 from kvfleet.operator.spec import parse_spec
+from kvfleet.telemetry.ports import ENGINE_PORT
 from tests.support.kmock import CONFIG as KMOCK_CONFIG
 from tests.support.kmock import eventually, kube_for, run_operator
 from tests.support.net import free_port
@@ -258,7 +258,7 @@ def test_namespaced_mode_grants_roles_in_the_watched_namespaces_only():
             "name": role["metadata"]["name"],
         }
     # The operator serves exactly those namespaces: what it watches is what it may read.
-    assert operator_args(docs).namespace == ["team-a", "team-b"]
+    assert operator_args(docs).namespace == ("team-a", "team-b")
 
 
 def test_print_rbac_prints_what_the_chart_grants(capsys):
@@ -304,11 +304,11 @@ def test_bindings_per_namespace_when_namespaces_are_listed():
 def test_default_operator_command_line_and_images():
     docs = render("default")
     ns = operator_args(docs)
-    defaults = OperatorConfig.default()
+    defaults = OperatorConfig()
     assert ns.command == "run"
     # No allow-lists unless asked for: any image, any Secret (docs/operations.md says so).
     assert ns.allowed_images is None and ns.allowed_secrets is None
-    assert ns.namespace == [] and ns.peering is None and ns.log_level == "INFO"
+    assert ns.namespace == () and ns.peering is None and ns.log_level == "INFO"
     # The chart's appVersion tags are the operator's built-in defaults.
     assert ns.engine_image == defaults.engine_image
     assert ns.engine_cpu_image == defaults.engine_cpu_image
@@ -328,12 +328,12 @@ def test_non_default_operator_command_line():
     docs = render("non-default")
     ns = operator_args(docs)
     assert ns.log_level == "DEBUG"
-    assert ns.namespace == ["team-a", "team-b"]
+    assert ns.namespace == ("team-a", "team-b")
     assert ns.engine_image == "registry.example.com/kvfleet/engine:0.1.0-cu128"
     assert ns.engine_cpu_image == "registry.example.com/kvfleet/engine:0.1.0-cpu-avx512"
     assert ns.router_image == "registry.example.com/kvfleet/operator:0.1.0-router"
-    assert split_list(ns.allowed_images) == ("registry.example.com/ml/", "ghcr.io/kvfleet/engine")
-    assert split_list(ns.allowed_secrets) == ("hf-token", "api-keys")
+    assert ns.allowed_images == ("registry.example.com/ml/", "ghcr.io/kvfleet/engine")
+    assert ns.allowed_secrets == ("hf-token", "api-keys")
     assert operator_container(docs)["image"] == "registry.example.com/kvfleet/operator:0.1.0-rc1"
     pod = one(docs, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"] == {"example.com/team": "ml"}
@@ -342,7 +342,7 @@ def test_non_default_operator_command_line():
 
 def test_empty_allow_lists_allow_nothing():
     ns = operator_args(render("nothing-allowed"))
-    assert split_list(ns.allowed_images) == () and split_list(ns.allowed_secrets) == ()
+    assert ns.allowed_images == () and ns.allowed_secrets == ()
 
 
 def test_several_replicas_use_kopf_peering_cluster_wide():
@@ -388,7 +388,7 @@ def test_operator_pod_is_restricted_and_probed_where_it_listens():
 def _children() -> dict[str, dict]:
     spec = parse_spec("llm", {"resources": {"gpus": 0}})
     owner = Owner(name="llm", namespace="team-a", uid="u")
-    config = OperatorConfig.default()
+    config = OperatorConfig()
     return {
         "engine-pod": engine_deployment(owner, spec, config)["spec"]["template"],
         "router-pod": router_deployment(owner, spec, config)["spec"]["template"],

@@ -18,15 +18,7 @@ import pytest_asyncio
 from aiohttp import web
 from prometheus_client import REGISTRY
 
-from kvfleet.operator.metrics_scraper import (
-    HELD_REQUESTS,
-    KV_CACHE_USAGE,
-    MAX_BODY_BYTES,
-    RUNNING,
-    WAITING,
-    Scraper,
-    Target,
-)
+from kvfleet.operator.metrics_scraper import MAX_BODY_BYTES, Scraper, Target
 from kvfleet.operator.scaling_policy import (
     Observation,
     PodMetrics,
@@ -34,6 +26,8 @@ from kvfleet.operator.scaling_policy import (
     ScalingPolicy,
     decide,
 )
+from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, RUNNING, WAITING
+from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS as HELD_REQUESTS
 
 MiB = 2**20
 INTERVAL = 10.0  # the autoscaler's default interval

@@ -9,16 +9,10 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from kvfleet.operator.metrics_scraper import (
-    HELD_REQUESTS,
-    KV_CACHE_USAGE,
-    RUNNING,
-    WAITING,
-    Scraper,
-    Target,
-    ready_targets,
-)
+from kvfleet.operator.metrics_scraper import Scraper, Target, ready_targets
 from kvfleet.operator.scaling_policy import PodMetrics
+from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, RUNNING, WAITING
+from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS as HELD_REQUESTS
 from kvfleet.telemetry.metrics_reader import ScrapeError, SeriesSums, bucket_key, parse_samples
 
 ENGINE_TEXT = """\

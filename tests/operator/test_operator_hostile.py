@@ -21,12 +21,11 @@ import yaml
 from kvfleet.operator import engine_flags
 from kvfleet.operator.admission import image_allowed, image_repository, policy_violations
 from kvfleet.operator.command_lines import engine_args
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.engine_flags import SERVE_FLAGS, ExtraArgsError, given_flags
 from kvfleet.operator.resources import (
-    ENGINE_PORT,
     PRESTOP_SLEEP_SECONDS,
     SHUTDOWN_MARGIN_SECONDS,
-    OperatorConfig,
     Owner,
     build_children,
 )
@@ -38,6 +37,7 @@ from kvfleet.operator.spec import (
     parse_spec,
 )
 from kvfleet.operator.status import Observed, Problem, compute_status, transition_events
+from kvfleet.telemetry.ports import ENGINE_PORT
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -245,7 +245,11 @@ def test_no_allow_lists_allow_anything():
 
 
 def test_images_outside_the_allow_list_are_refused():
-    config = OperatorConfig("registry/engine:1", "registry/operator:1", allowed_images=("ok/",))
+    config = OperatorConfig(
+        engine_image="registry/engine:1",
+        router_image="registry/operator:1",
+        allowed_images=("ok/",),
+    )
     for raw, field in (
         ({"engine": {"image": "docker.io/attacker/x:1"}}, "spec.engine.image"),
         ({"routing": {"image": "docker.io/attacker/y:1"}}, "spec.routing.image"),
@@ -259,13 +263,15 @@ def test_images_outside_the_allow_list_are_refused():
         {"engine": {"image": "registry/engine:1"}, "routing": {"image": "registry/operator:1"}},
     ):
         assert policy_violations(parse_spec("llm", raw), config) == []
-    nothing = OperatorConfig("registry/engine:1", "registry/operator:1", allowed_images=())
+    nothing = OperatorConfig(
+        engine_image="registry/engine:1", router_image="registry/operator:1", allowed_images=()
+    )
     assert policy_violations(parse_spec("llm", {}), nothing) == []
     assert policy_violations(parse_spec("llm", {"engine": {"image": "ok/e:1"}}), nothing)
 
 
 def test_secrets_outside_the_allow_list_are_refused():
-    config = OperatorConfig("e", "r", allowed_secrets=("api-keys",))
+    config = OperatorConfig(engine_image="e", router_image="r", allowed_secrets=("api-keys",))
     raw = {
         "model": {"source": "hf://org/m", "hfTokenSecretRef": {"name": "hf"}},
         "engine": {
@@ -283,7 +289,7 @@ def test_secrets_outside_the_allow_list_are_refused():
     assert "spec.engine.env[DB].valueFrom.secretKeyRef" in found[0].message
     assert "'db-password'" in found[0].message
     assert "spec.model.hfTokenSecretRef" in found[1].message
-    none = OperatorConfig("e", "r", allowed_secrets=())
+    none = OperatorConfig(engine_image="e", router_image="r", allowed_secrets=())
     assert [v.reason for v in policy_violations(parse_spec("llm", raw), none)] == [
         "SecretNotAllowed"
     ] * 4

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.rbac import NAMESPACED_OPERATOR_RULES
-from kvfleet.operator.resources import OperatorConfig
 from tests.support.kmock import (
     CONFIGMAPS,
     DEMO,

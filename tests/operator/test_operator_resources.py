@@ -8,7 +8,6 @@ references, labels, probes, resources, the restricted security profile and model
 from __future__ import annotations
 
 import copy
-import dataclasses
 import datetime
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,12 @@ from kvfleet.operator import spec as spec_module
 from kvfleet.operator.admission import policy_violations
 from kvfleet.operator.api import LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.command_lines import router_args
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.drift import EXACT_PATHS, HASH_ANNOTATION, excess, in_sync, parse_quantity
 from kvfleet.operator.main import build_parser, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, ROUTER_RULES, allows
 from kvfleet.operator.resources import (
     CONFIG_HASH_ANNOTATION,
-    OperatorConfig,
     Owner,
     build_children,
     engine_deployment,
@@ -466,7 +465,7 @@ def test_operator_settings_and_cli():
     assert peered.peering.name == "kvfleet" and peered.peering.mandatory
     assert peered.peering.priority != build_settings("kvfleet").peering.priority
     ns = build_parser().parse_args(["run", "-n", "a,b", "-n", "c", "--peering", "p"])
-    assert ns.namespace == ["a,b", "c"] and ns.peering == "p"
+    assert ns.namespace == ("a", "b", "c") and ns.peering == "p"
 
 
 def test_replicas_from_spec():
@@ -975,9 +974,10 @@ def test_a_spec_without_gpus_gets_the_cpu_engine_image_by_default():
         "mine/engine:2"
     )
     # No CPU image configured: one image for both.
-    assert image({"resources": {"gpus": 0}}, CONFIG) == CONFIG.engine_image
+    no_cpu_image = config.model_copy(update={"engine_cpu_image": None})
+    assert image({"resources": {"gpus": 0}}, no_cpu_image) == config.engine_image
     # Either default passes the allow-list, whatever the spec's GPUs.
-    strict = dataclasses.replace(config, allowed_images=())
+    strict = config.model_copy(update={"allowed_images": ()})
     for named in (config.engine_image, config.engine_cpu_image):
         raw = {"resources": {"gpus": 0}, "engine": {"image": named}}
         assert policy_violations(spec_of(raw), strict) == []

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from kvfleet.engine.server import tool_parsers
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.engine_flags import TOOL_CALL_PARSERS
-from kvfleet.operator.resources import OperatorConfig, Owner, build_children
+from kvfleet.operator.resources import Owner, build_children
 from kvfleet.operator.spec import MANAGED_FLAGS, SpecError, parse_spec
 from tests.support.kmock import (
     DEMO,

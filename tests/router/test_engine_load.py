@@ -19,18 +19,16 @@ from aiohttp import web
 
 from kvfleet.router.engine_load import (
     MAX_BODY_BYTES,
-    MAX_NUM_SEQS,
     MAX_SERIES,
-    RUNNING,
-    WAITING,
     EngineReport,
     estimated_load,
     has_free_slots,
     report_of,
 )
 from kvfleet.router.main import parse_args, settings_from
-from kvfleet.router.proxy import Balancer, Router, RouterSettings, build_app
-from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.router.proxy import Balancer, Router, build_app
+from kvfleet.router.settings import RouterSettings
+from kvfleet.telemetry.metric_names import MAX_NUM_SEQS, RUNNING, WAITING
 from kvfleet.telemetry.metrics_reader import ScrapeError
 from tests.support.servers import serving
 
@@ -116,10 +114,10 @@ def test_the_balancer_counts_the_fleet_and_lets_free_engines_take_their_keys() -
 
 def test_settings_and_flag() -> None:
     base = ["--endpoints", "e:1"]
-    assert settings_from(parse_args(base)).engine_load_interval_s == 1.0
-    assert RouterSettings().engine_load_interval_s == 1.0
+    assert settings_from(parse_args(base)).engine_load_interval == 1.0
+    assert RouterSettings().engine_load_interval == 1.0
     off = parse_args([*base, "--engine-load-interval", "0"])
-    assert settings_from(off).engine_load_interval_s == 0
+    assert settings_from(off).engine_load_interval == 0
     assert Router(settings_from(off)).poller is None
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
@@ -220,7 +218,7 @@ async def fleet(
 ) -> AsyncIterator[tuple[Router, str, list[str]]]:
     async with contextlib.AsyncExitStack() as stack:
         addrs = [await stack.enter_async_context(serving(e.app())) for e in engines]
-        router = Router(RouterSettings(KeyPolicy(), engine_load_interval_s=interval))
+        router = Router(RouterSettings(engine_load_interval=interval))
         router.set_endpoints(addrs)
         url = await stack.enter_async_context(serving(build_app(router)))
         yield router, f"http://{url}", addrs

@@ -20,7 +20,6 @@ from kubernetes_asyncio.config import ConfigException
 from multidict import CIMultiDict
 
 from kvfleet.operator.command_lines import router_args
-from kvfleet.operator.resources import ENGINE_PORT, ROUTER_PORT
 from kvfleet.operator.spec import RoutingSpec
 from kvfleet.router.endpoints import (
     EndpointSliceWatcher,
@@ -33,7 +32,6 @@ from kvfleet.router.main import parse_args, settings_from
 from kvfleet.router.proxy import (
     Balancer,
     Router,
-    RouterSettings,
     build_app,
     engine_failed,
     forwarded_headers,
@@ -48,6 +46,8 @@ from kvfleet.router.routing_key import (
     routing_key,
     token_prefix_key,
 )
+from kvfleet.router.settings import RouterSettings
+from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 from tests.support.servers import serving
 
 POLICY = KeyPolicy(prefix_length=32)
@@ -214,7 +214,7 @@ def test_membership_change_moves_only_the_departed_keys() -> None:
     assert "d:1" not in b.in_flight
 
 
-def test_cli_accepts_the_operator_contract() -> None:
+def test_cli_accepts_the_operator_contract(capsys) -> None:
     spec = RoutingSpec.model_validate(
         {"sessionHeader": "x-conv", "useUserField": False, "prefixLength": 128}
     )
@@ -232,18 +232,20 @@ def test_cli_accepts_the_operator_contract() -> None:
     )  # fmt: skip
     s = settings_from(ns)
     assert s.policy == KeyPolicy("x-conv", False, True, 128)
-    assert (s.load_factor, s.hold_timeout_s) == (1.25, 120.0)
+    assert (s.load_factor, s.hold_timeout) == (1.25, 120.0)
     static = parse_args(["--endpoints", "127.0.0.1:1, 127.0.0.1:2", "--tokenizer", "/t"])
     assert static.endpoints == {"127.0.0.1:1", "127.0.0.1:2"} and static.tokenizer == "/t"
-    with pytest.raises(SystemExit):
-        parse_args(["--endpoints", "a:1", "--engine-service", "x"])
+    for neither_or_both in ([], ["--endpoints", "a:1", "--engine-service", "x"]):
+        with pytest.raises(SystemExit):
+            parse_args(neither_or_both)
+        assert "give one of --engine-service and --endpoints" in capsys.readouterr().err
     with pytest.raises(ValueError):
         parse_static("nohost")
     # The upstream timeouts: the defaults, given values, and no zero or endless one.
-    assert (s.first_byte_timeout_s, s.idle_timeout_s) == (600.0, 120.0)
+    assert (s.upstream_first_byte_timeout, s.upstream_idle_timeout) == (600.0, 120.0)
     timeouts = ["--upstream-first-byte-timeout", "30", "--upstream-idle-timeout", "5"]
     s = settings_from(parse_args(["--endpoints", "a:1", *timeouts]))
-    assert (s.first_byte_timeout_s, s.idle_timeout_s) == (30.0, 5.0)
+    assert (s.upstream_first_byte_timeout, s.upstream_idle_timeout) == (30.0, 5.0)
     for bad in (["--upstream-idle-timeout", "0"], ["--upstream-first-byte-timeout", "inf"]):
         with pytest.raises(SystemExit):
             parse_args(["--endpoints", "a:1", *bad])
@@ -429,7 +431,8 @@ async def fleet(
     """The router (its URL) in front of the fake engines (their host:ports)."""
     async with contextlib.AsyncExitStack() as stack:
         addrs = [await stack.enter_async_context(serving(e.app())) for e in engines]
-        router = Router(RouterSettings(POLICY, hold_timeout_s=hold_timeout))
+        settings = RouterSettings(prefix_length=POLICY.prefix_length, hold_timeout=hold_timeout)
+        router = Router(settings)
         router.set_endpoints(addrs)
         url = await stack.enter_async_context(serving(build_app(router)))
         yield router, f"http://{url}", addrs

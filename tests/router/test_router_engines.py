@@ -120,7 +120,7 @@ async def test_affinity_beats_round_robin_on_prefix_hits(fleet: dict[str, Any]) 
 @pytest.mark.asyncio
 async def test_held_requests_complete_when_an_engine_appears(fleet: dict[str, Any]) -> None:
     async with (
-        router_for(fleet, [], hold_timeout_s=30) as (router, url),
+        router_for(fleet, [], hold_timeout=30) as (router, url),
         aiohttp.ClientSession() as s,
     ):
         body = chat_body("hold", "on", max_tokens=4)
@@ -150,7 +150,7 @@ async def test_the_sdk_retrieves_the_model_through_the_router(fleet: dict[str, A
 async def test_the_router_reads_the_engines_own_load(fleet: dict[str, Any]) -> None:
     """The engines' exposition as the router's load poller parses it: idle, with their batch
     size (the default --max-num-seqs), so every one has free slots."""
-    async with router_for(fleet, fleet["hosts"], engine_load_interval_s=0.05) as (router, _):
+    async with router_for(fleet, fleet["hosts"], engine_load_interval=0.05) as (router, _):
         for _ in range(500):
             if len(router.balancer.reports) == 3:
                 break

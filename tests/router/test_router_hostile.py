@@ -22,9 +22,9 @@ from aiohttp import web
 
 from kvfleet.protocol.json_body import nesting_exceeds
 from kvfleet.router.breaker import BreakerPolicy, Breakers, State
-from kvfleet.router.proxy import Router, RouterSettings, build_runner
+from kvfleet.router.proxy import Router, build_runner
 from kvfleet.router.request_body import BodyLimits
-from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.router.settings import RouterSettings
 from kvfleet.router.sse import DONE
 from tests.support.servers import running, serving
 
@@ -149,7 +149,7 @@ async def fleet(
 ) -> AsyncIterator[tuple[Router, str, list[str]]]:
     async with contextlib.AsyncExitStack() as stack:
         addrs = [await stack.enter_async_context(e.served()) for e in engines]
-        router = Router(RouterSettings(KeyPolicy(prefix_length=32), **settings))
+        router = Router(RouterSettings(prefix_length=32, **settings))
         router.set_endpoints(addrs)
         yield router, await stack.enter_async_context(routed(router)), addrs
 
@@ -321,9 +321,10 @@ async def probed(router: Router, endpoint: str) -> None:
 @pytest.mark.asyncio
 async def test_a_failing_engine_is_ejected_then_probed_back() -> None:
     failing, spare = Engine("dead"), Engine()
-    policy = BreakerPolicy(failures=3, backoff_s=0.3, max_backoff_s=1, jitter=0)
+    breaker = {"breaker_failures": 3, "breaker_backoff": 0.3, "breaker_max_backoff": 1.0,
+               "breaker_jitter": 0.0}  # fmt: skip
     async with (
-        fleet(failing, spare, breaker=policy) as (router, url, addrs),
+        fleet(failing, spare, **breaker) as (router, url, addrs),
         aiohttp.ClientSession() as s,
     ):
         headers = session_for(router, addrs[0])
@@ -362,8 +363,8 @@ async def test_a_failing_engine_is_ejected_then_probed_back() -> None:
 async def test_with_every_engine_ejected_the_router_still_tries_them() -> None:
     """The breaker must not turn a fleet-wide hiccup into a total outage."""
     engine = Engine("dead")
-    policy = BreakerPolicy(failures=1, backoff_s=60, max_backoff_s=60)
-    async with fleet(engine, breaker=policy) as (router, url, _):
+    breaker = {"breaker_failures": 1, "breaker_backoff": 60.0, "breaker_max_backoff": 60.0}
+    async with fleet(engine, **breaker) as (router, url, _):
         assert [(await post(url))[0] for _ in range(2)] == [503, 503]
         assert router.breakers.ejected() and engine.hits == 2
 
@@ -389,7 +390,8 @@ NOT_HTTP: dict[str, bytes] = {
     ),
 }
 # Three failures in a row eject; no probe brings an engine back during a test.
-EJECT_AT_3 = BreakerPolicy(failures=3, backoff_s=60, max_backoff_s=60)
+# A router setting: engines ejected at the third failure in a row, for a minute.
+EJECT_AT_3 = {"breaker_failures": 3, "breaker_backoff": 60.0, "breaker_max_backoff": 60.0}
 
 
 async def ejected(router: Router, endpoint: str) -> None:
@@ -406,7 +408,7 @@ async def ejected(router: Router, endpoint: str) -> None:
 async def test_an_engine_answering_garbage_gets_502s_and_is_ejected(case: str) -> None:
     raw, spare = RawEngine(NOT_HTTP[case]), Engine()
     async with (
-        fleet(raw, spare, breaker=EJECT_AT_3) as (router, url, addrs),
+        fleet(raw, spare, **EJECT_AT_3) as (router, url, addrs),
         aiohttp.ClientSession() as s,
     ):
         headers = session_for(router, addrs[0])
@@ -458,7 +460,7 @@ async def test_a_stream_that_breaks_ends_with_an_error_event_and_counts_as_a_fai
     (a broken stream once counted as a success, so none ever did)."""
     tail, code = BROKEN_STREAMS[case]
     raw, spare = RawEngine(SSE_HEAD + chunk(FIRST_EVENT), tail), Engine()
-    settings = {"breaker": EJECT_AT_3, "idle_timeout_s": 0.3, "probe_timeout_s": 0.2}
+    settings = {**EJECT_AT_3, "upstream_idle_timeout": 0.3, "probe_timeout": 0.2}
     async with (
         fleet(raw, spare, **settings) as (router, url, addrs),
         aiohttp.ClientSession() as s,
@@ -486,7 +488,7 @@ async def test_a_body_that_is_not_an_event_stream_is_cut_not_ended() -> None:
     """A JSON body cannot carry an error: the client must see it broken, never short."""
     json_head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     raw = RawEngine(json_head + b'{"choices": [', b"")
-    async with fleet(raw, breaker=EJECT_AT_3) as (router, url, addrs), aiohttp.ClientSession() as s:
+    async with fleet(raw, **EJECT_AT_3) as (router, url, addrs), aiohttp.ClientSession() as s:
         with pytest.raises(aiohttp.ClientPayloadError):
             async with s.post(f"{url}{CHAT}", json={"messages": []}) as r:
                 assert r.status == 200
@@ -500,8 +502,8 @@ async def test_an_engine_that_never_answers_times_out_and_is_ejected() -> None:
     bounded time, a stream's within the idle timeout (its headers come at once from a live
     engine), and the engine is ejected."""
     raw, spare = RawEngine(None), Engine()
-    settings = {"breaker": EJECT_AT_3, "first_byte_timeout_s": 0.8, "idle_timeout_s": 0.2,
-                "probe_timeout_s": 0.2}  # fmt: skip
+    settings = {**EJECT_AT_3, "upstream_first_byte_timeout": 0.8, "upstream_idle_timeout": 0.2,
+                "probe_timeout": 0.2}  # fmt: skip
     async with (
         fleet(raw, spare, **settings) as (router, url, addrs),
         aiohttp.ClientSession() as s,
@@ -527,7 +529,7 @@ async def test_a_busy_engine_whose_health_answers_is_not_ejected_by_timeouts() -
     """A timeout on an engine that is busy, not broken (its /health answers), fails the request
     but not the engine: a client that asks for long generations must not eject it."""
     busy = Engine("slow")
-    settings = {"breaker": EJECT_AT_3, "first_byte_timeout_s": 0.2}
+    settings = {**EJECT_AT_3, "upstream_first_byte_timeout": 0.2}
     async with fleet(busy, **settings) as (router, url, addrs):
         for i in range(3):
             status, body = await post(url)
@@ -633,8 +635,7 @@ async def test_compressed_bodies_are_refused_not_decompressed() -> None:
 @pytest.mark.asyncio
 async def test_oversized_bodies_are_413() -> None:
     engine = Engine()
-    limits = BodyLimits(max_bytes=4096)
-    async with fleet(engine, body=limits) as (_, url, _addrs), aiohttp.ClientSession() as s:
+    async with fleet(engine, max_body_bytes=4096) as (_, url, _addrs), aiohttp.ClientSession() as s:
         big = json.dumps({"prompt": "x" * 5000}).encode()
 
         async def chunked() -> AsyncIterator[bytes]:
@@ -700,7 +701,7 @@ async def test_unknown_routes_and_methods_are_json() -> None:
 
 @pytest.mark.asyncio
 async def test_a_slow_request_head_is_cut_off() -> None:
-    async with fleet(Engine(), keepalive_timeout_s=0.5) as (_, url, _addrs):
+    async with fleet(Engine(), keepalive_timeout=0.5) as (_, url, _addrs):
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         start = time.monotonic()
@@ -722,7 +723,7 @@ async def test_a_slow_request_head_is_cut_off() -> None:
 @pytest.mark.asyncio
 async def test_a_slow_body_gets_408_and_the_connection_closes() -> None:
     engine = Engine()
-    async with fleet(engine, body_timeout_s=0.3) as (_, url, _addrs):
+    async with fleet(engine, body_timeout=0.3) as (_, url, _addrs):
         start = time.monotonic()
         raw = await raw_exchange(
             url,
@@ -738,7 +739,7 @@ async def test_a_slow_body_gets_408_and_the_connection_closes() -> None:
 
 @pytest.mark.asyncio
 async def test_idle_keep_alive_connections_are_closed() -> None:
-    async with fleet(Engine(), keepalive_timeout_s=0.3) as (_, url, _addrs):
+    async with fleet(Engine(), keepalive_timeout=0.3) as (_, url, _addrs):
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")

@@ -46,7 +46,7 @@ def fleet(model_dirs):
         max_request_body_bytes=4 << 20,
     )
     with engine_server(args, settings) as engine:
-        router = Router(RouterSettings(hold_timeout_s=5.0), None)
+        router = Router(RouterSettings(hold_timeout=5.0), None)
         router.set_endpoints([engine.url.removeprefix("http://")])
         with runner_in_thread(build_runner(router)) as front:
             yield {"engine": engine, "router": front}

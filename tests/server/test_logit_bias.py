@@ -94,7 +94,7 @@ def test_biased_and_free_requests_share_a_batch(server) -> None:
 
 
 def test_logit_bias_through_the_router(server) -> None:
-    router = Router(RouterSettings(hold_timeout_s=5.0), None)
+    router = Router(RouterSettings(hold_timeout=5.0), None)
     router.set_endpoints([server.url.removeprefix("http://")])
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0,
             "logit_bias": {"42": 100}}  # fmt: skip

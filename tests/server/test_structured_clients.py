@@ -399,7 +399,7 @@ def test_a_flood_of_new_schemas_does_not_stall_a_plain_request(server) -> None:
 def test_json_schema_through_the_router(server) -> None:
     case = next(c for c in CASES if c.name == "extraction_record")
     body = chat_body(case.prompt, response_format=response_format(case), max_tokens=MAX_TOKENS)
-    router = Router(RouterSettings(hold_timeout_s=5.0), None)
+    router = Router(RouterSettings(hold_timeout=5.0), None)
     router.set_endpoints([server.url.removeprefix("http://")])
     with runner_in_thread(build_runner(router)) as front:
         status, _, raw = http_call(front.url + "/v1/chat/completions", body)

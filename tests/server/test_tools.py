@@ -240,7 +240,7 @@ def test_logit_bias_cannot_break_a_forced_call(client: OpenAI, server) -> None:
 
 
 def test_tools_through_the_router(server) -> None:
-    router = Router(RouterSettings(hold_timeout_s=5.0), None)
+    router = Router(RouterSettings(hold_timeout=5.0), None)
     router.set_endpoints([server.url.removeprefix("http://")])
     body = {
         "model": MODEL,

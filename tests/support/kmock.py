@@ -31,6 +31,7 @@ import kopf
 import yaml
 from kubernetes_asyncio import client
 
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.kube import (
     BACKOFFS_S,
     WRITE_BACKOFF_CAP_S,
@@ -40,7 +41,6 @@ from kvfleet.operator.kube import (
 )
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, PolicyRule, allows
-from kvfleet.operator.resources import OperatorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "team-a"

@@ -8,6 +8,7 @@ from typing import Any
 
 import jsonschema
 import prometheus_client
+import torch
 from prometheus_client import CollectorRegistry
 
 import kvfleet.operator.main  # noqa: F401  (registers the operator's metrics)
@@ -34,7 +35,7 @@ def _series(registry: CollectorRegistry) -> set[str]:
 def registered() -> set[str]:
     """Every series name the engine, the router and the operator register."""
     stats = EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
-    engine = EngineMetrics(EngineArgs(model="unused"), "m")
+    engine = EngineMetrics(EngineArgs(model="unused").for_device(torch.device("cpu")), "m")
     engine.collect_state(lambda: stats)
     router = RouterMetrics(Balancer(), Breakers(BreakerPolicy()), "tokens")
     operator = {n for n in _series(prometheus_client.REGISTRY) if n.startswith("kvfleet_")}

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvfleet.operator import metrics_scraper
+from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS
 from tests.support.promql import metric_names, registered
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "kvfleet" / "dashboards/kvfleet.json"
@@ -55,8 +56,7 @@ def test_every_panel_reads_registered_metrics():
 def test_the_dashboard_shows_what_the_autoscaler_reads():
     dashboard = json.loads(DASHBOARD.read_text())
     used = {n for _, expr in _queries(dashboard) for n in metric_names(expr)}
-    signals = {metrics_scraper.RUNNING, metrics_scraper.WAITING, metrics_scraper.KV_CACHE_USAGE,
-               metrics_scraper.HELD_REQUESTS}  # fmt: skip
+    signals = {*metrics_scraper.ENGINE_REQUIRED, ROUTER_HELD_REQUESTS}
     assert signals <= used
     assert {"kvfleet_operator_autoscaling_failures_total",
             "kvfleet_operator_scrape_failures_total"} <= used  # fmt: skip

@@ -1,0 +1,59 @@
+"""The names of the metrics one kvfleet process exports and another reads: the engine's (vLLM's
+names, so that dashboards, KEDA triggers and the Gateway API Inference Extension read kvfleet
+engines unchanged) and the router's gauge the operator scales from zero by. The exporters and
+every reader name them from here, so that a rename cannot leave a reader looking for a series
+that no longer exists; tests/telemetry/test_metric_contract.py scrapes a real engine with the
+readers. Counters are named without the ``_total`` the exposition adds."""
+
+from __future__ import annotations
+
+# The label every engine series carries: the served model name (the first one).
+MODEL_NAME = "model_name"
+# The labels of vllm:cache_config_info, after model_name.
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching")
+# Of vllm:request_success: stop, length, abort.
+FINISHED_REASON = "finished_reason"
+# Of kvfleet_engine_structured_outputs_available: why the engine runs without them.
+UNAVAILABLE_REASON = "reason"
+
+# The engine's state, read at scrape time.
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_BLOCKS = "kvfleet_engine_prefix_cache_blocks"
+MAX_NUM_SEQS = "kvfleet_engine_max_num_seqs"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
+PREEMPTIONS = "vllm:num_preemptions"
+
+# Structured outputs.
+STRUCTURED_OUTPUTS_AVAILABLE = "kvfleet_engine_structured_outputs_available"
+GRAMMAR_CACHE_ENTRIES = "kvfleet_engine_grammar_cache_entries"
+GRAMMAR_CACHE_BYTES = "kvfleet_engine_grammar_cache_bytes"
+GRAMMAR_COMPILES = "kvfleet_engine_grammar_compiles"
+GRAMMAR_COMPILER_CRASHES = "kvfleet_engine_grammar_compiler_crashes"
+
+# Requests: an outcome counter and latency histograms.
+REQUEST_SUCCESS = "vllm:request_success"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"
+REQUEST_DECODE_TIME = "vllm:request_decode_time_seconds"
+REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"
+
+ENGINE_METRICS = (
+    RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_BLOCKS, MAX_NUM_SEQS, CACHE_CONFIG_INFO,
+    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS,
+    STRUCTURED_OUTPUTS_AVAILABLE, GRAMMAR_CACHE_ENTRIES, GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILES,
+    GRAMMAR_COMPILER_CRASHES, REQUEST_SUCCESS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME,
+    REQUEST_INFERENCE_TIME,
+)  # fmt: skip
+
+# The router's requests waiting for a ready engine: the operator scales a service from zero by it.
+ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"

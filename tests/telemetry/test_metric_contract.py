@@ -1,0 +1,80 @@
+"""The metrics one process reads of another, against a real engine's /metrics: every name the
+router and the operator ask for is in its exposition, and each reader, scraping it as it does
+in operation, gets every number it looks for (the optional ones included)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.settings import ServerSettings
+from kvfleet.operator import metrics_scraper
+from kvfleet.operator.latency import LATENCY_METRICS
+from kvfleet.operator.metrics_scraper import Scraper, Target
+from kvfleet.router import engine_load
+from kvfleet.telemetry import metric_names
+from tests.support.net import http_call
+from tests.support.servers import engine_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs) -> Iterator[SimpleNamespace]:
+    """A CPU engine that has finished one request: its latency histograms have series."""
+    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
+    args = EngineArgs(model=str(model_dirs["llama"]), dtype="float32", max_num_seqs=8)
+    with engine_server(args, settings) as server:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
+        status, _, answer = http_call(server.url + "/v1/completions", body)
+        assert status == 200, answer
+        yield server
+
+
+def _exposition(url: str) -> str:
+    status, _, body = http_call(url + "/metrics")
+    assert status == 200
+    return body.decode()
+
+
+def test_every_name_a_reader_asks_for_is_exported(engine) -> None:
+    families = list(text_string_to_metric_families(_exposition(engine.url)))
+    samples = {s.name for f in families for s in f.samples}
+    read = {
+        "router": set(engine_load.NAMES),
+        "operator": set(metrics_scraper.ENGINE_NAMES),
+        "latency target": {f"{h}_bucket" for h in LATENCY_METRICS.values()},
+    }
+    for reader, names in read.items():
+        assert names <= samples, f"the {reader} reads what the engine lacks: {names - samples}"
+    # The engine exports the table's names and no other (prometheus_client adds the creation
+    # time of each counter and histogram as a gauge of its own, <name>_created).
+    exported = {f.name.removesuffix("_created") for f in families}
+    assert exported == set(metric_names.ENGINE_METRICS)
+    assert all(metric_names.MODEL_NAME in s.labels for f in families for s in f.samples)
+
+
+@pytest.mark.asyncio
+async def test_the_router_reads_the_engines_load_whole(engine) -> None:
+    async with aiohttp.ClientSession() as session, session.get(engine.url + "/metrics") as r:
+        lines = await engine_load.read_samples(r, engine_load.MAX_BODY_BYTES)
+    report = engine_load.report_of(lines, own_at_scrape=0)
+    assert (report.running, report.waiting, report.max_num_seqs) == (0, 0, 8)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("latency", sorted(LATENCY_METRICS))
+async def test_the_operator_reads_every_engine_signal(engine, latency: str) -> None:
+    target = Target("engine-0", engine.url + metrics_scraper.METRICS_PATH)
+    async with Scraper() as scraper:
+        (pod,) = await scraper.engines([target], LATENCY_METRICS[latency])
+    assert pod.error is None
+    assert (pod.running, pod.waiting) == (0, 0)
+    assert pod.kv_cache_usage is not None and 0 <= pod.kv_cache_usage <= 1
+    assert pod.cached_blocks is not None
+    assert pod.latency is not None and pod.latency[-1][1] == 1  # the one request
