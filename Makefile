@@ -55,6 +55,7 @@ run: install
 lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright
 
 # pytest exits 5 when it collects nothing: that is a failure here, not a pass.
 # KVFLEET_REQUIRE_TOOLS: the tools were just installed, so a test that cannot find one fails.
