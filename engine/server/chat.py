@@ -35,7 +35,7 @@ from kvfleet.engine.server.tools import (
     plan_tools,
     template_reads_tools,
 )
-from kvfleet.engine.server.validation import BODY_BYTES, parse_body, refused
+from kvfleet.engine.server.validation import BODY_BYTES, invalid_as_400, parse_body, refused
 from kvfleet.protocol.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatMessage,
@@ -246,10 +246,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         (plan, tool_settings),
     )  # fmt: skip
     constraint, field = req.constraint
+    with invalid_as_400():
+        params = plan.sampling(req.sampling_params(req.requested_max_tokens))
     admitted = ctx.admit_prompts(
         [ids],
-        req.requested_max_tokens,
-        lambda max_tokens: plan.sampling(req.sampling_params(max_tokens)),
+        params,
         prompt_param="messages",
         constraint_param=field if constraint is not None else "tool_choice",
     )

@@ -15,7 +15,7 @@ from kvfleet.engine.server.openai_responses import (
     random_id,
 )
 from kvfleet.engine.server.serving import SERVING, ServingContext, traced
-from kvfleet.engine.server.validation import parse_body
+from kvfleet.engine.server.validation import invalid_as_400, parse_body
 from kvfleet.telemetry.genai import TEXT_COMPLETION
 
 
@@ -189,10 +189,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     texts = [p if isinstance(p, str) else None for p in raw_prompts]
     # max_tokens 0 (echo only) still runs one step: the prompt's last position samples.
     scoring_only = req.max_tokens == 0
+    with invalid_as_400():
+        params = req.sampling_params(1 if scoring_only else req.max_tokens)
     admitted = ctx.admit_prompts(
         prompts,
-        1 if scoring_only else req.max_tokens,
-        req.sampling_params,
+        params,
         texts,
         prompt_param="prompt",
         constraint_param=req.constraint[1],

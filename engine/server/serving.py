@@ -14,7 +14,6 @@ from functools import lru_cache, partial
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.grammar import GrammarError
@@ -26,7 +25,6 @@ from kvfleet.engine.server.streaming import merge_streams
 from kvfleet.engine.server.validation import (
     check_model,
     in_parse_thread,
-    validation_error,
 )
 from kvfleet.engine.structured_output import GrammarJob
 from kvfleet.telemetry.genai import GenAISpan
@@ -172,8 +170,7 @@ class ServingContext:
     def admit_prompts(
         self,
         prompts: list[list[int]],
-        requested_max_tokens: int | None,
-        make_params: Callable[[int | None], SamplingParams],
+        params: SamplingParams,
         texts: list[str | None] | None = None,
         *,
         prompt_param: str,
@@ -185,12 +182,8 @@ class ServingContext:
         `prompt_param` for the prompt, `constraint_param` for the constraint."""
         requests = []
         jobs = []
+        constraint = params.structured_outputs
         for i, ids in enumerate(prompts):
-            try:
-                params = make_params(requested_max_tokens)
-            except ValidationError as e:
-                raise validation_error(e) from None
-            constraint = params.structured_outputs
             job = None if constraint is None else self.engine.compile_grammar(constraint)
             grammar = None if job is None else job.future
             text = texts[i] if texts else None

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -91,6 +92,16 @@ def _validate(raw: bytes, model: type[M]) -> M:
         raise bad_request("the request body must be a JSON object")
     try:
         return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+@contextlib.contextmanager
+def invalid_as_400() -> Iterator[None]:
+    """A ValidationError raised inside (building a request's sampling parameters) is that
+    request's 400."""
+    try:
+        yield
     except ValidationError as e:
         raise validation_error(e) from None
 
