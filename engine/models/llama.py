@@ -1,8 +1,11 @@
 """The Llama decoder family: Llama 2/3.x, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
-One implementation; the architectures differ only in the switches read from their configs."""
+One implementation; the architectures differ only in the switches read from their configs. The
+mixture-of-experts families built on it (kvfleet.engine.models.mixture_of_experts) swap the MLP
+of some layers for a sparse one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +23,12 @@ from kvfleet.engine.layers.linear import (
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
 from kvfleet.engine.models.causal_lm import CausalLM, DecoderModel
+
+# Architectures whose attention RMS-normalises each head of q and k before the rotation.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+# Builds the MLP of a layer from the config and the layer's index.
+MlpFactory = Callable[[Any, int], nn.Module]
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -58,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.qk_norm = arch in QK_NORM_ARCHITECTURES
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -97,19 +106,32 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def dense_mlp(config: Any, layer_idx: int) -> nn.Module:
+    return LlamaMLP(config)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, arch: str, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        arch: str,
+        rotary: RotaryEmbedding,
+        make_mlp: MlpFactory = dense_mlp,
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, arch, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # With fp8 linears, the layers that feed them quantize their own outputs.
-        for producer, consumer in (
-            (self.input_layernorm, self.self_attn.qkv_proj),
-            (self.post_attention_layernorm, self.mlp.gate_up_proj),
-            (self.mlp.act, self.mlp.down_proj),
-        ):
+        feeds: list[tuple[Any, Any]] = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            feeds += [
+                (self.post_attention_layernorm, self.mlp.gate_up_proj),
+                (self.mlp.act, self.mlp.down_proj),
+            ]
+        for producer, consumer in feeds:
             if consumer.fp8:
                 producer.fp8_output = Fp8Input(consumer)
 
@@ -127,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, config: Any, arch: str) -> None:
+    def __init__(self, config: Any, arch: str, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or (
@@ -136,7 +158,8 @@ class LlamaModel(DecoderModel):
         # One cos/sin table shared by every layer.
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, arch, rotary) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, arch, rotary, make_mlp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -65,6 +65,14 @@ def iter_checkpoint(path: Path, *, progress: bool = True) -> Iterator[tuple[str,
                     bar.update()
 
 
+def _packed_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    """The parameter (and shard of it) a checkpoint tensor goes into, fused or not."""
+    for piece, (fused, shard) in packed.items():
+        if f".{piece}." in name:
+            return name.replace(f".{piece}.", f".{fused}."), shard
+    return name, None
+
+
 def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None:
     """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
     Unknown tensors and parameters left unloaded are errors, not silent random weights.
@@ -72,21 +80,22 @@ def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None
 
     A model whose checkpoint layout differs from its parameters (GPT-2: transposed Conv1D
     matrices, q/k/v in one tensor) defines ``checkpoint_tensors`` to rewrite the stream of
-    (name, tensor) pairs first."""
+    (name, tensor) pairs first. One whose tensors go into stacked parameters (a mixture of
+    experts' per-expert matrices) defines ``checkpoint_shard``: a name -> (parameter, shard), or
+    None for the usual placement; such a parameter lists its shards in ``checkpoint_shards``."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
     rewrite: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
     rewrite = getattr(model, "checkpoint_tensors", lambda tensors: tensors)
+    locate: Callable[[str], tuple[str, str] | None]
+    locate = getattr(model, "checkpoint_shard", lambda name: None)
     loaded: set[str] = set()
     for name, tensor in rewrite(iter_checkpoint(path, progress=progress)):
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        for piece, (fused, shard_id) in packed.items():
-            if f".{piece}." in name:
-                target, shard = name.replace(f".{piece}.", f".{fused}."), shard_id
-                break
+        placed = locate(name)
+        target, shard = placed or _packed_target(name, packed)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
@@ -105,9 +114,11 @@ def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None
             sibling = f"{target.rsplit('.', 1)[0]}.{derived}"
             loaded.add(sibling if shard is None else f"{sibling}#{shard}")
     expected = set()
-    for name in params:
+    for name, param in params.items():
         module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-        shards = [s for (fused, s) in packed.values() if fused == module]
+        shards = getattr(param, "checkpoint_shards", None) or [
+            s for (fused, s) in packed.values() if fused == module
+        ]
         expected.update(f"{name}#{s}" for s in shards) if shards else expected.add(name)
     if tied:
         expected.discard("lm_head.weight")

@@ -2,9 +2,9 @@
 
 Nothing is downloaded. :func:`build_tokenizer` trains a byte-level BPE tokenizer on a small
 English corpus held in this module; :func:`build_tiny_model` builds a Llama / Mistral / Qwen2 /
-Qwen3 / GPT-2 / Gemma 2 model with that tokenizer and saves both as an ordinary Hugging Face
-model directory (``config.json``, ``generation_config.json``, safetensors weights,
-``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``), loadable with
+Qwen3 / GPT-2 / Gemma 2 / Mixtral / Qwen3-MoE model with that tokenizer and saves both as an
+ordinary Hugging Face model directory (``config.json``, ``generation_config.json``, safetensors
+weights, ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``), loadable with
 ``AutoTokenizer`` and ``AutoModelForCausalLM``.
 
 Weights are re-initialised so the model is a useful test oracle rather than a flat one:
@@ -56,11 +56,13 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
@@ -74,6 +76,9 @@ ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 #: Architectures with their own config names and layer structure.
 OTHER_ARCHITECTURES: tuple[str, ...] = ("gpt2", "gemma2")
 ALL_ARCHITECTURES: tuple[str, ...] = ARCHITECTURES + OTHER_ARCHITECTURES
+#: Mixtures of experts: kept out of ALL_ARCHITECTURES, whose session-wide fixtures build every
+#: entry (and whose GPU tests run each one); their tests parametrize over this list instead.
+MOE_ARCHITECTURES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 
 _CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
@@ -82,6 +87,8 @@ _CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
     "gpt2": (GPT2Config, "GPT2LMHeadModel"),
     "gemma2": (Gemma2Config, "Gemma2ForCausalLM"),
+    "mixtral": (MixtralConfig, "MixtralForCausalLM"),
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
 }
 # Norms HF applies as (1 + weight): initialised around 0 so their scale is still about 1.
 _ZERO_CENTRED_NORMS = ("Gemma2RMSNorm",)
@@ -517,14 +524,26 @@ def _make_config(
         "rms_norm_eps": 1e-6,
         "attention_dropout": 0.0,
     }
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         # MistralConfig defaults to a 4096-token sliding window. A tiny model is full-attention
         # unless the caller asks otherwise (sliding_window=... in config_overrides), so a window
         # never applies silently.
         kwargs["sliding_window"] = None
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         # Qwen3Config defaults head_dim to 128 regardless of hidden_size.
         kwargs["head_dim"] = hidden_size // num_heads
+    if arch == "mixtral":
+        # Mixtral-8x7B's routing, 8 experts and the top 2, at the tiny width.
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        # Qwen3-30B-A3B routes to 8 of 128 experts of a narrow width; tiny: 3 of 8, each half
+        # as wide as the dense MLP. norm_topk_prob as the real one (True) by default.
+        kwargs.update(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=hidden_size,
+            norm_topk_prob=True,
+        )
     if arch == "gemma2":
         # Gemma2Config's defaults are gemma-2-9b's (head_dim 256, a 4096-token window). Tiny
         # ones instead, with a window short enough to matter on a 200-token prompt, and a query
@@ -555,7 +574,18 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     done: set[int] = set()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear | Conv1D):
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter):
+            # Mixture-of-experts weights, stacked [experts, out, in] like Linear weights.
+            for stacked in (gate_up, down):
+                normal_(stacked, 0.0, math.sqrt(1.0 / stacked.shape[-1]))
+                done.add(id(stacked))
+            continue
+        if "Router" in type(module).__name__ and isinstance(weight, nn.Parameter):
+            # The router's logits have a standard deviation near 1: routing depends on the
+            # token, and the k-th and next expert's probabilities are rarely near ties.
+            normal_(weight, 0.0, math.sqrt(1.0 / weight.shape[-1]))
+        elif isinstance(module, nn.Linear | Conv1D):
             # Conv1D (GPT-2) stores its weight [in, out].
             fan_in = module.in_features if isinstance(module, nn.Linear) else module.weight.shape[0]
             gain = 2.0 if module is output_embeddings else 1.0

@@ -1,0 +1,156 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts, each expert is a gated MLP,
+and the token's output is the routing-weighted sum of its experts' outputs.
+
+The experts' weights are stacked per layer, ``gate_up_proj`` [experts, 2 * intermediate, hidden]
+(gate rows then up rows, as a dense MergedColumnParallelLinear holds them) and ``down_proj``
+[experts, hidden, intermediate]: the layout a grouped GEMM reads, one expert's matrix after the
+other. Checkpoints store one tensor per expert and projection; the loader places each as a shard
+named ``"{expert}.gate"``, ``"{expert}.up"`` or ``"{expert}"`` (down).
+
+``route`` and ``experts_reference`` are pure functions: the routing every family shares, and the
+pure-PyTorch computation of the experts (the CPU path, and the oracle of a fused kernel)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvfleet.engine.distributed import tp_size
+from kvfleet.engine.layers.fp8 import current_fp8
+from kvfleet.engine.layers.linear import CheckpointShapes, set_load_attrs
+from kvfleet.kernels import reference
+
+GATE_UP_SHARDS = ("gate", "up")
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (in fp32), the top_k most probable per token, their
+    probabilities rescaled to sum to 1 when ``renormalize``. Returns (weights fp32 [tokens,
+    top_k], expert ids int64 [tokens, top_k]), most probable first."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_reference(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * down[e] @ act_and_mul(gate_up[e] @ x[t]) over the experts e =
+    ids[t, j] of each token t. The (token, expert) pairs are sorted by expert, so each expert
+    runs once over all its tokens, as the grouped GEMM will."""
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    sorted_weights = weights.reshape(-1)[order]
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        h = reference.act_and_mul(x[rows] @ gate_up[expert].t(), activation)
+        y = (h @ down[expert].t()).float() * sorted_weights[start : start + count, None]
+        out.index_add_(0, rows, y)
+        start += count
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer, weights stacked (see the module docstring). Loading takes one
+    checkpoint tensor per expert and projection (``weight_loader`` with its shard name); the
+    loader tags (``checkpoint_shapes``, ``checkpoint_shards``) list them all, so dummy weights
+    are generated per expert as a checkpoint holds them and a missing expert is an error."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str
+    ) -> None:
+        super().__init__()
+        if current_fp8() is not None:
+            raise ValueError("fp8 quantization of mixture-of-experts models is not supported yet")
+        if tp_size() > 1:
+            raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
+        if act not in reference.GATED_ACTIVATIONS:
+            known = sorted(reference.GATED_ACTIVATIONS)
+            raise ValueError(f"unsupported expert activation {act!r}; known: {known}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} with {num_experts} experts")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.activation = act
+        inter, hidden = intermediate_size, hidden_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        gate_up_shapes: CheckpointShapes = {
+            f"{e}.{part}": (inter, hidden) for e in range(num_experts) for part in GATE_UP_SHARDS
+        }
+        down_shapes: CheckpointShapes = {str(e): (hidden, inter) for e in range(num_experts)}
+        for param, shapes in ((self.gate_up_proj, gate_up_shapes), (self.down_proj, down_shapes)):
+            set_load_attrs(
+                param,
+                weight_loader=self.weight_loader,
+                checkpoint_shapes=shapes,
+                checkpoint_shards=tuple(shapes),
+            )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
+        """Copies one expert's checkpoint tensor into its slice of the stacked parameter."""
+        if shard is None:
+            raise ValueError(f"{type(self).__name__}: expert weights load one expert at a time")
+        expert_str, _, part = shard.partition(".")
+        expert = int(expert_str)
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} of a layer with {self.num_experts} experts")
+        dest = param.data[expert]
+        if param is self.gate_up_proj:
+            dest = dest.narrow(
+                0, GATE_UP_SHARDS.index(part) * self.intermediate_size, dest.shape[0] // 2
+            )
+        if dest.shape != loaded.shape:
+            raise ValueError(
+                f"expert {shard}: checkpoint shape {tuple(loaded.shape)} != {tuple(dest.shape)}"
+            )
+        dest.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_reference(
+            x, self.gate_up_proj, self.down_proj, weights, ids, self.activation
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: the router ``gate`` (a plain linear kept in the model dtype,
+    never quantized or split: every rank routes every token) and the ``experts``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        act: str,
+        renormalize: bool,
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, act)
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)
