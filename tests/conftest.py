@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.support.tiny_model import ALL_ARCHITECTURES, build_tiny_model
+    from tests.support.tiny_model import ALL_ARCHITECTURES, MOE_ARCHITECTURES, build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
-    return {arch: build_tiny_model(root / arch, arch) for arch in ALL_ARCHITECTURES}
+    archs = ALL_ARCHITECTURES + MOE_ARCHITECTURES
+    return {arch: build_tiny_model(root / arch, arch) for arch in archs}
 
 
 @pytest.fixture(scope="session")

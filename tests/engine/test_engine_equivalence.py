@@ -1,6 +1,6 @@
 """Greedy outputs equal HF transformers token for token, on every supported architecture (the
-Llama family, GPT-2, Gemma 2), also when preemption, chunked prefill or the prefix cache are in
-play."""
+Llama family, GPT-2, Gemma 2, the mixtures of experts Mixtral and Qwen3-MoE), also when
+preemption, chunked prefill or the prefix cache are in play."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 
 from kvfleet.engine import LLM, SamplingParams
 from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
-from tests.support.tiny_model import ALL_ARCHITECTURES, build_tiny_model
+from tests.support.tiny_model import ALL_ARCHITECTURES, MOE_ARCHITECTURES, build_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+EVERY_ARCHITECTURE = ALL_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -18,7 +19,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("arch", EVERY_ARCHITECTURE)
 def test_greedy_equals_hf(arch, model_dirs, prompts, hf_reference):
     llm = LLM(str(model_dirs[arch]), dtype="float32")
     assert _generate(llm, prompts) == hf_reference[arch]
@@ -26,7 +27,7 @@ def test_greedy_equals_hf(arch, model_dirs, prompts, hf_reference):
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("arch", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("arch", EVERY_ARCHITECTURE)
 def test_greedy_equals_hf_under_preemption(arch, model_dirs, prompts, hf_reference):
     # 19 usable blocks hold one 232-token sequence (15 blocks) but never the whole batch.
     llm = LLM(str(model_dirs[arch]), dtype="float32", num_gpu_blocks_override=20)
@@ -35,7 +36,7 @@ def test_greedy_equals_hf_under_preemption(arch, model_dirs, prompts, hf_referen
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("arch", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("arch", EVERY_ARCHITECTURE)
 def test_greedy_equals_hf_with_chunked_prefill(arch, model_dirs, prompts, hf_reference):
     budget = 48
     assert max(map(len, prompts)) > budget
@@ -61,8 +62,9 @@ def test_greedy_equals_hf_with_chunked_prefill(arch, model_dirs, prompts, hf_ref
     assert_no_leak(llm)
 
 
-def test_prefix_cache_hit_equals_uncached_run(model_dirs, prompts):
-    path = str(model_dirs["llama"])
+@pytest.mark.parametrize("arch", ["llama", *MOE_ARCHITECTURES])
+def test_prefix_cache_hit_equals_uncached_run(arch, model_dirs, prompts):
+    path = str(model_dirs[arch])
     prefix = prompts[-1][:64]
     first, second = [*prefix, 11, 12, 13], [*prefix, 21, 22, 23, 24, 25]
 
