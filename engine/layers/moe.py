@@ -126,6 +126,11 @@ class FusedMoE(nn.Module):
         dest.copy_(loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # The PyTorch path reads each expert's token count on the host.
+            raise RuntimeError(
+                "mixture-of-experts models have no CUDA-graph path yet: run with --enforce-eager"
+            )
         return experts_reference(
             x, self.gate_up_proj, self.down_proj, weights, ids, self.activation
         )
