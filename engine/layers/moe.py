@@ -7,6 +7,10 @@ The experts' weights are stacked per layer, ``gate_up_proj`` [experts, 2 * inter
 other. Checkpoints store one tensor per expert and projection; the loader places each as a shard
 named ``"{expert}.gate"``, ``"{expert}.up"`` or ``"{expert}"`` (down).
 
+Tensor parallelism splits every expert's intermediate dimension, as a dense MLP's: each rank holds
+its rows of every gate/up and its columns of every down projection, routes every token alike (the
+router is replicated) and the partial outputs are summed across ranks.
+
 ``route`` and ``experts_reference`` are pure functions: the routing every family shares, and the
 pure-PyTorch computation of the experts (the CPU path, and the oracle of a fused kernel)."""
 
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvfleet.engine.distributed import tp_size
+from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 from kvfleet.engine.layers.fp8 import current_fp8
 from kvfleet.engine.layers.linear import CheckpointShapes, set_load_attrs
 from kvfleet.kernels import reference
@@ -78,8 +82,12 @@ class FusedMoE(nn.Module):
         super().__init__()
         if current_fp8() is not None:
             raise ValueError("fp8 quantization of mixture-of-experts models is not supported yet")
-        if tp_size() > 1:
-            raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
+        size = tp_size()
+        if intermediate_size % size:
+            raise ValueError(
+                f"the experts' intermediate size {intermediate_size} does not split over {size} "
+                "tensor-parallel ranks"
+            )
         if act not in reference.GATED_ACTIVATIONS:
             known = sorted(reference.GATED_ACTIVATIONS)
             raise ValueError(f"unsupported expert activation {act!r}; known: {known}")
@@ -87,13 +95,15 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} with {num_experts} experts")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        # This rank's share of each expert's intermediate dimension.
+        self.intermediate_size = intermediate_size // size
         self.activation = act
         inter, hidden = intermediate_size, hidden_size
+        part = self.intermediate_size
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * inter, hidden), requires_grad=False
+            torch.empty(num_experts, 2 * part, hidden), requires_grad=False
         )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, part), requires_grad=False)
         gate_up_shapes: CheckpointShapes = {
             f"{e}.{part}": (inter, hidden) for e in range(num_experts) for part in GATE_UP_SHARDS
         }
@@ -107,23 +117,28 @@ class FusedMoE(nn.Module):
             )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None):
-        """Copies one expert's checkpoint tensor into its slice of the stacked parameter."""
+        """Copies this rank's part of one expert's checkpoint tensor into its slice of the
+        stacked parameter."""
         if shard is None:
             raise ValueError(f"{type(self).__name__}: expert weights load one expert at a time")
         expert_str, _, part = shard.partition(".")
         expert = int(expert_str)
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} of a layer with {self.num_experts} experts")
+        n = self.intermediate_size
         dest = param.data[expert]
-        if param is self.gate_up_proj:
-            dest = dest.narrow(
-                0, GATE_UP_SHARDS.index(part) * self.intermediate_size, dest.shape[0] // 2
-            )
-        if dest.shape != loaded.shape:
+        # gate/up: this rank's rows of the expert's [intermediate, hidden]; down: its columns of
+        # [hidden, intermediate].
+        axis = 0 if param is self.gate_up_proj else 1
+        if axis == 0:
+            dest = dest.narrow(0, GATE_UP_SHARDS.index(part) * n, n)
+        whole = list(dest.shape)
+        whole[axis] *= tp_size()
+        if list(loaded.shape) != whole:
             raise ValueError(
-                f"expert {shard}: checkpoint shape {tuple(loaded.shape)} != {tuple(dest.shape)}"
+                f"expert {shard}: checkpoint shape {tuple(loaded.shape)} != {tuple(whole)}"
             )
-        dest.copy_(loaded)
+        dest.copy_(loaded.narrow(axis, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -138,7 +153,7 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: the router ``gate`` (a plain linear kept in the model dtype,
-    never quantized or split: every rank routes every token) and the ``experts``."""
+    never quantized or split: every rank routes every token alike) and the ``experts``."""
 
     def __init__(
         self,
@@ -158,4 +173,5 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        # Each rank's experts hold a slice of the intermediate dimension: partial sums.
+        return all_reduce(self.experts(x, weights, ids))

@@ -1,7 +1,8 @@
 """Mixtures of experts beyond the shared HF-equality suite (tests/engine/test_engine_equivalence.py
 runs Mixtral and Qwen3-MoE too): the routing and the experts' computation against their direct
 formulas, Qwen3-MoE's dense/sparse layer mix and unnormalised top-k, the per-expert checkpoint
-tensors into the stacked weights, and dummy weights."""
+tensors into the stacked weights, and dummy weights. Two tensor-parallel ranks are in
+tests/engine/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -132,9 +133,9 @@ def test_dummy_weights_differ_per_expert(tmp_path):
     assert_no_leak(llm)
 
 
-def test_fp8_and_tensor_parallel_experts_are_refused(monkeypatch):
+def test_fp8_experts_and_an_unsplittable_width_are_refused(monkeypatch):
     with fp8_linear_layers(Fp8Config()), pytest.raises(ValueError, match="fp8 quantization"):
         FusedMoE(4, 2, 16, 8, "silu")
-    monkeypatch.setattr("kvfleet.engine.layers.moe.tp_size", lambda: 2)
-    with pytest.raises(ValueError, match="tensor parallelism"):
+    monkeypatch.setattr("kvfleet.engine.layers.moe.tp_size", lambda: 3)
+    with pytest.raises(ValueError, match="intermediate size 8 does not split over 3"):
         FusedMoE(4, 2, 16, 8, "silu")

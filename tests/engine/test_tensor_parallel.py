@@ -1,6 +1,7 @@
 """Tensor-parallel layers on the CPU: a tiny Llama split over 2 gloo ranks (column/row-parallel
 linears, vocabulary-parallel embedding and LM head, each rank holding its KV heads) computes the
-same logits as the unsplit model."""
+same logits as the unsplit model; the engine over 2 ranks generates what 1 does, also for the
+mixtures of experts (each expert's intermediate dimension split)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def _greedy(path: str, tp: int, **engine_args) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "mixtral", "qwen3_moe"])
 def test_engine_with_two_ranks_generates_what_one_rank_does(model_dirs, arch):
     """Chunked prefill (48-token budget) and a 14-block cache that forces preemption: the plan
     each worker gets must carry every block-table change, across steps and re-admissions."""
