@@ -98,12 +98,11 @@ class FusedMoE(nn.Module):
         # This rank's share of each expert's intermediate dimension.
         self.intermediate_size = intermediate_size // size
         self.activation = act
-        inter, hidden = intermediate_size, hidden_size
-        part = self.intermediate_size
+        inter, hidden, local = intermediate_size, hidden_size, self.intermediate_size
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * part, hidden), requires_grad=False
+            torch.empty(num_experts, 2 * local, hidden), requires_grad=False
         )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, part), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local), requires_grad=False)
         gate_up_shapes: CheckpointShapes = {
             f"{e}.{part}": (inter, hidden) for e in range(num_experts) for part in GATE_UP_SHARDS
         }

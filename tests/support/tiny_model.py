@@ -19,6 +19,9 @@ Weights are re-initialised so the model is a useful test oracle rather than a fl
   near ties are rare. With ``tie_word_embeddings`` the shared matrix is N(0, 2/hidden_size),
   which keeps the logits at the same scale (the small input embedding is rescaled by the first
   RMSNorm anyway);
+* a mixture of experts' stacked expert matrices like ``nn.Linear`` weights, N(0, 1/fan_in), and
+  its router's too, so router logits have a standard deviation near 1 (routing depends on the
+  token; near ties between the k-th and the next expert are rare);
 * every norm weight (input / post-attention / final RMSNorm, Qwen3 q/k norm, GPT-2 LayerNorm)
   is ``1 + 0.1 * N(0, 1)``, so a norm that ignores its weight (or mixes up which one) is
   caught; Gemma 2's norms, applied as ``1 + weight``, store ``0.1 * N(0, 1)``; GPT-2's
