@@ -112,6 +112,7 @@ class RunSettings(BaseModel):
     @classmethod
     def _host_port(cls, address: str) -> str:
         port = address.rpartition(":")[2]
-        if not (port.isdigit() and 0 < int(port) < 65536):
+        # Port 0 is any free one, as for the engine's and the router's --port.
+        if not (port.isdigit() and int(port) < 65536):
             raise ValueError(f"{address!r} is not HOST:PORT")
         return address

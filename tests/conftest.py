@@ -7,6 +7,7 @@ protocol's, the router's) starts without torch, transformers or kmock."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,12 @@ import pytest_asyncio
 
 if TYPE_CHECKING:
     from tests.support.kmock import APIServer
+
+# Without an NVIDIA device the kernels run only in Triton's interpreter, which is chosen when
+# triton is first imported; a test module's import can import it indirectly (transformers'
+# integrations do, through torch._dynamo), so the session turns it on before collecting any.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
