@@ -210,7 +210,7 @@ async def test_writes_that_keep_conflicting_come_further_apart_then_converge(clu
     demo["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
     async with run_operator(registry, settings):
         await create(k, demo, "demo")
-        await eventually(lambda: len(children_of(k, "demo")) == 7)
+        await eventually(lambda: set(children_of(k, "demo")) == child_names("demo"))
         await eventually(lambda: condition(k.live(ISVCS, NS, "demo"), "Progressing"))
         objects = [url(ISVCS, "demo", "status")] + [
             url(f"{child['apiVersion']}/{PLURALS[child['kind']]}", child["metadata"]["name"])
