@@ -57,3 +57,14 @@ ENGINE_METRICS = (
 
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
 ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"
+
+# LoRA adapters. vllm:lora_requests_info as vLLM exports it: one gauge series whose labels name
+# the adapters of the running and the waiting requests (comma-separated) and the engine's
+# max_loras; its value is the time of the last change. The router reads which adapters an engine
+# holds from kvfleet_engine_lora_resident: one series per adapter held, labelled by its name and
+# the tier that holds it ("gpu": in a GPU slot, ready for a batch; "cpu": in host memory).
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_REQUESTS_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+LORA_RESIDENT = "kvfleet_engine_lora_resident"
+LORA_NAME = "lora_name"
+LORA_TIER = "tier"
