@@ -44,6 +44,17 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None, *, port: int
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
     if e.tool_call_parser is not None:
         args += ["--tool-call-parser", e.tool_call_parser]
+    if spec.adapters:
+        # The adapters themselves (--lora-modules) are not here: they come from the adapters
+        # ConfigMap when the container starts (resources.py), so that changing them changes
+        # no pod template; running engines get them through the load and unload endpoints.
+        args += [
+            "--enable-lora",
+            "--max-loras", str(e.max_loras),
+            "--max-cpu-loras", str(e.max_cpu_loras),
+            "--max-lora-rank", str(e.max_lora_rank),
+            "--enable-runtime-lora-updating",
+        ]  # fmt: skip
     return args + list(e.extra_args)
 
 

@@ -8,7 +8,10 @@ Per InferenceService ``<name>`` in namespace ``<ns>``:
   ``http://<name>.<ns>.svc/v1``.
 * ServiceAccount, Role and RoleBinding ``<name>-router``: the router may read EndpointSlices in
   its own namespace, nothing else (see rbac.py).
-* ConfigMap ``<name>-model-download`` for hf:// models: the download script of the init container.
+* ConfigMap ``<name>-model-download`` for hf:// models and adapters: the download script of the
+  init container (and of the adapter downloader).
+* ConfigMap ``<name>-adapters`` when the spec has adapters: their list, which the engine pods
+  read (adapters.py).
 * PodDisruptionBudgets ``<name>-engine`` and ``<name>-router``: how many engine and router pods a
   node drain may evict at once (spec.engine.disruptionBudget, spec.routing.disruptionBudget).
 
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfleet.operator import model_download
+from kvfleet.operator import adapters, model_download
+from kvfleet.operator.adapters import MODELS_DIR, PVC_MOUNT, hf_dir
 from kvfleet.operator.api import (
     API_VERSION,
     KIND,
@@ -56,8 +60,6 @@ PRESTOP_SLEEP_SECONDS = 5
 # tensor-parallel workers and exiting, before the kubelet's SIGKILL.
 SHUTDOWN_MARGIN_SECONDS = 15
 
-MODELS_DIR = "/models"
-PVC_MOUNT = "/mnt/model"
 SCRIPT_DIR = "/etc/kvfleet/model-download"
 SCRIPT_FILE = "download.py"
 RUN_AS = 1000
@@ -174,10 +176,6 @@ def _http_probe(path: str, *, period: int, timeout: int, failures: int) -> dict[
     }
 
 
-def _hf_model_dir(repo: str, revision: str) -> str:
-    return f"{MODELS_DIR}/{repo.replace('/', '--')}/{revision.replace('/', '--')}"
-
-
 def model_download_script() -> str:
     # The module's own file: kvfleet.operator is a namespace package, which
     # importlib.resources cannot read in pip's default editable mode (its path is a
@@ -219,12 +217,7 @@ def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _Mode
                 ],
                 mounts=[{"name": "model", "mountPath": PVC_MOUNT, "readOnly": True}],
             )
-    model_dir = _hf_model_dir(src.repo, src.revision)
-    models_volume: dict[str, Any] = (
-        {"name": "models", "persistentVolumeClaim": {"claimName": spec.model_cache.claim_name}}
-        if spec.model_cache is not None
-        else {"name": "models", "emptyDir": {}}
-    )
+    model_dir = hf_dir(src.repo, src.revision)
     env: list[dict[str, Any]] = [
         {"name": "MODEL_REPO", "value": src.repo},
         {"name": "MODEL_REVISION", "value": src.revision},
@@ -244,24 +237,96 @@ def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _Mode
         "env": env,
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": _restricted_container_security(),
-        "volumeMounts": [
-            {"name": "models", "mountPath": MODELS_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "model-download", "mountPath": SCRIPT_DIR, "readOnly": True},
-        ],
+        "volumeMounts": _download_mounts(),
     }
     return _ModelWiring(
         path=model_dir,
-        volumes=[
-            models_volume,
-            {
-                "name": "model-download",
-                "configMap": {"name": download_config_name(owner.name), "defaultMode": 0o444},
-            },
-        ],
+        volumes=_download_volumes(owner, spec),
         mounts=[{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
         init_containers=[download],
     )
+
+
+def _download_volumes(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The model cache volume and the download script, for hf:// models and adapters."""
+    models: dict[str, Any] = (
+        {"name": "models", "persistentVolumeClaim": {"claimName": spec.model_cache.claim_name}}
+        if spec.model_cache is not None
+        else {"name": "models", "emptyDir": {}}
+    )
+    script = {
+        "name": "model-download",
+        "configMap": {"name": download_config_name(owner.name), "defaultMode": 0o444},
+    }
+    return [models, script]
+
+
+def _download_mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "models", "mountPath": MODELS_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "model-download", "mountPath": SCRIPT_DIR, "readOnly": True},
+    ]
+
+
+# How often the adapter downloader rereads the adapters ConfigMap for hf:// adapters to fetch.
+ADAPTER_DOWNLOAD_INTERVAL_SECONDS = 15
+
+
+def _adapter_wiring(
+    owner: Owner, spec: InferenceServiceSpec, image: str, model: _ModelWiring
+) -> list[dict[str, Any]]:
+    """Adds what adapters need to the model's wiring: the adapters ConfigMap, the model cache
+    volume (hf:// adapters are downloaded into it, by an init container before the engine
+    starts and by a container beside it for those added later) and the pvc:// adapters'
+    claims. Returns the containers beside the engine. Nothing here depends on the adapters'
+    names or hf:// sources, so editing them changes no template (adapters.py)."""
+    if not any(v["name"] == "models" for v in model.volumes):
+        model.volumes += _download_volumes(owner, spec)
+        model.mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    config = {"name": "adapters", "mountPath": adapters.ADAPTERS_DIR, "readOnly": True}
+    model.volumes.append(
+        {
+            "name": "adapters",
+            "configMap": {
+                "name": adapters.adapters_config_name(owner.name),
+                "defaultMode": 0o444,
+            },
+        }
+    )
+    model.mounts.append(config)
+    for claim in adapters.adapter_claims(spec):
+        volume = adapters.claim_volume(claim)
+        model.volumes.append(
+            {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        )
+        model.mounts.append(
+            {
+                "name": volume,
+                "mountPath": f"{adapters.ADAPTER_CLAIMS_DIR}/{claim}",
+                "readOnly": True,
+            }
+        )
+    command = [
+        "python3",
+        f"{SCRIPT_DIR}/{SCRIPT_FILE}",
+        "--adapters",
+        f"{adapters.ADAPTERS_DIR}/{adapters.DOWNLOADS_FILE}",
+    ]
+    downloader = {
+        "image": image,
+        **_pull_policy(spec),
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        ],
+        "resources": {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": _restricted_container_security(),
+        "volumeMounts": [*_download_mounts(), config],
+    }
+    model.init_containers.append({"name": "adapter-download", **downloader, "command": command})
+    watch = ["--watch", str(ADAPTER_DOWNLOAD_INTERVAL_SECONDS)]
+    return [{"name": "adapter-downloader", **downloader, "command": command + watch}]
 
 
 def _pull_policy(spec: InferenceServiceSpec) -> dict[str, str]:
@@ -331,6 +396,7 @@ def engine_deployment(
     e = spec.engine
     image = e.image or config.default_engine_image(spec)
     model = _model_wiring(owner, spec, image)
+    beside = _adapter_wiring(owner, spec, image, model) if spec.adapters else []
     volumes = [{"name": "tmp", "emptyDir": {}}, *model.volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts]
     if spec.resources.gpus > 1:
@@ -349,7 +415,12 @@ def engine_deployment(
         "name": "engine",
         "image": image,
         **_pull_policy(spec),
-        "command": ["kvfleet-engine"],
+        # With adapters, a shell adds those of the adapters ConfigMap to the arguments.
+        "command": (
+            ["/bin/sh", "-c", adapters.ENGINE_START_SCRIPT, "kvfleet-engine"]
+            if spec.adapters
+            else ["kvfleet-engine"]
+        ),
         "args": engine_args(spec, model.path, port=ENGINE_PORT),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _engine_env(spec),
@@ -387,7 +458,7 @@ def engine_deployment(
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": _restricted_pod_security(),
         **_scheduling(spec),
-        "containers": [container],
+        "containers": [container, *beside],
         "volumes": volumes,
     }
     if model.init_containers:
@@ -592,6 +663,18 @@ def download_config_map(owner: Owner) -> dict[str, Any]:
     )
 
 
+def adapters_config_map(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The adapters of the spec, as the engine pods read them (adapters.py)."""
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _metadata(owner, adapters.adapters_config_name(owner.name), "engine"),
+            "data": adapters.config_data(spec),
+        }
+    )
+
+
 def build_children(
     owner: Owner,
     spec: InferenceServiceSpec,
@@ -601,8 +684,10 @@ def build_children(
     """All desired children, in creation order (what a pod needs exists before the pod);
     deployment_replicas: the engine Deployment's, as engine_deployment takes them."""
     children = []
-    if spec.model.parsed_source.kind == "hf":
+    if spec.model.parsed_source.kind == "hf" or spec.adapters:
         children.append(download_config_map(owner))
+    if spec.adapters:
+        children.append(adapters_config_map(owner, spec))
     children += [
         router_service_account(owner),
         router_role(owner),
@@ -619,4 +704,7 @@ def build_children(
 
 def optional_children(owner: Owner) -> list[ChildRef]:
     """Children that only some specs have: removed when the spec stops asking for them."""
-    return [ChildRef("v1", "ConfigMap", "configmaps", download_config_name(owner.name))]
+    return [
+        ChildRef("v1", "ConfigMap", "configmaps", download_config_name(owner.name)),
+        ChildRef("v1", "ConfigMap", "configmaps", adapters.adapters_config_name(owner.name)),
+    ]

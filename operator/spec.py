@@ -60,9 +60,13 @@ MSG_SCALE_BUILTIN = (
     "autoscaling.mode external"
 )
 MSG_TP_GPUS = "tensorParallelSize > 1 needs resources.gpus equal to it (one GPU per shard)"
-MSG_MODEL_CACHE_HF = "modelCache is only used to download hf:// models"
+MSG_MODEL_CACHE_HF = (
+    "modelCache is only used to download hf:// models, and the adapters of a service that has some"
+)
 MSG_HF_TOKEN_HF = "hfTokenSecretRef is only used with hf:// sources"
 MSG_NO_DOTDOT = "source must not contain '..' path segments"
+MSG_ADAPTER_RANK = "an adapter's rank must not exceed engine.maxLoraRank"
+MSG_CPU_LORAS = "maxCpuLoras must be at least maxLoras: every adapter on the GPU has a host copy"
 # The engine flags the operator sets itself, from the spec's fields (probes, routing, auth and the
 # pod's grace period depend on them), and the help switch, which would make the engine exit at
 # once. extraArgs may set none of them, nor an abbreviation: the CRD's rule refuses every prefix,
@@ -89,6 +93,12 @@ MANAGED_FLAGS = (
     "--quantization",
     "--kv-cache-dtype",
     "--tool-call-parser",
+    "--enable-lora",
+    "--lora-modules",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
+    "--enable-runtime-lora-updating",
     "-h",
     "--help",
 )
@@ -129,6 +139,16 @@ SOURCE_PATTERN = (
     r"^$|^hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[-A-Za-z0-9_./]+)?$"
     r"|^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/\S*)?$|^/\S*$"
 )
+# An adapter's source: as a model's, but never empty.
+ADAPTER_SOURCE_PATTERN = SOURCE_PATTERN.removeprefix("^$|")
+# An adapter's name, the "model" of its requests: an OpenAI model name (no whitespace), which
+# is also an --lora-modules NAME=PATH word and a Prometheus label value, so no '=' either.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
+# Adapters one service registers: every engine holds them all on disk, the operator loads each
+# into each engine pod, and their --lora-modules words make the command line.
+MAX_ADAPTERS = 128
+# The largest adapter rank an engine can be asked to hold (its GPU slots are sized by it).
+MAX_LORA_RANK = 512
 # Kubernetes resource.Quantity, unsigned.
 QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
@@ -259,6 +279,10 @@ class EngineSpec(_Model):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     max_waiting_requests: Annotated[int, Field(ge=1)] | None = None
     shutdown_timeout_seconds: int = Field(default=30, ge=0, le=3600)
+    # LoRA: used when spec.adapters is not empty.
+    max_loras: int = Field(default=4, ge=1, le=256)
+    max_cpu_loras: int = Field(default=16, ge=1, le=1024)
+    max_lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK)
     startup_timeout_seconds: int = Field(default=1800, ge=60, le=86400)
     extra_args: list[Annotated[str, StringConstraints(max_length=256)]] = Field(
         default_factory=list, max_length=64
@@ -278,6 +302,8 @@ class EngineSpec(_Model):
         if len(names) != len(set(names)):
             # The CRD makes env a map keyed by name, which rejects duplicates.
             raise ValueError("env names must be unique")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(MSG_CPU_LORAS)
         return self
 
 
@@ -350,6 +376,29 @@ class RoutingSpec(_Model):
     disruption_budget: DisruptionBudgetSpec = Field(default_factory=DisruptionBudgetSpec)
 
 
+class AdapterSpec(_Model):
+    """A LoRA adapter of the base model, served under its own name."""
+
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN)
+    ]
+    source: Annotated[str, StringConstraints(max_length=512, pattern=ADAPTER_SOURCE_PATTERN)]
+    # Checked against engine.maxLoraRank; the engine reads the true rank from the adapter.
+    rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK)
+    _parsed_source: ModelSource = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _cel(self) -> AdapterSpec:
+        if DOTDOT_RE.search(self.source):
+            raise ValueError(MSG_NO_DOTDOT)
+        self._parsed_source = parse_source(self.source)
+        return self
+
+    @property
+    def parsed_source(self) -> ModelSource:
+        return self._parsed_source
+
+
 class ModelCacheSpec(_Model):
     claim_name: DnsSubdomain
 
@@ -364,6 +413,7 @@ class InferenceServiceSpec(_Model):
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     api_key_secret_ref: APIKeySecretRef | None = None
     model_cache: ModelCacheSpec | None = None
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=MAX_ADAPTERS)
 
     @model_validator(mode="after")
     def _cel(self) -> InferenceServiceSpec:
@@ -379,8 +429,23 @@ class InferenceServiceSpec(_Model):
         tp = self.engine.tensor_parallel_size
         if tp > 1 and tp != self.resources.gpus:
             raise ValueError(MSG_TP_GPUS)
-        if self.model_cache is not None and self.model.parsed_source.kind != "hf":
+        if (
+            self.model_cache is not None
+            and self.model.parsed_source.kind != "hf"
+            and not self.adapters
+        ):
             raise ValueError(MSG_MODEL_CACHE_HF)
+        if any(a.rank is not None and a.rank > self.engine.max_lora_rank for a in self.adapters):
+            raise ValueError(MSG_ADAPTER_RANK)
+        names = [a.name for a in self.adapters]
+        if len(names) != len(set(names)):
+            # The CRD makes adapters a map keyed by name, which rejects duplicates.
+            raise ValueError("adapter names must be unique")
+        if (base := served_model_name(self)) in names:
+            raise ValueError(
+                f"adapter name {base!r} is the base model's served name: requests could not "
+                "tell them apart"
+            )
         return self
 
 

@@ -483,6 +483,43 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
         {"engine": {"extraArgs": ["--", "/other-model"]}},
         M.MSG_MANAGED_FLAGS,
     ),
+    ("adapter-name", "llm", {"adapters": [{"name": "sql expert", "source": "/a"}]}, None),
+    ("adapter-name-equals", "llm", {"adapters": [{"name": "a=b", "source": "/a"}]}, None),
+    ("adapter-source-empty", "llm", {"adapters": [{"name": "a", "source": ""}]}, None),
+    ("adapter-source-scheme", "llm", {"adapters": [{"name": "a", "source": "s3://b/a"}]}, None),
+    ("adapter-without-source", "llm", {"adapters": [{"name": "a"}]}, None),
+    (
+        "adapter-duplicate",
+        "llm",
+        {"adapters": [{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]},
+        None,
+    ),
+    (
+        "adapters-too-many",
+        "llm",
+        {"adapters": [{"name": f"a{i}", "source": f"/a/{i}"} for i in range(M.MAX_ADAPTERS + 1)]},
+        None,
+    ),
+    (
+        "adapter-dotdot",
+        "llm",
+        {"adapters": [{"name": "a", "source": "pvc://loras/../etc"}]},
+        M.MSG_NO_DOTDOT,
+    ),
+    (
+        "adapter-rank",
+        "llm",
+        {"adapters": [{"name": "a", "source": "/a", "rank": 32}]},
+        M.MSG_ADAPTER_RANK,
+    ),
+    (
+        "adapter-rank-engine",
+        "llm",
+        {"adapters": [{"name": "a", "source": "/a", "rank": 64}], "engine": {"maxLoraRank": 32}},
+        M.MSG_ADAPTER_RANK,
+    ),
+    ("cpu-loras", "llm", {"engine": {"maxLoras": 8, "maxCpuLoras": 4}}, M.MSG_CPU_LORAS),
+    ("managed-lora-flag", "llm", {"engine": {"extraArgs": ["--max-lora"]}}, M.MSG_MANAGED_FLAGS),
     ("name-format", "Llama_8B", {}, M.MSG_NAME_FORMAT),
     ("name-length", "l" * 57, {}, M.MSG_NAME_LENGTH),
 ]
@@ -559,9 +596,34 @@ def test_valid_edge_cases_pass_both():
         {"resources": {"sharedMemory": 1073741824}},
         {"engine": {"disruptionBudget": {"maxUnavailable": "100%"}}},
         {"routing": {"disruptionBudget": {"maxUnavailable": 3}}},
+        # Adapters of every source kind; modelCache with a non-hf:// model keeps their downloads.
+        {
+            "model": {"source": "pvc://weights/llama"},
+            "modelCache": {"claimName": "cache"},
+            "adapters": [
+                {"name": "org/sql-v2", "source": "hf://org/sql-lora@v2", "rank": 16},
+                {"name": "legal", "source": "pvc://loras/legal"},
+                {"name": "chat:1.0", "source": "/adapters/chat"},
+            ],
+        },
+        {"adapters": [{"name": "a", "source": "/a", "rank": 64}], "engine": {"maxLoraRank": 64}},
+        {"engine": {"maxLoras": 16, "maxCpuLoras": 16}},
     ):
         assert crd_problems(isvc(spec)) == []
         parse_spec("llm", spec)
+
+
+def test_an_adapter_named_as_the_base_model_is_refused_by_the_operator():
+    """The CRD cannot derive the served name (a default of the source); the operator refuses
+    the spec with InvalidSpec, and says why."""
+    for model, name in (
+        ({"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, "meta-llama/Llama-3.1-8B-Instruct"),
+        ({"source": "/models/m", "servedName": "llama"}, "llama"),
+    ):
+        spec = {"model": model, "adapters": [{"name": name, "source": "/a"}]}
+        assert crd_problems(isvc(spec)) == []
+        with pytest.raises(SpecError, match="the base model's served name"):
+            parse_spec("llm", spec)
 
 
 def test_shared_memory_defaults_and_int_form():
