@@ -164,6 +164,7 @@ def build_registry(
     # After the queue's cleanup (kopf runs them in order): its last requests use the client.
     @kopf.on.cleanup(registry=registry)
     async def close_client(**_: Any) -> None:
+        await reconciler.close()
         await api.close()
 
     return registry

@@ -22,9 +22,12 @@ import kopf
 from prometheus_client import Counter
 
 from kvfleet.operator import kube, service_metrics
+from kvfleet.operator.adapter_sync import AdapterSync, adapter_status
+from kvfleet.operator.adapters import adapter_paths
 from kvfleet.operator.admission import policy_violations
 from kvfleet.operator.api import (
     GROUP,
+    LABEL_COMPONENT,
     LABEL_ISVC,
     LABEL_MANAGED_BY,
     MANAGED_BY,
@@ -214,11 +217,13 @@ class Reconciler:
         config: OperatorConfig,
         status: StatusWriter,
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
+        adapter_sync: AdapterSync | None = None,
     ) -> None:
         self._api = api
         self._config = config
         self._status = status
         self._clock = clock
+        self._adapters = adapter_sync or AdapterSync()
         # Per service: (uid, autoscaling mode, spec.replicas) as the last reconcile saw them.
         self._spec_replicas_seen: dict[kube.Key, tuple[str, str, int | None]] = {}
         # Per service: (uid, generation) of the spec last warned about, so a warning that holds
@@ -266,6 +271,10 @@ class Reconciler:
             # Nothing is applied; the children of the last applied spec keep serving.
             live = await self._existing(owner)
         pods = await list_pods(self._api, namespace, name)
+        adapters: list[dict[str, Any]] = []
+        if spec is not None and deployment_replicas is not None and spec.adapters:
+            adapter_problems, adapters = await self._sync_adapters(spec, pods)
+            problems += adapter_problems
         observed = Observed(
             generation=isvc["metadata"].get("generation", 0),
             selector=engine_selector(name),
@@ -279,6 +288,7 @@ class Reconciler:
             engine=live.get(f"Deployment/{engine_name(name)}"),
             router=live.get(f"Deployment/{router_name(name)}"),
             pods=pods,
+            adapters=adapters,
         )
         status = compute_status(observed, self._clock())
         service_metrics.record_status(key, status)
@@ -292,6 +302,26 @@ class Reconciler:
             kube.post_event(isvc, type=event.type, reason=event.reason, message=event.message)
         if problems:
             raise RetryLater("; ".join(p.message for p in problems), problems[0].reason)
+
+    async def _sync_adapters(
+        self, spec: InferenceServiceSpec, pods: list[dict[str, Any]]
+    ) -> tuple[list[Problem], list[dict[str, Any]]]:
+        """Load and unload adapters in the ready engine pods as spec.adapters says; what failed,
+        and status.adapters."""
+        desired = adapter_paths(spec)
+        engines = [
+            p for p in pods if (p["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == "engine"
+        ]
+        synced = await self._adapters.sync(engines, desired)
+        problems = [
+            Problem("AdapterNotLoaded", f"adapter {name} on engine pod {p.pod}: {message}")
+            for p in synced
+            for name, message in p.failures.items()
+        ]
+        return problems, adapter_status(desired, synced)
+
+    async def close(self) -> None:
+        await self._adapters.close()
 
     def _refuse_scale_request(
         self, key: kube.Key, isvc: dict[str, Any], spec: InferenceServiceSpec

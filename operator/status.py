@@ -30,6 +30,7 @@ SEVERITY = (
     "ImagePullError",
     "ContainerConfigError",
     "ModelDownloadFailed",
+    "AdapterNotLoaded",
     "CrashLoopBackOff",
     "ReplicaFailure",
     "ProgressDeadlineExceeded",
@@ -51,6 +52,7 @@ OWNED_KEYS = (
     "selector",
     "url",
     "modelName",
+    "adapters",
     "conditions",
 )
 
@@ -78,6 +80,9 @@ class Observed:
     engine: Mapping[str, Any] | None = None  # the live engine Deployment
     router: Mapping[str, Any] | None = None  # the live router Deployment
     pods: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+    # status.adapters of an applied spec (adapter_sync.adapter_status); while a spec is not
+    # applied, the previous one stays.
+    adapters: Sequence[Mapping[str, Any]] = ()
 
 
 @dataclass(frozen=True)
@@ -381,6 +386,7 @@ def compute_status(obs: Observed, now: datetime.datetime) -> dict[str, Any]:
         "selector": obs.selector,
         "url": obs.url,
         "modelName": obs.model_name if obs.model_name is not None else prev.get("modelName"),
+        "adapters": list(obs.adapters) or None if not_applied is None else prev.get("adapters"),
         "conditions": [ready, progressing, degraded],
     }
 

@@ -23,7 +23,6 @@ from aiohttp import web
 from kvfleet.operator.autoscaler import REFRESH_SECONDS, load_memory, status_update
 from kvfleet.operator.deletion_cost import DELETION_COST
 from kvfleet.operator.main import build_registry, build_settings
-from kvfleet.operator.resources import common_labels
 from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingMemory
 from kvfleet.operator.spec import engine_deployment_replicas, parse_spec
 from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, RUNNING, WAITING
@@ -37,6 +36,7 @@ from tests.support.kmock import (
     PODS,
     ROOT,
     APIServer,
+    add_ready_pod,
     api,
     assert_rbac_covers,
     by_operator,
@@ -248,17 +248,7 @@ def service(name: str, autoscaling: dict[str, Any], **spec: Any) -> dict[str, An
 
 async def add_pod(k: APIServer, isvc: str, component: str, server: MetricsServer) -> str:
     """A Ready pod of the engine or the router, its metrics served by `server`."""
-    name = f"{isvc}-{component}-{server.port}"
-    await api(k, "post", url(PODS), {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "labels": common_labels(isvc, component)},
-        "spec": {"containers": [{"name": component, "image": "x",
-                                 "ports": [{"name": "http", "containerPort": server.port}]}]},
-        "status": {"podIP": "127.0.0.1", "phase": "Running",
-                   "conditions": [{"type": "Ready", "status": "True"}]},
-    })  # fmt: skip
-    return name
+    return await add_ready_pod(k, isvc, component, server.port)
 
 
 def deployment_replicas_of(k: APIServer, isvc: str) -> int | None:

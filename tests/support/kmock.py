@@ -41,6 +41,7 @@ from kvfleet.operator.kube import (
 )
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.rbac import OPERATOR_RULES, PolicyRule, allows
+from kvfleet.operator.resources import common_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "team-a"
@@ -531,6 +532,22 @@ def assert_rbac_covers(k: APIServer, rules: tuple[PolicyRule, ...] = OPERATOR_RU
         else:
             verb = verbs[r.method.value]
         assert allows(rules, r.resource.group, resource, verb), (r.method, r.url.path)
+
+
+async def add_ready_pod(k: APIServer, isvc: str, component: str, port: int) -> str:
+    """A Ready pod of the engine or the router of `isvc`, reached at 127.0.0.1:`port` (its
+    container port named http)."""
+    name = f"{isvc}-{component}-{port}"
+    await api(k, "post", url(PODS), {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": common_labels(isvc, component)},
+        "spec": {"containers": [{"name": component, "image": "x",
+                                 "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"podIP": "127.0.0.1", "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    })  # fmt: skip
+    return name
 
 
 async def create(k: APIServer, isvc: dict[str, Any], name: str | None = None) -> dict[str, Any]:
