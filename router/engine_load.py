@@ -27,19 +27,34 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.telemetry.metric_names import MAX_NUM_SEQS, RUNNING, WAITING
+from kvfleet.router.adapter_placement import EngineAdapters
+from kvfleet.telemetry.metric_names import (
+    LORA_NAME,
+    LORA_REQUESTS_INFO,
+    LORA_REQUESTS_INFO_LABELS,
+    LORA_RESIDENT,
+    LORA_TIER,
+    MAX_NUM_SEQS,
+    RUNNING,
+    WAITING,
+)
 from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples, sample_lines
 
 logger = logging.getLogger("kvfleet.router.engine_load")
 
-NAMES = (RUNNING, WAITING, MAX_NUM_SEQS)
+LOAD_NAMES = (RUNNING, WAITING, MAX_NUM_SEQS)
+NAMES = (*LOAD_NAMES, LORA_RESIDENT, LORA_REQUESTS_INFO)
+MAX_LORA_LABEL = LORA_REQUESTS_INFO_LABELS[2]
 # An engine's whole exposition is tens of KiB.
 MAX_BODY_BYTES = 1 * 2**20
 # A line this long is no exposition line; keeping it would let one line hold the whole body.
 MAX_LINE_CHARS = 4096
-# One series per served model name; more is garbage, and few lines keep parsing on the loop cheap.
-MAX_SERIES = 64
+# One series per served model name, and one per adapter an engine holds (--max-cpu-loras, at
+# most 1024 where the operator sets it); more is garbage, and few lines keep parsing on the
+# loop cheap.
+MAX_SERIES = 64 + 1024
 # No engine holds a million requests: a larger value is broken, not busy.
 MAX_VALUE = 1e6
 
@@ -53,6 +68,8 @@ class EngineReport:
     waiting: int
     max_num_seqs: int | None
     own_at_scrape: int
+    # The LoRA adapters it holds; None when it reports none (LoRA off, or an older engine).
+    adapters: EngineAdapters | None = None
 
 
 def estimated_load(own: int, report: EngineReport | None) -> int:
@@ -73,9 +90,42 @@ def has_free_slots(own: int, report: EngineReport | None) -> bool:
     )
 
 
+def adapters_of(lines: Iterable[str]) -> EngineAdapters | None:
+    """The adapters an engine holds, from its LORA_RESIDENT series (one per adapter held,
+    labelled by name and tier) and LORA_REQUESTS_INFO's max_lora (its GPU slots); None when it
+    exports neither. Raises ScrapeError."""
+    wanted = [
+        line for line in lines if line.lstrip().startswith((LORA_RESIDENT, LORA_REQUESTS_INFO))
+    ]
+    if not wanted:
+        return None
+    tiers: dict[str, set[str]] = {"gpu": set(), "cpu": set()}
+    max_loras: int | None = None
+    try:
+        families = list(text_string_to_metric_families("\n".join(wanted) + "\n"))
+    except ValueError as e:
+        raise ScrapeError("unparsable", f"unreadable metrics: {e}") from None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == LORA_RESIDENT and sample.value > 0:
+                tier, name = sample.labels.get(LORA_TIER), sample.labels.get(LORA_NAME)
+                if tier in tiers and name:
+                    tiers[tier].add(name)
+            elif sample.name == LORA_REQUESTS_INFO:
+                slots = sample.labels.get(MAX_LORA_LABEL, "")
+                if not slots.isdigit() or not 0 < int(slots) <= MAX_VALUE:
+                    raise ScrapeError(
+                        "out_of_range", f"{LORA_REQUESTS_INFO} max_lora {slots[:32]!r}"
+                    )
+                max_loras = int(slots)
+    gpu = frozenset(tiers["gpu"])
+    return EngineAdapters(gpu=gpu, cpu=frozenset(tiers["cpu"]) - gpu, max_loras=max_loras)
+
+
 def report_of(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
     """The report of the sample lines of an exposition (``NAMES`` only); raises ScrapeError."""
-    found = parse_samples(lines, NAMES)
+    lines = list(lines)
+    found = parse_samples(lines, LOAD_NAMES)
     if missing := [n for n in (RUNNING, WAITING) if n not in found]:
         raise ScrapeError("missing", f"metrics lack {', '.join(missing)}")
     for name, value in found.items():
@@ -87,6 +137,7 @@ def report_of(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
         waiting=round(found[WAITING]),
         max_num_seqs=round(batch) if batch else None,
         own_at_scrape=own_at_scrape,
+        adapters=adapters_of(lines),
     )
 
 

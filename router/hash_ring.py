@@ -74,6 +74,23 @@ class HashRing:
                 return owner
         raise AssertionError("bounded-load invariant broken")  # unreachable: see capacity()
 
+    def walk(self, key: str, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Every endpoint not excluded, in the order the ring meets them clockwise from key's
+        hash: the order ``choose`` tries them in, for choices among a subset."""
+        if not self._points:
+            return []
+        wanted = len([ep for ep in self.endpoints if ep not in exclude])
+        start = bisect.bisect(self._points, _hash(key))
+        order: dict[str, None] = {}
+        n = len(self._points)
+        for step in range(n):
+            owner = self._owners[(start + step) % n]
+            if owner not in exclude:
+                order.setdefault(owner)
+                if len(order) == wanted:
+                    break
+        return list(order)
+
     def least_loaded(
         self, load: Mapping[str, int], exclude: frozenset[str] = frozenset()
     ) -> str | None:

@@ -51,6 +51,15 @@ from kvfleet.protocol.json_body import (
     check_content_encoding,
     check_headers,
 )
+from kvfleet.router.adapter_placement import (
+    REASONS as PLACEMENT_REASONS,
+)
+from kvfleet.router.adapter_placement import (
+    AdapterUsage,
+    EngineAdapters,
+    Placement,
+    place,
+)
 from kvfleet.router.breaker import Breakers
 from kvfleet.router.engine_load import (
     EngineLoadPoller,
@@ -189,14 +198,29 @@ def upstream_failure(error: BaseException, sent: bool, timeout_s: float) -> Upst
                            "the engine's answer was not valid HTTP")  # fmt: skip
 
 
+# How long the router counts an adapter as held by the engine it just sent the adapter's
+# request to, to load: until the engine's next reports show it, the following requests go
+# there too instead of loading it on yet another engine.
+LOADING_S = 5.0
+
+
 class Balancer:
     """The ready endpoints, the requests in flight on each, the engines' own reports of their
-    load (engine_load.py), and the choice of an endpoint."""
+    load and adapters (engine_load.py), and the choice of an endpoint."""
 
-    def __init__(self, load_factor: float = 1.25, vnodes: int = VNODES) -> None:
+    def __init__(
+        self,
+        load_factor: float = 1.25,
+        vnodes: int = VNODES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ring = HashRing(vnodes=vnodes, load_factor=load_factor)
         self.in_flight: dict[str, int] = {}
         self.reports: dict[str, EngineReport] = {}
+        self.clock = clock
+        self.usage = AdapterUsage()
+        # Per endpoint: the adapters sent there to load, and until when they count as held.
+        self.loading: dict[str, dict[str, float]] = {}
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -211,6 +235,8 @@ class Balancer:
         for ep in self.ring.endpoints:
             self.in_flight.setdefault(ep, 0)
         self.reports = {ep: r for ep, r in self.reports.items() if ep in self.ring.endpoints}
+        self.loading = {ep: a for ep, a in self.loading.items() if ep in self.ring.endpoints}
+        self.usage.prune(self.clock(), frozenset(self.ring.endpoints))
 
     def report(self, endpoint: str, report: EngineReport | None) -> None:
         """An engine's scraped load; None (a failed scrape) falls back to the own count."""
@@ -235,6 +261,47 @@ class Balancer:
         if key is None:
             return self.ring.least_loaded(self.load(), exclude)
         return self.ring.choose(key, self.load(), exclude, self.free())
+
+    def holdings(self) -> dict[str, EngineAdapters]:
+        """Per endpoint, the adapters it holds as reported, with those sent there to load in
+        the last LOADING_S seconds counted in its GPU slots."""
+        now = self.clock()
+        held = {ep: r.adapters for ep, r in self.reports.items() if r.adapters is not None}
+        for ep, sent in self.loading.items():
+            fresh = frozenset(a for a, until in sent.items() if until > now)
+            if fresh:
+                was = held.get(ep) or EngineAdapters()
+                held[ep] = EngineAdapters(was.gpu | fresh, was.cpu - fresh, was.max_loras)
+        return held
+
+    def serves_adapter(self, name: str) -> bool:
+        """Whether an engine reports holding an adapter of this name (or was just sent it):
+        the requests that adapter placement routes. Any other model name (the base model's,
+        an adapter no engine holds yet, an unknown one) is routed by its key alone, and an
+        engine answers an unknown one with 404."""
+        return any(h.holds(name) for h in self.holdings().values())
+
+    def place(
+        self, adapter: str, key: str | None, exclude: frozenset[str] = frozenset()
+    ) -> Placement | None:
+        """The endpoint for a request naming an adapter (adapter_placement.py); the choice
+        counts as a recent request there, and a load there is remembered for LOADING_S."""
+        now = self.clock()
+        placement = place(
+            adapter,
+            key if key is not None else f"adapter:{adapter}",
+            self.ring,
+            self.load(),
+            self.holdings(),
+            lambda ep, name: self.usage.of(ep, name, now),
+            exclude,
+            self.free(),
+        )
+        if placement is not None:
+            self.usage.add(placement.endpoint, adapter, now)
+            if placement.reason.startswith("load_"):
+                self.loading.setdefault(placement.endpoint, {})[adapter] = now + LOADING_S
+        return placement
 
     def acquire(self, endpoint: str) -> None:
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
@@ -317,6 +384,18 @@ class RouterMetrics:
             "it was over the load bound; many means a load factor too tight for the traffic.",
             registry=r,
         )
+        self.adapter_placements = Counter(
+            "kvfleet_router_adapter_placements",
+            "Requests naming a LoRA adapter, by where they went: resident_gpu or resident_cpu "
+            "(an engine holding it in a GPU slot or host memory, within the load bound), "
+            "load_free_slot (an engine with a free GPU slot loads it) or load_evict (an engine "
+            "loads it in place of its least used adapter); many load_evict means too few GPU "
+            "slots (--max-loras) for the adapters in use.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in PLACEMENT_REASONS:
+            self.adapter_placements.labels(reason)
         self.engine_load_failures = Counter(
             "kvfleet_router_engine_load_failures",
             "Scrapes of an engine's /metrics whose load was not used, by reason; until the next "
@@ -575,15 +654,23 @@ class Router:
         held = 0.0
         tried: frozenset[str] = frozenset()
         failure: UpstreamFailure | None = None
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        adapter = model if isinstance(model, str) and self.balancer.serves_adapter(model) else None
         for attempt in range(2):
             excluded = self._excluded(tried)
-            endpoint = self.balancer.choose(rk.key, excluded)
-            if (
-                attempt == 0
-                and rk.key is not None
-                and endpoint not in (None, self.balancer.ring.home(rk.key))
-            ):
-                self.metrics.spilled.inc()
+            if adapter is not None:
+                placement = self.balancer.place(adapter, rk.key, excluded)
+                endpoint = placement.endpoint if placement is not None else None
+                if placement is not None:
+                    self.metrics.adapter_placements.labels(placement.reason).inc()
+            else:
+                endpoint = self.balancer.choose(rk.key, excluded)
+                if (
+                    attempt == 0
+                    and rk.key is not None
+                    and endpoint not in (None, self.balancer.ring.home(rk.key))
+                ):
+                    self.metrics.spilled.inc()
             if endpoint is None and not tried:
                 endpoint, held = await self._hold(rk.key, received + self.settings.hold_timeout)
                 if endpoint is None:
