@@ -387,11 +387,18 @@ class FakeEngine:
         self.headers: list[CIMultiDict[str]] = []
         self.cancelled = asyncio.Event()
         self.done_at = 0.0
+        self.metrics = ""  # its /metrics exposition; empty: it has none (404)
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/metrics", self.expose)
         return app
+
+    async def expose(self, _request: web.Request) -> web.Response:
+        if not self.metrics:
+            raise web.HTTPNotFound()
+        return web.Response(text=self.metrics, content_type="text/plain")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -591,3 +598,39 @@ async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
         assert sorted(await asyncio.gather(one(), one(), one())) == ["a", "a", "b"]
         metrics = await (await s.get(f"{url}/metrics")).text()
     assert "kvfleet_router_spilled_total 1.0" in metrics
+
+
+def engine_metrics(*resident: tuple[str, str]) -> str:
+    lines = [
+        'vllm:num_requests_running{model_name="m"} 0',
+        'vllm:num_requests_waiting{model_name="m"} 0',
+    ]
+    lines += [f'kvfleet_engine_lora_resident{{lora_name="{n}",tier="{t}"}} 1' for n, t in resident]
+    lines.append(
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1'
+    )
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.asyncio
+async def test_a_request_for_an_adapter_goes_where_it_is_resident() -> None:
+    holder, other = FakeEngine("holder"), FakeEngine("other")
+    holder.metrics = engine_metrics(("sql", "gpu"))
+    other.metrics = engine_metrics()
+    async with fleet(holder, other) as (router, url, addrs), aiohttp.ClientSession() as s:
+        for _ in range(100):  # the first scrape of the engines' metrics
+            if router.balancer.serves_adapter("sql"):
+                break
+            await asyncio.sleep(0.05)
+        sid = key_for(router, addrs[1])  # the session's home is the other engine
+
+        async def engine_for(model: str) -> str:
+            async with s.post(f"{url}/v1/chat/completions", data=chat(("user", "hi"), model=model),
+                              headers={"X-Session-Id": sid}) as r:  # fmt: skip
+                await r.read()
+                return r.headers["X-Engine"]
+
+        assert await engine_for("sql") == "holder"
+        assert await engine_for("base-model") == "other"  # not an adapter: its key decides
+        metrics = await (await s.get(f"{url}/metrics")).text()
+    assert 'kvfleet_router_adapter_placements_total{reason="resident_gpu"} 1.0' in metrics
