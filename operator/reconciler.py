@@ -272,7 +272,13 @@ class Reconciler:
             live = await self._existing(owner)
         pods = await list_pods(self._api, namespace, name)
         adapters: list[dict[str, Any]] = []
-        if spec is not None and deployment_replicas is not None and spec.adapters:
+        if (
+            spec is not None
+            and deployment_replicas is not None
+            and spec.adapters
+            # With an API key, adapter edits roll the engines instead (resources.py).
+            and spec.api_key_secret_ref is None
+        ):
             adapter_problems, adapters = await self._sync_adapters(spec, pods)
             problems += adapter_problems
         observed = Observed(

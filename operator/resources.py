@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from kvfleet.operator.spec import (
 from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 
 CONFIG_HASH_ANNOTATION = "kvfleet.dev/config-hash"
+ADAPTERS_HASH_ANNOTATION = "kvfleet.dev/adapters-hash"
 
 SERVICE_PORT = 80
 # Seconds between the pod leaving the endpoints and SIGTERM: routers and kube-proxy stop
@@ -451,6 +453,11 @@ def engine_deployment(
         # its hash in the template does.
         script = model_download_script().encode()
         template_annotations[CONFIG_HASH_ANNOTATION] = hashlib.sha256(script).hexdigest()[:20]
+    if spec.adapters and spec.api_key_secret_ref is not None:
+        # The engines' adapter endpoints want the API key, which the operator does not hold:
+        # an edit of the adapters reaches the engines by a rollout, each loading them at start.
+        listing = json.dumps(adapters.config_data(spec), sort_keys=True).encode()
+        template_annotations[ADAPTERS_HASH_ANNOTATION] = hashlib.sha256(listing).hexdigest()[:20]
     pod_spec: dict[str, Any] = {
         # The engine never talks to the API server.
         "automountServiceAccountToken": False,

@@ -127,3 +127,13 @@ def test_adapter_status_counts_replicas_and_quotes_the_first_failure() -> None:
         {"name": "a", "readyReplicas": 2, "message": "engine pod p3: unreachable"},
         {"name": "b", "readyReplicas": 1, "message": "engine pod p1: refused (and 1 more)"},
     ]
+
+
+def test_with_an_api_key_an_adapter_edit_rolls_the_engines() -> None:
+    """The operator cannot call the engines' adapter endpoints without the key."""
+
+    def template(*items: dict[str, str]) -> object:
+        spec = spec_with(*items, apiKeySecretRef={"name": "key"})
+        return engine_deployment(OWNER, spec, CONFIG)["spec"]["template"]
+
+    assert template({"name": "a", "source": "/a"}) != template({"name": "a", "source": "/a2"})
