@@ -11,6 +11,11 @@ in the ReplicaSet's order (not ready first, then the lowest pod-deletion-cost, t
 terminating in the slice, the preStop sleep, SIGTERM, the engine's drain, SIGKILL only past the
 grace period.
 
+An engine with LoRA adapters starts as in a pod: the container's own shell command, which reads
+the adapters ConfigMap, the runner writing the ConfigMap's files into a folder of the pod's as
+kubelet mounts them (once, at start: the operator's load calls bring later edits), and a
+``kvfleet-engine`` on the PATH that runs the engine's module.
+
 Every step is timed (``events``), so a run can split scale-up latency into the operator's
 decision and the engine's start.
 """
@@ -34,6 +39,8 @@ from typing import Any
 
 import aiohttp
 from fleet.cluster import DEPLOYMENTS, PODS, SLICES, Emulator, call, resource_url
+
+from kvfleet.operator.adapters import ADAPTERS_DIR, adapters_config_name
 
 logger = logging.getLogger("kvfleet.bench.fleet.pods")
 
@@ -91,17 +98,38 @@ def prestop_sleep(container: dict[str, Any]) -> float:
     return float(argv[1]) if len(argv) == 2 and argv[0] == "sleep" else 0.0
 
 
-def engine_command(container: dict[str, Any], ip: str) -> list[str]:
+def engine_command(
+    container: dict[str, Any], ip: str, adapters_dir: Path | None = None
+) -> list[str]:
     """The container's command line as a local process listening on the pod IP. The image's
     ``kvfleet-engine`` entry point is run as its module, so that this works where kvfleet is on
-    the path without installed scripts (the GPU machines)."""
-    if container.get("command") != ["kvfleet-engine"]:
-        raise ValueError(f"not an engine container: command {container.get('command')}")
+    the path without installed scripts (the GPU machines). A shell command (an engine with
+    adapters) runs as it is, its ConfigMap folder at ``adapters_dir``; its ``kvfleet-engine``
+    must be on the PATH (``engine_shim``)."""
+    command = container.get("command") or []
     args = list(container.get("args") or [])
     if "--host" not in args:
         raise ValueError("the engine's args name no --host")
     args[args.index("--host") + 1] = ip
-    return [sys.executable, "-m", "kvfleet.engine.cli", *args]
+    if command == ["kvfleet-engine"]:
+        return [sys.executable, "-m", "kvfleet.engine.cli", *args]
+    if command[:2] == ["/bin/sh", "-c"] and len(command) == 4 and adapters_dir is not None:
+        return [
+            *command[:2],
+            command[2].replace(ADAPTERS_DIR, str(adapters_dir)),
+            command[3],
+            *args,
+        ]
+    raise ValueError(f"not an engine container: command {command}")
+
+
+def engine_shim(folder: Path) -> Path:
+    """A folder holding a ``kvfleet-engine`` that runs the engine's module, for the PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "kvfleet-engine"
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvfleet.engine.cli "$@"\n')
+    shim.chmod(0o755)
+    return folder
 
 
 def deletion_order(pods: Iterable[tuple[Pod, dict[str, Any]]]) -> list[Pod]:
@@ -129,6 +157,7 @@ class PodRunner:
         self.k = k
         self.namespace = namespace
         self.deployment = f"{service}-engine"
+        self.adapters_config = adapters_config_name(service)
         self.log_dir = log_dir
         self.gpus = list(gpus)
         self.free_gpus = list(gpus)
@@ -230,14 +259,30 @@ class PodRunner:
         env.update({e["name"]: e["value"] for e in container.get("env") or [] if "value" in e})
         if pod.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = pod.gpu
+        adapters_dir = self._mount_adapters(pod)
+        if adapters_dir is not None:
+            env["PATH"] = f"{engine_shim(self.log_dir / 'bin')}:{env.get('PATH', '/usr/bin:/bin')}"
         log = (self.log_dir / f"{pod.name}.log").open("ab")
         with log:
             pod.proc = subprocess.Popen(
-                engine_command(container, pod.ip), stdout=log, stderr=subprocess.STDOUT, env=env
-            )
+                engine_command(container, pod.ip, adapters_dir),
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
         pod.started = time.monotonic()
         self._event("started", pod.name, f"pid {pod.proc.pid} gpu {pod.gpu}")
         self._spawn(self._probe(pod))
+
+    def _mount_adapters(self, pod: Pod) -> Path | None:
+        """The adapters ConfigMap's files in a folder of the pod's, as kubelet mounts them;
+        None when the service has none."""
+        config = self.k.live("v1/configmaps", self.namespace, self.adapters_config)
+        if config is None:
+            return None
+        folder = self.log_dir / pod.name / "adapters"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in (config.get("data") or {}).items():
+            (folder / name).write_text(text)
+        return folder
 
     async def _probe(self, pod: Pod) -> None:
         await self._pod_status(pod)

@@ -26,10 +26,22 @@ GPUs, dummy weights (a tokenizer from bench/dummy_tokenizer.py), a fixed fleet o
         --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --phases 120x8 \\
         --system-words 3000 --result-json llama8b-fleet.json
 
+LoRA adapters (``--adapters N``): N random rank-``--adapter-rank`` adapters of the model in
+spec.adapters, each session talking to one of them with a Zipf popularity (``--adapter-zipf``),
+``--max-loras`` of them in each engine's GPU slots. ``prefix`` then places each adapter's
+requests as the router does (docs/routing.md#lora-adapters) against ``round-robin``, which
+ignores where adapters are; the same requests each. On two to four GPUs::
+
+    python bench/fleet/run.py --model /tmp/llama8b --engine-arg=--load-format=dummy \
+        --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --phases 120x8 \
+        --adapters 32 --max-loras 4 --max-cpu-loras 16 --policies round-robin,prefix \
+        --result-json llama8b-lora-fleet.json
+
 Reported per policy (a table, and JSON with --result-json): output tok/s, TTFT and latency
 p50/p90, TTFT SLO attainment, the engines' prefix-cache hit rate (vllm:prefix_cache_hits /
 queries deltas, gone engines counted as they were before their SIGTERM), the router's spill,
-retry and rejection counters, failed requests, replicas over time, replica-seconds (GPU-seconds
+retry and rejection counters, adapter loads into GPU slots per minute (with adapters), failed
+requests, replicas over time, replica-seconds (GPU-seconds
 on GPUs) against static provisioning at the peak, and each scale-up split into the operator's
 decision delay and the engine's start.
 """
@@ -59,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import device_name, free_port, git_commit, stop
+from fleet.adapters import LoadCounter, gpu_adapters, write_random_adapter
 from fleet.cluster import ISVCS, Emulator, call, emulated_cluster, resource_url
 from fleet.pods import PodRunner
 from fleet.workload import (
@@ -88,12 +101,23 @@ SAMPLE_S = 0.5
 RUN = "import sys; from kvfleet.{0}.main import main; sys.exit(main())"
 
 
-def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
+def model_dir(ns: argparse.Namespace) -> str:
+    """The model's source: a folder, or empty for the engine's default model."""
     from tests.support.tiny_model import tiny_model_path
 
-    source = {"tiny": str(tiny_model_path()), "default": ""}.get(ns.model, ns.model)
+    return {"tiny": str(tiny_model_path()), "default": ""}.get(ns.model, ns.model)
+
+
+def inference_service(
+    ns: argparse.Namespace, adapters: dict[str, Path] | None = None
+) -> dict[str, Any]:
+    """adapters: name -> folder, in spec.adapters."""
+    source = model_dir(ns)
     engine: dict[str, Any] = {"maxNumSeqs": ns.max_num_seqs, "extraArgs": ns.engine_arg,
                               "shutdownTimeoutSeconds": ns.shutdown_timeout}  # fmt: skip
+    if adapters:
+        engine.update(maxLoras=ns.max_loras, maxCpuLoras=ns.max_cpu_loras,
+                      maxLoraRank=ns.adapter_rank)  # fmt: skip
     if ns.max_model_len:
         engine["maxModelLen"] = ns.max_model_len
     isvc: dict[str, Any] = {
@@ -113,6 +137,10 @@ def inference_service(ns: argparse.Namespace) -> dict[str, Any]:
                 "scaleAhead": not ns.no_scale_ahead,
             },
             "routing": {"prefixLength": ns.prefix_length, "loadFactor": ns.load_factor},
+            "adapters": [
+                {"name": name, "source": str(path), "rank": ns.adapter_rank}
+                for name, path in (adapters or {}).items()
+            ],
         },
     }
     if ns.latency_target:
@@ -178,8 +206,24 @@ async def _eventually(check: Any, what: str, timeout: float, procs: Sequence[Any
     return result
 
 
+def write_adapters(ns: argparse.Namespace, work: Path) -> dict[str, Path]:
+    """``--adapters`` random adapters of the model under ``work``, most popular first."""
+    import torch
+
+    dtype = torch.bfloat16 if ns.gpus else torch.float32
+    return {
+        f"adapter-{i:02d}": write_random_adapter(
+            Path(model_dir(ns)), work / "adapters" / f"adapter-{i:02d}",
+            rank=ns.adapter_rank, seed=i, dtype=dtype,
+        )
+        for i in range(ns.adapters)
+    }  # fmt: skip
+
+
 @contextlib.asynccontextmanager
-async def fleet(ns: argparse.Namespace, work: Path) -> AsyncIterator[Fleet]:
+async def fleet(
+    ns: argparse.Namespace, work: Path, adapters: dict[str, Path] | None = None
+) -> AsyncIterator[Fleet]:
     """The emulated cluster, the operator, the pod runner and the router, the first engine
     ready."""
     kubeconfig = work / "kubeconfig"
@@ -196,7 +240,7 @@ async def fleet(ns: argparse.Namespace, work: Path) -> AsyncIterator[Fleet]:
         runner = PodRunner(k, NAMESPACE, SERVICE, work, ns.gpus.split(",") if ns.gpus else ())
         running = asyncio.create_task(runner.run())
         try:
-            await call(k, "post", resource_url(ISVCS, NAMESPACE), inference_service(ns))
+            await call(k, "post", resource_url(ISVCS, NAMESPACE), inference_service(ns, adapters))
             router_deployment = await _eventually(
                 lambda: k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-router"),
                 "the operator's router Deployment", 60, procs,
@@ -298,6 +342,19 @@ def _phase_starts(workload: Workload) -> list[tuple[float, tuple[float, float]]]
     return out
 
 
+async def sample_adapter_loads(f: Fleet, loads: LoadCounter) -> None:
+    """The adapters in each ready engine's GPU slots every SAMPLE_S."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            held = []
+            for url in f.runner.ready_urls():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                    async with http.get(f"{url}/metrics") as r:
+                        held.append((url, gpu_adapters(await r.text())))
+            loads.sample(held)
+            await asyncio.sleep(SAMPLE_S)
+
+
 async def run_policy(
     f: Fleet, policy: str, workload: Workload, tag: str, ns: argparse.Namespace
 ) -> dict[str, Any]:
@@ -305,11 +362,16 @@ async def run_policy(
     r0 = await f.router_counters()
     replicas: list[list[float]] = []
     decisions: list[dict[str, Any]] = []
+    loads = LoadCounter()
     t0 = time.monotonic()
     sampler = asyncio.create_task(sample_replicas(f, t0, replicas, decisions))
+    load_sampler = asyncio.create_task(sample_adapter_loads(f, loads)) if ns.adapters else None
     records = await run_workload(workload, f.target(policy), f.model, tag)
     t_end = time.monotonic()
     seconds = t_end - t0
+    if load_sampler is not None:
+        load_sampler.cancel()
+        await asyncio.gather(load_sampler, return_exceptions=True)
     # The scale-down after the load, if the autoscaler makes one: its pods drain and exit.
     deadline = time.monotonic() + ns.settle
     while time.monotonic() < deadline and (
@@ -327,7 +389,12 @@ async def run_policy(
                         ns.ttft_slo)  # fmt: skip
     status = (await call(f.k, "get", resource_url(ISVCS, NAMESPACE, SERVICE))).get("status", {})
     learned = (status.get("autoscaling") or {}).get("engineStartSeconds")
-    return {**summary, "decisions": decisions, "learned_engine_start_s": learned}
+    adapter_loads = (
+        {"adapter_loads": loads.loads, "adapter_loads_per_min": loads.loads * 60 / seconds}
+        if ns.adapters
+        else {}
+    )
+    return {**summary, **adapter_loads, "decisions": decisions, "learned_engine_start_s": learned}
 
 
 def summarize(
@@ -479,6 +546,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=600.0,
         help="seconds for the first engines to become ready" + d,
     )
+    p.add_argument(
+        "--adapters", type=int, default=0, help="LoRA adapters in spec.adapters (0: none)" + d
+    )
+    p.add_argument(
+        "--adapter-zipf", type=float, default=1.0, help="Zipf exponent of their popularity" + d
+    )
+    p.add_argument("--adapter-rank", type=int, default=16, help="their rank (maxLoraRank)" + d)
+    p.add_argument("--max-loras", type=int, default=4, help="spec.engine.maxLoras" + d)
+    p.add_argument("--max-cpu-loras", type=int, default=16, help="spec.engine.maxCpuLoras" + d)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here (default: temp)")
     p.add_argument("--result-json", type=Path)
@@ -499,6 +575,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--max-replicas {ns.max_replicas} needs as many --gpus, got {len(gpus)}")
     if ns.model not in ("tiny", "default") and not Path(ns.model).is_absolute():
         p.error(f"--model is tiny, default or an absolute path, got {ns.model!r}")
+    if ns.adapters and ns.model == "default":
+        p.error("--adapters needs a model folder with a config.json: tiny or a path")
+    if not 0 <= ns.adapters <= 128 or ns.adapter_zipf < 0:
+        p.error("--adapters is 0 to 128 (spec.adapters' bound), --adapter-zipf >= 0")
     return ns
 
 
@@ -521,6 +601,10 @@ def print_table(runs: list[dict[str, Any]]) -> None:
               f"| {router.get('retries', '')} | {r['peak_replicas']} | {r['replica_seconds']} "
               f"| {r['static_peak_replica_seconds']} |")  # fmt: skip
     for r in runs:
+        if "adapter_loads" in r:
+            print(f"{r['policy']}: {r['adapter_loads']} adapter loads into GPU slots, "
+                  f"{r['adapter_loads_per_min']:.1f} a minute")  # fmt: skip
+    for r in runs:
         for event in r["scaling"]:
             print(f"{r['policy']}: {json.dumps(event)}")
         for d in r.get("decisions", []):
@@ -528,15 +612,16 @@ def print_table(runs: list[dict[str, Any]]) -> None:
 
 
 async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
+    adapters = write_adapters(ns, work) if ns.adapters else {}
     workloads = [
         make_workload(
             phases, turns=ns.turns, systems=ns.system_prompts, system_words=ns.system_words,
             user_words=ns.user_words, reply_words=ns.reply_words, think_s=ns.think_time,
-            max_tokens=ns.max_tokens, seed=ns.seed,
+            max_tokens=ns.max_tokens, seed=ns.seed, adapters=list(adapters), zipf=ns.adapter_zipf,
         )
         for phases in ns.phases
     ]  # fmt: skip
-    async with fleet(ns, work) as f:
+    async with fleet(ns, work, adapters) as f:
         runs = []
         for j, (phases, workload) in enumerate(zip(ns.phases, workloads, strict=True)):
             load = ",".join(f"{p.seconds:g}x{p.rate:g}" for p in phases)

@@ -8,6 +8,10 @@ these scripted replies rather than the engine's (random-weight models answer noi
 policies must see the same prompts), so every policy of one call sends the same requests. A run
 tag at the head of every system prompt keeps a run from hitting the blocks an earlier run left
 in the engines' prefix caches.
+
+With adapters, each session talks to one LoRA adapter (its requests' ``model``), drawn with a
+Zipf popularity: the adapter of rank i (from 1) is chosen with weight 1 / i**s, so a few adapters
+take most sessions and a long tail the rest, as tenants' fine-tunes do.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class Session:
     users: tuple[str, ...]
     replies: tuple[str, ...]  # the assistant turns the history carries
     thinks: tuple[float, ...]  # seconds between a reply and the next turn
+    adapter: str | None = None  # the LoRA adapter it talks to; None: the base model
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,16 @@ def make_workload(
     think_s: float,
     max_tokens: int,
     seed: int,
+    adapters: Sequence[str] = (),
+    zipf: float = 1.0,
 ) -> Workload:
     """Sessions start as a Poisson process of rate ``phase.rate / turns`` in each phase, so that
-    turns arrive at about ``phase.rate`` once sessions overlap; think times are exponential."""
+    turns arrive at about ``phase.rate`` once sessions overlap; think times are exponential.
+    ``adapters``, most popular first, with Zipf exponent ``zipf`` (none: the base model)."""
     rng = random.Random(seed)
+    # Its own generator: the sessions' text stays what it is without adapters.
+    adapter_rng = random.Random(seed + 1)
+    weights = [1 / (i + 1) ** zipf for i in range(len(adapters))]
 
     def text(n: int) -> str:
         return " ".join(rng.choice(VOCABULARY) for _ in range(n))
@@ -134,6 +145,7 @@ def make_workload(
             users=tuple(text(user_words) for _ in range(turns)),
             replies=tuple(text(reply_words) for _ in range(turns)),
             thinks=tuple(think(rng, think_s) for _ in range(turns)),
+            adapter=adapter_rng.choices(adapters, weights)[0] if adapters else None,
         )
         for i, start in enumerate(starts)
     )
@@ -197,7 +209,7 @@ async def run_workload(workload: Workload, target: Target, model: str, tag: str)
             record = Record(s.index, turn, time.perf_counter() - t0)
             records.append(record)
             url, headers = target(s.index)
-            body = {"model": model, "messages": workload.messages(s, turn, tag),
+            body = {"model": s.adapter or model, "messages": workload.messages(s, turn, tag),
                     "max_tokens": workload.max_tokens, "temperature": 0.0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
             try:
