@@ -59,8 +59,17 @@ def client(server) -> OpenAI:
     return openai_client(server.url, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def answer(server) -> Any:
+    """The response to the instructions and the question, whole, which several tests compare
+    their own ways of asking with."""
+    return _create(
+        openai_client(server.url, timeout=300), instructions=INSTRUCTIONS, input=QUESTION
+    )
+
+
 def _create(client: OpenAI, **kwargs: Any) -> Any:
-    kwargs.setdefault("max_output_tokens", 24)
+    kwargs.setdefault("max_output_tokens", 16)
     return client.responses.create(model=MODEL, temperature=0, **kwargs)
 
 
@@ -74,19 +83,19 @@ def _streamed(client: OpenAI, **kwargs: Any) -> list[Any]:
     return list(_create(client, stream=True, **kwargs))
 
 
-def test_a_response_is_the_chat_completion_it_stands_for(client: OpenAI) -> None:
-    resp = _create(client, instructions=INSTRUCTIONS, input=QUESTION, metadata={"k": "v"})
+def test_a_response_is_the_chat_completion_it_stands_for(client: OpenAI, answer: Any) -> None:
+    resp = answer
     chat = client.chat.completions.create(
         model=MODEL,
         temperature=0,
-        max_completion_tokens=24,
+        max_completion_tokens=16,
         messages=[
             {"role": "system", "content": INSTRUCTIONS},
             {"role": "user", "content": QUESTION},
         ],
     )
     assert resp.id.startswith("resp_") and resp.object == "response"
-    assert resp.model == MODEL and resp.metadata == {"k": "v"} and resp.store is False
+    assert resp.model == MODEL and resp.store is False and resp.instructions == INSTRUCTIONS
     assert resp.output_text and resp.output_text == chat.choices[0].message.content
     [item] = resp.output
     assert item.type == "message" and item.id.startswith("msg_") and item.role == "assistant"
@@ -110,10 +119,12 @@ def test_max_output_tokens_cuts_it_incomplete(client: OpenAI) -> None:
     assert events[-1].response.output_text == resp.output_text
 
 
-def test_a_stream_is_the_sdk_event_sequence_ending_with_the_whole_text(client: OpenAI) -> None:
+def test_a_stream_is_the_sdk_event_sequence_ending_with_the_whole_text(
+    client: OpenAI, answer: Any
+) -> None:
     kwargs: dict[str, Any] = {"instructions": INSTRUCTIONS, "input": QUESTION}
-    whole = _create(client, **kwargs)
-    events = _streamed(client, **kwargs)
+    whole = answer
+    events = _streamed(client, metadata={"k": "v"}, **kwargs)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
     deltas = types.count("response.output_text.delta")
@@ -133,10 +144,17 @@ def test_a_stream_is_the_sdk_event_sequence_ending_with_the_whole_text(client: O
     assert text == whole.output_text
     assert events[5 + deltas - 1].text == text  # output_text.done
     final = events[-1].response
-    assert final.output_text == text and final.usage == whole.usage
+    assert final.output_text == text and final.usage is not None
+    # Of the prompt, the cache holds what the earlier requests left there.
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (
+        whole.usage.input_tokens,
+        whole.usage.output_tokens,
+    )
+    assert final.usage.input_tokens_details.cached_tokens > 0
+    assert final.metadata == {"k": "v"}
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     # The SDK's own accumulating helper reads the same stream to the same response.
-    with client.responses.stream(model=MODEL, temperature=0, max_output_tokens=24, **kwargs) as s:
+    with client.responses.stream(model=MODEL, temperature=0, max_output_tokens=16, **kwargs) as s:
         assert s.get_final_response().output_text == text
 
 
@@ -163,8 +181,8 @@ def test_a_function_tool_round_trip(client: OpenAI) -> None:
     assert events[-1].response.output[0].arguments == call.arguments
     # The call and its result sent back: the model answers from the result.
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}
-    answer = _create(client, input=[*question, *resp.output, result], tools=[WEATHER])
-    assert answer.output_text
+    reply = _create(client, input=[*question, *resp.output, result], tools=[WEATHER])
+    assert reply.output_text
     # A result that answers no call is the client's error, named.
     orphan = {**result, "call_id": "call_unknown"}
     with pytest.raises(openai.BadRequestError) as e:
@@ -231,8 +249,6 @@ def test_langchain_responses_client(server) -> None:
         model=MODEL, base_url=server.url + "/v1", api_key="unused",  # type: ignore[arg-type]
         temperature=0, max_tokens=24, use_responses_api=True, max_retries=0,  # type: ignore[call-arg]
     )  # fmt: skip
-    reply = llm.invoke([HumanMessage(QUESTION)])
-    assert reply.text
     forced = llm.bind_tools([WEATHER], tool_choice="get_weather")
     question = HumanMessage("What is the weather in Paris?")
     called = forced.invoke([question])
@@ -243,16 +259,14 @@ def test_langchain_responses_client(server) -> None:
     assert final.text
 
 
-def test_through_the_router(server) -> None:
+def test_through_the_router(server, answer: Any) -> None:
     router = Router(RouterSettings(hold_timeout=5.0), None)
     router.set_endpoints([server.url.removeprefix("http://")])
     with runner_in_thread(build_runner(router)) as front:
         routed = openai_client(front.url, timeout=300)
-        direct = openai_client(server.url, timeout=300)
-        kwargs: dict[str, Any] = {"instructions": INSTRUCTIONS, "input": QUESTION}
-        events = _streamed(routed, **kwargs)
+        events = _streamed(routed, instructions=INSTRUCTIONS, input=QUESTION)
         assert events[-1].type in ("response.completed", "response.incomplete")
-        assert events[-1].response.output_text == _create(direct, **kwargs).output_text
+        assert events[-1].response.output_text == answer.output_text
         # The stream ends with its last event, no [DONE].
         raw = httpx.post(
             front.url + "/v1/responses",
