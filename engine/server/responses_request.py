@@ -24,7 +24,13 @@ from kvfleet.engine.server.openai_requests import (
     ResponseFormat,
 )
 from kvfleet.protocol.chat_template import ChatMessage
-from kvfleet.protocol.responses_input import Input, chat_messages, check_item_types
+from kvfleet.protocol.responses_input import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    Input,
+    chat_messages,
+    check_item_types,
+)
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 MAX_METADATA_PAIRS = 16
@@ -141,6 +147,23 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _item_types(cls, value: Any) -> Any:
         return check_item_types(value)
+
+    @field_validator("input")
+    @classmethod
+    def _outputs_answer_calls(cls, value: Input) -> Input:
+        """Each function_call_output answers a function_call before it (said by item, where
+        the chat path would name the message the item became)."""
+        if isinstance(value, str):
+            return value
+        made: set[str] = set()
+        for i, item in enumerate(value):
+            if isinstance(item, FunctionCallItem):
+                made.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in made:
+                raise ValueError(
+                    f"item {i}: call_id {item.call_id!r} answers no function_call item before it"
+                )
+        return value
 
     @field_validator("tools", mode="before")
     @classmethod
