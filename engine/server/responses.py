@@ -123,7 +123,7 @@ class ResponsesAnswer(ChatAnswer):
         ids: list[int],
     ) -> None:
         super().__init__(ctx, chat, plan, response_id, model, ids)
-        self.request = req
+        self.responses_request = req
         self.sequence = 0
         self.output: list[OutputItem] = []  # the items closed so far, in output order
         self.open: _OpenMessage | _OpenCall | None = None
@@ -139,7 +139,7 @@ class ResponsesAnswer(ChatAnswer):
         usage: ResponseUsage | None = None,
         error: ResponseError | None = None,
     ) -> Response:
-        req = self.request
+        req = self.responses_request
         fmt = req.format
         choice = req.tool_choice
         if isinstance(choice, FunctionToolChoice):
@@ -181,7 +181,7 @@ class ResponsesAnswer(ChatAnswer):
         output: list[OutputItem] = []
         if message.content is not None and (message.content or not message.tool_calls):
             text = OutputText(text=message.content)
-            output.append(MessageOutput(id=item_id("msg"), status=status, content=[text]))
+            output.append(MessageOutput(id=item_id("msg"), status="completed", content=[text]))
         for call in message.tool_calls or []:
             output.append(
                 FunctionCallOutput(
@@ -192,6 +192,8 @@ class ResponsesAnswer(ChatAnswer):
                     status="completed",
                 )
             )
+        # The last item is the one a limit cut, as the stream closes it.
+        output[-1].status = status
         return self.response(status, output, response_usage(completion.usage))
 
     # -- the events of a stream --------------------------------------------------------------
