@@ -34,12 +34,12 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (in fp32), the top_k most probable per token, their
     probabilities rescaled to sum to 1 when ``renormalize``. Returns (weights fp32 [tokens,
-    top_k], expert ids int64 [tokens, top_k]), most probable first."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    top_k], expert ids int64 [tokens, top_k]), most probable first. One kernel on CUDA."""
+    if router_logits.is_cuda and triton_available():
+        from kvfleet.kernels.expert_routing import route_experts
+    else:
+        route_experts = reference.route_experts
+    return route_experts(router_logits, top_k, renormalize)
 
 
 class FusedMoE(nn.Module):
