@@ -183,8 +183,10 @@ def sweep_tiles(tokens: int, top_k: int, num_experts: int) -> Iterator[fused_moe
     """Candidates: BLOCK_M up to twice an expert's average rows (more would be padding)."""
     rows = max(1, tokens * top_k // num_experts)
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * triton.next_power_of_2(rows))]
+    # Narrow column blocks only where few experts are active: they keep every SM streaming.
+    block_ns = (32, 64, 128) if tokens <= 128 else (64, 128)
     for block_m, block_n, block_k, warps, stages in itertools.product(
-        block_ms, (64, 128), (64, 128), (4, 8), (3, 4)
+        block_ms, block_ns, (64, 128), (4, 8), (3, 4)
     ):
         group_m = 1 if block_m == 16 and tokens <= 32 else 8
         yield fused_moe.MoeTile(block_m, block_n, block_k, group_m, warps, stages)
