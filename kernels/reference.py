@@ -1,6 +1,7 @@
 """Pure-PyTorch twins of the Triton kernels (paged attention, KV-cache writes, norms, rotary,
-activations, a mixture of experts' routing and MLP, fp8 quantization, the grammar mask): the CPU
-path and the oracle the kernels are tested against. Clarity over speed; one sequence at a time.
+activations, a mixture of experts' routing and MLP, fp8 quantization, the grammar mask, batched
+LoRA): the CPU path and the oracle the kernels are tested against. Clarity over speed; one
+sequence at a time.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
 An FP8 cache (e4m3) holds ``clamp(x / scale, -448, 448)``, one fp32 scale per layer for K and
@@ -274,3 +275,62 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
     allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+# Batched LoRA (the twins of kernels.lora). A batch mixes adapters and the base model: slots[t]
+# names the GPU slot of token t's adapter, -1 for the base model. Slots hold each adapter's
+# A [R, K] and B [N, R] padded to the largest rank R with zeros (so a smaller rank adds
+# nothing beyond its own), B already scaled by lora_alpha / r (or rsLoRA's / sqrt(r)). Both
+# loop over the slots, a fixed count, so neither reads the slot map on the host.
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a: torch.Tensor,  # [S, R, K]
+    slots: torch.Tensor,  # [T] int32, in [-1, S)
+) -> torch.Tensor:
+    """[T, R] in x's dtype: row t is x[t] @ a[slots[t]].T accumulated in fp32, zero where
+    slots[t] is -1."""
+    xf = x.float()
+    y = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(a.shape[0]):
+        y = torch.where((slots == s).unsqueeze(1), xf @ a[s].float().T, y)
+    return y.to(x.dtype)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, R]
+    b: torch.Tensor,  # [S, N, R]
+    slots: torch.Tensor,  # [T] int32, in [-1, S)
+    out: torch.Tensor,  # [T, >= offset + N]
+    offset: int = 0,
+) -> None:
+    """out[t, offset:offset + N] += y[t] @ b[slots[t]].T in place where slots[t] >= 0: the sum
+    in fp32, rounded once to out's dtype; rows of the base model and the other columns keep
+    their values."""
+    yf = y.float()
+    n = b.shape[1]
+    delta = torch.zeros(y.shape[0], n, dtype=torch.float32, device=y.device)
+    for s in range(b.shape[0]):
+        delta = torch.where((slots == s).unsqueeze(1), yf @ b[s].float().T, delta)
+    target = out[:, offset : offset + n]
+    target.copy_(target.float() + delta)
+
+
+def lora_shrink_slices(
+    x: torch.Tensor, a_slices: Sequence[torch.Tensor], slots: torch.Tensor
+) -> torch.Tensor:
+    """[n_slices, T, R]: lora_shrink of x by each slice's A (q, k, v of a fused qkv)."""
+    return torch.stack([lora_shrink(x, a, slots) for a in a_slices])
+
+
+def lora_expand_slices(
+    y: torch.Tensor,  # [n_slices, T, R]
+    b_slices: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
+    """lora_expand of each slice's y by its B into out's columns from that slice's offset."""
+    for y_i, b, offset in zip(y, b_slices, offsets, strict=True):
+        lora_expand(y_i, b, slots, out, offset)
