@@ -1,12 +1,13 @@
 """A mixture of experts' MLP on the GPU: the twin of ``reference.fused_experts``, in five launches
-whatever the number of experts, with no host synchronisation and every buffer's shape fixed by
-the token count (as a CUDA graph captured per batch size needs).
+(four at decode sizes) whatever the number of experts, with no host synchronisation and every
+buffer's shape fixed by the token count (as a CUDA graph captured per batch size needs).
 
-1. align (two kernels): the (token, slot) pairs sorted by expert, each expert's run padded to a
-   multiple of BLOCK_M, and the expert of each block of BLOCK_M rows. Pairs whose id is -1 (an
-   expert on another rank) are left out. The buffers are sized by the bound of
-   ``T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`` rows; blocks past the used ones are marked
-   -1 and their programs exit at once, so padding and skipped pairs cost no FLOPs.
+1. align (two kernels, one at decode sizes): the (token, slot) pairs sorted by expert, each
+   expert's run padded to a multiple of BLOCK_M, and the expert of each block of BLOCK_M rows.
+   Pairs whose id is -1 (an expert on another rank) are left out. The buffers are sized by
+   the bound of ``T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`` rows; blocks past the used
+   ones are marked -1 and their programs exit at once, so padding and skipped pairs cost no
+   FLOPs.
 2. gate/up: one grouped GEMM; a program computes matching gate and up columns of its block's
    expert and writes act(gate) * up, so the [pairs, 2I] product never reaches memory.
 3. down: one grouped GEMM whose epilogue multiplies each row by its routing weight and writes
@@ -74,19 +75,25 @@ def max_padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-@kernel
-def _count_kernel(
-    ids_ptr, counts_ptr, pairs, experts, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr
-):
-    # counts[chunk, e]: the pairs of expert e among this chunk's pairs, SUB at a time (a
-    # [SUB, E_PAD] one-hot matrix).
-    chunk = tl.program_id(0)
+@triton.jit
+def _chunk_counts(ids_ptr, pairs, chunk, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """Per expert, its pairs among the chunk's, SUB at a time (a [SUB, E_PAD] one-hot)."""
     e = tl.arange(0, E_PAD)
     count = tl.zeros([E_PAD], dtype=tl.int32)
     for s in range(0, chunk_size, SUB):
         offs = chunk * chunk_size + s + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
         count += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    return count
+
+
+@kernel
+def _count_kernel(
+    ids_ptr, counts_ptr, pairs, experts, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr
+):
+    chunk = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    count = _chunk_counts(ids_ptr, pairs, chunk, chunk_size, SUB, E_PAD)
     tl.store(counts_ptr + chunk * experts + e, count, mask=e < experts)
 
 
@@ -94,23 +101,27 @@ def _count_kernel(
 def _place_kernel(
     ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, pairs, experts, num_chunks, chunk_size,
     max_blocks, BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-    CHUNKS_AT_ONCE: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr,
+    CHUNKS_AT_ONCE: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Each chunk's pairs go to their expert's run, after the same expert's pairs of earlier
-    # chunks: a stable sort, computed by every program from the counts alone.
+    # chunks: a stable sort, computed by every program from the counts alone. A single chunk
+    # (decode sizes) counts its own pairs: one launch fewer.
     chunk = tl.program_id(0)
     e = tl.arange(0, E_PAD)
-    total = tl.zeros([E_PAD], dtype=tl.int32)
     before = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, CHUNKS_AT_ONCE):
-        c = c0 + tl.arange(0, CHUNKS_AT_ONCE)
-        rows = tl.load(
-            counts_ptr + c[:, None] * experts + e[None, :],
-            mask=(c[:, None] < num_chunks) & (e[None, :] < experts),
-            other=0,
-        )
-        total += tl.sum(rows, axis=0)
-        before += tl.sum(tl.where(c[:, None] < chunk, rows, 0), axis=0)
+    if ONE_CHUNK:
+        total = _chunk_counts(ids_ptr, pairs, 0, chunk_size, SUB, E_PAD)
+    else:
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        for c0 in range(0, num_chunks, CHUNKS_AT_ONCE):
+            c = c0 + tl.arange(0, CHUNKS_AT_ONCE)
+            rows = tl.load(
+                counts_ptr + c[:, None] * experts + e[None, :],
+                mask=(c[:, None] < num_chunks) & (e[None, :] < experts),
+                other=0,
+            )
+            total += tl.sum(rows, axis=0)
+            before += tl.sum(tl.where(c[:, None] < chunk, rows, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     start = end - padded
@@ -282,12 +293,15 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
-    _count_kernel[(num_chunks,)](ids, counts, pairs, num_experts, chunk_size, SUB=sub, E_PAD=e_pad)
+    if num_chunks > 1:
+        _count_kernel[(num_chunks,)](
+            ids, counts, pairs, num_experts, chunk_size, SUB=sub, E_PAD=e_pad
+        )
     at_once = max(1, 2048 // e_pad)
     _place_kernel[(num_chunks,)](
         ids, counts, sorted_pairs, block_expert, pairs, num_experts, num_chunks, chunk_size,
         block_expert.shape[0], BLOCK_M=block_m, SUB=sub, E_PAD=e_pad,
-        CHUNKS_AT_ONCE=at_once, BLOCKS_AT_ONCE=at_once,
+        CHUNKS_AT_ONCE=at_once, BLOCKS_AT_ONCE=at_once, ONE_CHUNK=num_chunks == 1,
     )  # fmt: skip
     return sorted_pairs, block_expert
 

@@ -26,14 +26,16 @@ def _experts(gen: torch.Generator, experts: int, hidden: int, inter: int):
     return gate_up, down
 
 
-@pytest.mark.parametrize("programs", [64, 2])  # 4 programs of 32 pairs; 2 of 64, 32 at a time
-def test_align_sorts_each_experts_pairs_into_padded_blocks(programs, monkeypatch):
+# 128 experts: 32 pairs at a time. 100 pairs: in 4 programs of 32 pairs, or 2 of 64 (32 at a
+# time); 24 pairs: one program that counts them itself.
+@pytest.mark.parametrize(("tokens", "programs"), [(50, 64), (50, 2), (12, 64)])
+def test_align_sorts_each_experts_pairs_into_padded_blocks(tokens, programs, monkeypatch):
     monkeypatch.setattr(fused_moe, "ALIGN_CHUNKS", programs)
     gen = torch.Generator().manual_seed(0)
-    tokens, experts, top_k, block_m = 50, 128, 2, 16  # 100 pairs, most experts idle
+    experts, top_k, block_m = 128, 2, 16  # most experts idle
     _, ids = route(torch.randn(tokens, experts, generator=gen) * 3, top_k, True)
     ids[::7, 1] = -1
-    ids[:20, 0] = 5  # one expert with more than a block of pairs
+    ids[: tokens // 2, 0] = 5  # one crowded expert (at 50 tokens, more than a block)
     sorted_pairs, block_expert = fused_moe.align(ids, experts, block_m)
     pairs = tokens * top_k
     assert sorted_pairs.shape == (fused_moe.max_padded_rows(pairs, experts, block_m),)
