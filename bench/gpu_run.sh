@@ -11,7 +11,7 @@
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
-#   bash bench/gpu_run.sh OUTDIR moe-kernel moe-kernel-sweep   # the fused MoE kernel; its tiles
+#   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -99,14 +99,17 @@ for step in "$@"; do
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
             tee "$out/fp8_weights_tests.txt"
         ;;
-    moe-kernel)
-        # Issue 39's fused MoE kernel: its GPU tests (against the twin at real sizes, in a CUDA
-        # graph, tiny MoE models with graphs equal to eager and HF), then its time against the
-        # per-expert PyTorch loop and a dense GEMM of the same FLOPs at Qwen3-30B-A3B's and
-        # Mixtral-8x7B's shapes, bf16 and fp8 weights, 1-4,096 tokens (moe_kernel.json).
-        timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_moe_gpu.py 2>&1 |
+    moe-tests)
+        # Issue 39's fused MoE kernel on the GPU: against its twin at real sizes, replayed from
+        # a CUDA graph, tiny MoE models with graphs equal to eager and HF.
+        timeout 500 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_moe_gpu.py 2>&1 |
             tee "$out/moe_gpu_tests.txt"
-        timeout 500 $py bench/moe_kernel.py --out-dir "$out" 2>&1 | tee "$out/moe_kernel.txt"
+        ;;
+    moe-kernel)
+        # The fused MoE kernel's time against the per-expert PyTorch loop and a dense GEMM of the
+        # same FLOPs at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, bf16 and fp8 weights, 1-4,096
+        # tokens (moe_kernel.json).
+        timeout 560 $py bench/moe_kernel.py --out-dir "$out" 2>&1 | tee "$out/moe_kernel.txt"
         ;;
     moe-kernel-sweep)
         # The fused MoE kernel's candidate tiles per token-count bucket, best first, and a TILES

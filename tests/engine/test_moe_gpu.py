@@ -3,7 +3,7 @@ Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16 (and fp8 weights), from
 prefill token counts, with slots of other ranks' experts; replayed from a captured CUDA graph
 with new routings; and the tiny MoE models served with CUDA graphs, greedy output equal to
 eager and to HF. Skipped where no GPU is visible (CI); run on one with
-`pytest -q tests/engine/test_moe_gpu.py` (bench/gpu_run.sh OUT moe-kernel)."""
+`pytest -q tests/engine/test_moe_gpu.py` (bench/gpu_run.sh OUT moe-tests)."""
 
 from __future__ import annotations
 
