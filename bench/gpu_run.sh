@@ -113,12 +113,15 @@ for step in "$@"; do
         ;;
     moe-kernel-sweep)
         # The fused MoE kernel's candidate tiles per token-count bucket, best first, and a TILES
-        # table for kernels/fused_moe.py; MOE_SWEEP_MODELS / MOE_SWEEP_DTYPES pick the shapes
-        # (Qwen3-30B-A3B bf16 by default; one model and dtype fits the step's time).
+        # table for kernels/fused_moe.py; MOE_SWEEP_MODELS / MOE_SWEEP_DTYPES / MOE_SWEEP_TOKENS
+        # pick the shapes and sizes (Qwen3-30B-A3B bf16 at each bucket's largest size by default:
+        # one model and dtype fits the step's time).
         read -ra sweep_models <<<"${MOE_SWEEP_MODELS:-qwen3-30b-a3b}"
         read -ra sweep_dtypes <<<"${MOE_SWEEP_DTYPES:-bf16}"
+        read -ra sweep_tokens <<<"${MOE_SWEEP_TOKENS:-1 32 128 512 2048 4096}"
         timeout 580 $py bench/moe_kernel.py --out-dir "$out" --sweep --models "${sweep_models[@]}" \
-            --dtypes "${sweep_dtypes[@]}" 2>&1 | tee "$out/moe_kernel_sweep.txt"
+            --dtypes "${sweep_dtypes[@]}" --sweep-tokens "${sweep_tokens[@]}" 2>&1 |
+            tee "$out/moe_kernel_sweep.txt"
         ;;
     fp8-linear)
         # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.
