@@ -521,8 +521,13 @@ class ModelRunner:
         its penalty counts take it; rows of requests that finished since the sampling (aborted,
         or stopped by their previous token) are left out, their tokens void."""
         result = StepResult([], [], [], prompt_logprobs=step.prompt_logprobs)
-        for rid, vec in step.embeddings.items():
-            result.embeddings[rid] = vec.tolist()
+        if step.embeddings:
+            # One copy to the host for the whole step, not one wait per request.
+            flat = torch.cat(list(step.embeddings.values())).tolist()
+            start = 0
+            for rid, vec in step.embeddings.items():
+                result.embeddings[rid] = flat[start : start + len(vec)]
+                start += len(vec)
         batch = step.sampled
         if batch is None:
             return result
