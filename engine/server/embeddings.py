@@ -20,8 +20,10 @@ from kvfleet.engine.server.openai_responses import ResponseModel, random_id
 from kvfleet.engine.server.serving import SERVING, Admitted, ServingContext
 from kvfleet.engine.server.validation import parse_body
 
-# OpenAI's own caps: inputs in one request, and a dimensions value (the largest model's width).
+# Inputs in one request: OpenAI's own cap (each input is a sequence the engine queues, so the
+# server's --max-waiting-requests bounds a request further where it is set).
 MAX_EMBEDDING_INPUTS = 2048
+# A bound on the number itself, past any model's width; the model's own is checked at admission.
 MAX_DIMENSIONS = 65536
 
 
@@ -30,8 +32,8 @@ class EmbeddingRequest(_Strict):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, le=MAX_DIMENSIONS)
-    # Accepted as OpenAI's API does; the engine keeps nothing per user.
-    user: str | None = Field(default=None, max_length=256)
+    # Accepted as OpenAI's API does (the router does not key on it here); nothing is kept.
+    user: str | None = None
 
     @field_validator("input")
     @classmethod
