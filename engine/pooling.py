@@ -15,15 +15,12 @@ The functions at the bottom are the math, shared by the runner and the tests' or
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger(__name__)
 
 PoolingType = Literal["LAST", "MEAN"]
 

@@ -6,6 +6,7 @@ runner does."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -127,3 +128,31 @@ def test_runner_choice(model_dirs, last_dir):
         pooler = llm.engine.model_config.pooler
         assert pooler is not None and pooler.pooling_type == "MEAN" and pooler.normalize
         assert len(llm.embed("hello")[0].outputs.embedding) == 64
+
+
+def test_pooling_from_sentence_transformers_files(tmp_path):
+    from types import SimpleNamespace
+
+    from kvfleet.engine.pooling import resolve_pooler
+
+    config = SimpleNamespace(hidden_size=64, matryoshka_dimensions=[16, 32])
+    # No files: Qwen3-Embedding's last token, normalised.
+    assert resolve_pooler(tmp_path, config, None).pooling_type == "LAST"
+    st = "sentence_transformers.models."
+    modules = [
+        {"type": st + "Transformer", "path": ""},
+        {"type": st + "Pooling", "path": "1_Pooling"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = tmp_path / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    pooler = resolve_pooler(tmp_path, config, None)
+    assert (pooler.pooling_type, pooler.normalize) == ("MEAN", False)  # no Normalize module
+    assert resolve_pooler(tmp_path, config, "LAST").pooling_type == "LAST"
+    # Declared sizes only; the model's own always.
+    assert pooler.check_dimensions(16) is None and pooler.check_dimensions(64) is None
+    assert "one of [16, 32]" in (pooler.check_dimensions(24) or "")
+    pooling.write_text(json.dumps({"pooling_mode_cls_token": True}))
+    with pytest.raises(ValueError, match=r"pooling_mode_cls_token.*--pooling-type"):
+        resolve_pooler(tmp_path, config, None)
