@@ -72,16 +72,22 @@ def test_last_token_pooling_matches_hf(last_llm, last_dir, prompts):
     assert_no_leak(last_llm)
 
 
-def test_mean_pooling_matches_hf_in_chunks(mean_dir, prompts):
-    want = hf_embeddings(mean_dir, prompts, "mean", normalize=False)
+@pytest.fixture(scope="module")
+def mean_llm(mean_dir: Path):
+    # --runner given, as it may be: the checkpoint would choose pooling by itself.
     with LLM(str(mean_dir), runner="pooling", device="cpu", dtype="float32",
              max_num_batched_tokens=CHUNK) as llm:  # fmt: skip
-        for _ in range(2):  # the second time its prefix is cached, and must not be taken
-            outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
-            for out, ref in zip(outs, want, strict=True):
-                _assert_close(out.outputs.embedding, ref)
-        assert llm.engine.stats().prefix_cache_hits == 0
-        assert_no_leak(llm)
+        yield llm
+
+
+def test_mean_pooling_matches_hf_in_chunks(mean_llm, mean_dir, prompts):
+    want = hf_embeddings(mean_dir, prompts, "mean", normalize=False)
+    for _ in range(2):  # the second time its prefix is cached, and must not be taken
+        outs = mean_llm.embed([{"prompt_token_ids": p} for p in prompts])
+        for out, ref in zip(outs, want, strict=True):
+            _assert_close(out.outputs.embedding, ref)
+    assert mean_llm.engine.stats().prefix_cache_hits == 0
+    assert_no_leak(mean_llm)
 
 
 def test_matryoshka_dimensions(last_llm, last_dir, prompts):
@@ -93,12 +99,11 @@ def test_matryoshka_dimensions(last_llm, last_dir, prompts):
     assert e.value.param == "dimensions"
 
 
-def test_dimensions_refused_without_matryoshka(mean_dir):
-    with LLM(str(mean_dir), device="cpu", dtype="float32") as llm:
-        with pytest.raises(InvalidRequestError, match="Matryoshka"):
-            llm.embed("hello", dimensions=16)
-        # The model's own size is no truncation.
-        assert len(llm.embed("hello", dimensions=64)[0].outputs.embedding) == 64
+def test_dimensions_refused_without_matryoshka(mean_llm):
+    with pytest.raises(InvalidRequestError, match="Matryoshka"):
+        mean_llm.embed("hello", dimensions=16)
+    # The model's own size is no truncation.
+    assert len(mean_llm.embed("hello", dimensions=64)[0].outputs.embedding) == 64
 
 
 def test_each_runner_refuses_the_other_s_requests(last_llm, model_dirs):
