@@ -257,7 +257,9 @@ async def fleet(
             await runner.wait_ready(ns.min_replicas or 1, ns.start_timeout)
             engine = k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-engine")
             assert engine is not None
-            (engine_container,) = engine["spec"]["template"]["spec"]["containers"]
+            (engine_container,) = [
+                c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"
+            ]
             args = engine_container["args"]
             model = args[args.index("--served-model-name") + 1]
             router_url = f"http://127.0.0.1:{port}"
