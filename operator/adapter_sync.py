@@ -123,7 +123,6 @@ class AdapterSync:
         except EngineAnswerError as e:
             logger.warning("engine pod %s: %s", target.name, e)
             return PodAdapters(target.name, {}, dict.fromkeys(desired, str(e)))
-        loaded = dict(loaded)
         failures: dict[str, str] = {}
         unload, load = plan(desired, loaded)
         for name in unload:
@@ -158,14 +157,16 @@ class AdapterSync:
             async with self._client().request(
                 method, url, json=body, headers={"Accept-Encoding": "identity"}
             ) as r:
-                raw = await r.content.read(MAX_BODY_BYTES + 1)
                 status = r.status
+                raw = bytearray()
+                async for chunk in r.content.iter_chunked(64 * 2**10):
+                    raw += chunk
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise EngineAnswerError(f"answer over {MAX_BODY_BYTES} bytes")
         except TimeoutError:
             raise EngineAnswerError(f"no answer within {self.timeout:g} s") from None
         except (aiohttp.ClientError, OSError) as e:
             raise EngineAnswerError(f"unreachable: {e!r}") from None
-        if len(raw) > MAX_BODY_BYTES:
-            raise EngineAnswerError(f"answer over {MAX_BODY_BYTES} bytes")
         try:
             answer = json.loads(raw) if raw else None
         except (ValueError, UnicodeDecodeError):

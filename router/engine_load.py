@@ -7,9 +7,10 @@ counts) is a handful of requests, so keyed requests spill off warm engines at lo
 ``interval`` seconds the poller reads ``vllm:num_requests_running`` and ``_waiting`` (summed
 over series) and ``kvfleet_engine_max_num_seqs`` from each ready engine; between scrapes the
 router adds the requests it started there since and takes off those that finished
-(``estimated_load``). An engine with free batch slots and an empty queue starts a request at
-once, so it is never over the bound (``has_free_slots``): spilling off it would only cost a
-prefix-cache miss.
+(``estimated_load``). The same scrape reads which LoRA adapters the engine holds, per tier, and
+its GPU slots (``adapters_of``), for adapter placement. An engine with free batch slots and an
+empty queue starts a request at once, so it is never over the bound (``has_free_slots``):
+spilling off it would only cost a prefix-cache miss.
 
 An engine's /metrics is semi-trusted input, read as kvfleet.telemetry.metrics_reader reads one:
 a scrape has a deadline and a byte limit, keeps only the sample lines of those three metrics (a

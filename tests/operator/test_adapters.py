@@ -3,6 +3,7 @@ engine container's start command that reads them, and the plan that syncs a runn
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 
@@ -137,3 +138,44 @@ def test_with_an_api_key_an_adapter_edit_rolls_the_engines() -> None:
         return engine_deployment(OWNER, spec, CONFIG)["spec"]["template"]
 
     assert template({"name": "a", "source": "/a"}) != template({"name": "a", "source": "/a2"})
+
+
+@pytest.mark.asyncio
+async def test_an_engines_answer_is_read_within_a_byte_limit_and_a_deadline() -> None:
+    """An engine's /v1/models is untrusted: too large, not JSON, or too slow is a failure of
+    that pod's adapters, with the reason, never the operator's."""
+    from aiohttp import web
+
+    from kvfleet.operator.adapter_sync import MAX_BODY_BYTES, AdapterSync
+
+    answers = {
+        "large": lambda: web.Response(body=b"[" + b" " * MAX_BODY_BYTES + b"]"),
+        "garbage": lambda: web.Response(text="<html>"),
+    }
+    mode = ["large"]
+
+    async def models(_: web.Request) -> web.StreamResponse:
+        if mode[0] == "slow":
+            await asyncio.sleep(5)
+        return answers[mode[0]]()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    pod = {
+        "metadata": {"name": "p"},
+        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    sync = AdapterSync(timeout=0.5)
+    try:
+        for what, reason in (("large", "over"), ("garbage", "not JSON"), ("slow", "no answer")):
+            mode[0] = what
+            (result,) = await sync.sync([pod], {"a": "/a"})
+            assert result.loaded == {} and reason in result.failures["a"], what
+    finally:
+        await sync.close()
+        await runner.cleanup()
