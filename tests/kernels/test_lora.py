@@ -1,7 +1,7 @@
 """Batched LoRA's Triton kernels against their PyTorch twins in the interpreter: tiny sizes, fp32
-inputs (the interpreter's bf16 arithmetic is not the GPU's), mixed slots and the base model,
-partial token, K and column blocks, several slices at offsets. The real sizes, in a CUDA graph
-too, are in test_lora_gpu.py."""
+activations with bf16 adapters loaded and computed in fp32 (the interpreter's bf16 dot is
+wrong), mixed slots and the base model, partial token, K and column blocks, several slices at
+offsets. The real sizes, in a CUDA graph too, are in test_lora_gpu.py."""
 
 from __future__ import annotations
 
