@@ -11,6 +11,7 @@
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
+#   bash bench/gpu_run.sh OUTDIR lora-kernel      # batched LoRA kernels: checks, cost per projection
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -160,6 +161,13 @@ for step in "$@"; do
             timeout 200 $py bench/profile_step.py --model bench/models/Llama-3.1-8B --batch 1 \
                 --context 128 "${qargs[@]}" 2>&1 | tee "$out/fp8_profile_$q.txt"
         done
+        ;;
+    lora-kernel)
+        # Issue 40's batched LoRA kernels against their twins at Llama-3.1-8B's sizes (in a CUDA
+        # graph too), then what shrink + expand add to each projection's GEMM (lora_kernel.json).
+        timeout 300 $py -m pytest -q -s -p no:cacheprovider tests/kernels/test_lora_gpu.py 2>&1 |
+            tee "$out/lora_kernel_tests.txt"
+        timeout 400 $py bench/lora_kernel.py --out-dir "$out" 2>&1 | tee "$out/lora_kernel.txt"
         ;;
     profile)
         timeout 300 $py bench/profile_step.py --model bench/models/Qwen3-0.6B --batch 128 \
