@@ -85,7 +85,7 @@ def measure(projection: str, tokens: int, rank: int, num_slots: int) -> dict[str
         "lora_us": round(lora_us, 2),
         "lora_base_only_us": round(idle_us, 2),
         "overhead": round(lora_us / base_us, 3),
-        "shrink_tile": str(lora.shrink_tile(tokens, rank, k)),
+        "shrink_tile": str(lora.shrink_tile(tokens, rank, k, x.element_size())),
         "expand_tile": str(lora.expand_tile(tokens, rank)),
     }
 

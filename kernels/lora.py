@@ -30,6 +30,8 @@ from kvfleet.kernels.launch import kernel
 
 # Slices one launch takes: q, k and v of a fused qkv projection.
 MAX_SLICES = 3
+# The widest rank the tiles are sized for (a program holds [tokens, rank] fp32 sums).
+MAX_RANK = 256
 
 
 @dataclass(frozen=True)
@@ -65,13 +67,15 @@ def _block_r(rank: int) -> int:
 
 
 @functools.cache
-def shrink_tile(num_tokens: int, rank: int, k: int) -> ShrinkTile:
-    """The table's row for this token count; a wide rank halves the K tile (registers), and K
-    is split only while each split keeps at least two K tiles."""
+def shrink_tile(num_tokens: int, rank: int, k: int, itemsize: int = 2) -> ShrinkTile:
+    """The table's row for this token count. The K tile holds 512 bytes of a row, less for
+    ranks above 32 (A's tile grows with the rank), so that three stages of x and A fit an SM's
+    shared memory, fp32 included; K is split only while each split keeps two K tiles."""
     _, block_m, split, _, _ = next(row for row in _TILES if num_tokens <= row[0])
-    block_k = 128 if _block_r(rank) > 32 else 256
+    block_r = _block_r(rank)
+    block_k = 512 // itemsize // max(1, block_r // 32)
     split = max(1, min(split, k // (2 * block_k)))
-    return ShrinkTile(block_m, block_k, split)
+    return ShrinkTile(block_m, block_k, split, num_warps=8 if block_r >= 128 else 4)
 
 
 @functools.cache
@@ -227,9 +231,11 @@ def _padded(items: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [*items, *[items[0]] * (MAX_SLICES - len(items))]
 
 
-def _check_slices(count: int) -> None:
+def _check(count: int, rank: int) -> None:
     if not 1 <= count <= MAX_SLICES:
         raise ValueError(f"a LoRA launch takes 1-{MAX_SLICES} slices, not {count}")
+    if rank > MAX_RANK:
+        raise ValueError(f"LoRA kernels take ranks up to {MAX_RANK}, not {rank}")
 
 
 def lora_shrink_slices(
@@ -237,9 +243,9 @@ def lora_shrink_slices(
 ) -> torch.Tensor:
     """[n_slices, T, R] in x's dtype: x @ A.T of each token's slot in each slice, zero for the
     base model's tokens (slot -1). The twin of reference.lora_shrink_slices."""
-    _check_slices(len(a_slices))
     t, k = x.shape
     num_slots, r, _ = a_slices[0].shape
+    _check(len(a_slices), r)
     for a in a_slices:
         assert a.shape == a_slices[0].shape and a.dtype == a_slices[0].dtype and a.shape[2] == k
         assert a.stride(2) == 1 and a.stride() == a_slices[0].stride()
@@ -248,7 +254,7 @@ def lora_shrink_slices(
     y = torch.empty((pieces, t, r), dtype=x.dtype, device=x.device)
     if t == 0:
         return y
-    tile = shrink_tile(t, r, k)
+    tile = shrink_tile(t, r, k, x.element_size())
     split = tile.split_k
     out = (
         y
@@ -282,10 +288,10 @@ def lora_expand_slices(
     """out[:, offsets[i]:offsets[i] + N_i] += y[i] @ B_i.T of each token's slot, in place, for
     every slice i; the base model's rows untouched. The twin of reference.lora_expand_slices."""
     pieces = len(b_slices)
-    _check_slices(pieces)
+    _, t, r = y.shape
+    _check(pieces, r)
     if len(offsets) != pieces or y.shape[0] != pieces:
         raise ValueError(f"{pieces} slices need as many offsets and y's, not {len(offsets)}")
-    _, t, r = y.shape
     num_slots = b_slices[0].shape[0]
     widths = [b.shape[1] for b in b_slices]
     for b, offset, n in zip(b_slices, offsets, widths, strict=True):

@@ -61,12 +61,15 @@ def test_expand_kernel_matches_twin_with_slices_at_offsets(monkeypatch):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_expand_refuses_columns_outside_the_output():
+def test_kernels_refuse_columns_outside_the_output_and_ranks_past_their_tiles():
     y = torch.zeros(1, 2, RANK)
     b = adapters(8, 8, 0)[1]
     slots = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="outside"):
         lora.lora_expand_slices(y, [b], slots, torch.zeros(2, 12), [5])
+    wide = torch.zeros(1, lora.MAX_RANK + 1, 16)
+    with pytest.raises(ValueError, match="ranks up to"):
+        lora.lora_shrink(torch.zeros(2, 16), wide, slots)
 
 
 def test_kernels_with_every_token_on_the_base_model_change_nothing():
@@ -98,4 +101,6 @@ def test_tiles_come_from_the_token_count_and_rank():
     assert lora.shrink_tile(64, 64, 14336).split_k == 4
     assert lora.shrink_tile(2048, 16, 4096).split_k == 1
     assert lora.shrink_tile(1, 16, 300).split_k == 1  # too short a K to split
+    assert lora.shrink_tile(1, 64, 4096).block_k == 128  # a wide rank's A tile
+    assert lora.shrink_tile(1, 16, 4096, itemsize=4).block_k == 128  # fp32's bytes
     assert lora.expand_tile(1, 16).block_m == 16 and lora.expand_tile(2048, 64).block_m == 64
