@@ -68,14 +68,24 @@ def _block_r(rank: int) -> int:
 
 @functools.cache
 def shrink_tile(num_tokens: int, rank: int, k: int, itemsize: int = 2) -> ShrinkTile:
-    """The table's row for this token count. The K tile holds 512 bytes of a row, less for
-    ranks above 32 (A's tile grows with the rank), so that three stages of x and A fit an SM's
-    shared memory, fp32 included; K is split only while each split keeps two K tiles."""
+    """The table's row for this token count. The K tile holds 512 bytes of a 16-bit row (256 of
+    an fp32 one, whose exact dots stage more in shared memory), less for ranks above 32 (A's
+    tile grows with the rank), so that three stages fit an SM's shared memory. A thread loads
+    at most 64 elements of x's and A's tiles (their addresses take registers too; more
+    spills): 8 warps, then a narrower K tile. K is split only while each split keeps two K
+    tiles."""
     _, block_m, split, _, _ = next(row for row in _TILES if num_tokens <= row[0])
     block_r = _block_r(rank)
-    block_k = 512 // itemsize // max(1, block_r // 32)
+    row_bytes = 512 if itemsize <= 2 else 256
+    block_k = max(16, row_bytes // itemsize // max(1, block_r // 32))
+    warps = 4
+    while (block_m + block_r) * block_k > 64 * 32 * warps and block_k > 16:
+        if warps == 4:
+            warps = 8
+        else:
+            block_k //= 2
     split = max(1, min(split, k // (2 * block_k)))
-    return ShrinkTile(block_m, block_k, split, num_warps=8 if block_r >= 128 else 4)
+    return ShrinkTile(block_m, block_k, split, num_warps=warps)
 
 
 @functools.cache
@@ -84,10 +94,15 @@ def expand_tile(num_tokens: int, rank: int) -> ExpandTile:
     return ExpandTile(block_m, block_n, num_warps=8 if block_m * block_n >= 64 * 128 else 4)
 
 
+# Address arithmetic: a program's block start is a 64-bit scalar, the offsets within the block
+# 32-bit tensors (the tile's pointers then cost one register each, not two).
+
+
 @triton.jit
 def _shrink_slice(
-    x_ptr, a_ptr, out_rows, toks, mine, slot, split, k, r, stride_xt, stride_as, stride_ar,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_block, a_ptr, out_block, rows, mine, slot, split, k, r, stride_xt, stride_as, stride_ar,
+    stride_ot, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """This program's K range of x @ A.T for the rows of one slot, stored (other rows: 0 in x)."""
     ranks = tl.arange(0, BLOCK_R)
@@ -95,7 +110,7 @@ def _shrink_slice(
     per_split = tl.cdiv(tiles, SPLIT_K)
     first = split * per_split
     last = tl.minimum(first + per_split, tiles)
-    x_rows = x_ptr + toks[:, None].to(tl.int64) * stride_xt
+    x_rows = x_block + rows[:, None] * stride_xt
     a_rows = a_ptr + slot * stride_as + ranks[:, None] * stride_ar
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for i in range(first, last):
@@ -104,8 +119,8 @@ def _shrink_slice(
         x = tl.load(x_rows + cols[None, :], mask=mine[:, None] & in_k[None, :], other=0.0)
         a = tl.load(a_rows + cols[None, :], mask=(ranks[:, None] < r) & in_k[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(a.to(x.dtype)), acc, input_precision="ieee")
-    tl.store(out_rows + ranks[None, :], acc.to(out_rows.dtype.element_ty),
-             mask=mine[:, None] & (ranks[None, :] < r))  # fmt: skip
+    out = out_block + rows[:, None] * stride_ot + ranks[None, :]
+    tl.store(out, acc.to(out_block.dtype.element_ty), mask=mine[:, None] & (ranks[None, :] < r))
 
 
 @kernel
@@ -119,33 +134,38 @@ def _shrink_kernel(
     # or, split, fp32 partials [n_slices x SPLIT_K, T, R] that _sum_splits_kernel adds. Each
     # slice is its own call of _shrink_slice (a branch per pointer, nothing merged after).
     enter(PDL)
-    pid_m = tl.program_id(0)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_M
     slot = tl.program_id(1).to(tl.int64)
     pid_z = tl.program_id(2)
     piece = pid_z // SPLIT_K
     split = pid_z % SPLIT_K
-    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    toks = start + rows
     slot_of = tl.load(slots_ptr + toks, mask=toks < t, other=-1)
-    out_rows = out_ptr + pid_z * stride_os + toks[:, None].to(tl.int64) * stride_ot
+    x_block = x_ptr + start * stride_xt
+    out_block = out_ptr + pid_z.to(tl.int64) * stride_os + start * stride_ot
     # Nested, not `and`: a compile-time condition, then a runtime one.
     if SPLIT_K == 1:  # noqa: SIM102
         if slot == 0:
             # The base model's rows are zero (split, the partials' sum writes them).
             ranks = tl.arange(0, BLOCK_R)
             base = ((slot_of == -1) & (toks < t))[:, None] & (ranks[None, :] < r)
-            tl.store(out_rows + ranks[None, :],
+            tl.store(out_block + rows[:, None] * stride_ot + ranks[None, :],
                      tl.zeros([BLOCK_M, BLOCK_R], out_ptr.dtype.element_ty), mask=base)  # fmt: skip
     mine = slot_of == slot
     if tl.sum(mine.to(tl.int32), 0) != 0:
         if piece == 0:
-            _shrink_slice(x_ptr, a0_ptr, out_rows, toks, mine, slot, split, k, r, stride_xt,
-                          stride_as, stride_ar, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K)  # fmt: skip
+            _shrink_slice(x_block, a0_ptr, out_block, rows, mine, slot, split, k, r, stride_xt,
+                          stride_as, stride_ar, stride_ot, SPLIT_K, BLOCK_M, BLOCK_R,
+                          BLOCK_K)  # fmt: skip
         elif piece == 1:
-            _shrink_slice(x_ptr, a1_ptr, out_rows, toks, mine, slot, split, k, r, stride_xt,
-                          stride_as, stride_ar, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K)  # fmt: skip
+            _shrink_slice(x_block, a1_ptr, out_block, rows, mine, slot, split, k, r, stride_xt,
+                          stride_as, stride_ar, stride_ot, SPLIT_K, BLOCK_M, BLOCK_R,
+                          BLOCK_K)  # fmt: skip
         else:
-            _shrink_slice(x_ptr, a2_ptr, out_rows, toks, mine, slot, split, k, r, stride_xt,
-                          stride_as, stride_ar, SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K)  # fmt: skip
+            _shrink_slice(x_block, a2_ptr, out_block, rows, mine, slot, split, k, r, stride_xt,
+                          stride_as, stride_ar, stride_ot, SPLIT_K, BLOCK_M, BLOCK_R,
+                          BLOCK_K)  # fmt: skip
 
 
 @kernel
@@ -156,24 +176,27 @@ def _sum_splits_kernel(
     # Grid (token blocks, slices): y[slice] = the sum of its splits in order, 0 for the base
     # model's rows (whose partials nothing wrote).
     enter(PDL)
-    toks = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    piece = tl.program_id(1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_M
+    piece = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
+    toks = start + rows
     active = tl.load(slots_ptr + toks, mask=toks < t, other=-1) >= 0
-    offs = toks[:, None].to(tl.int64) * stride_pt + ranks[None, :]
     valid = (toks[:, None] < t) & (ranks[None, :] < r)
+    parts = part_ptr + piece * SPLIT_K * stride_ps + start * stride_pt
+    offs = rows[:, None] * stride_pt + ranks[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for s in range(SPLIT_K):
-        total += tl.load(part_ptr + (piece * SPLIT_K + s) * stride_ps + offs,
-                         mask=active[:, None] & valid, other=0.0)  # fmt: skip
-    out = out_ptr + piece * stride_os + toks[:, None].to(tl.int64) * stride_ot + ranks[None, :]
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=valid)
+        total += tl.load(parts + s * stride_ps + offs, mask=active[:, None] & valid, other=0.0)
+    out = out_ptr + piece * stride_os + start * stride_ot + rows[:, None] * stride_ot
+    tl.store(out + ranks[None, :], total.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
 def _expand_slice(
-    y_rows, b_ptr, out_rows, slot_of, col_block, n, stride_bs, stride_bn, r, num_slots,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_block, b_ptr, out_block, rows, slot_of, col_block, n, stride_yt, stride_ot, stride_bs,
+    stride_bn, r, num_slots, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """One column block of one slice: per slot present, y's rows of that slot (the others
     zeroed) times the slot's B, then one read-modify-write of out for the adapters' rows."""
@@ -181,20 +204,23 @@ def _expand_slice(
     ranks = tl.arange(0, BLOCK_R)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < n
-    y = tl.load(y_rows + ranks[None, :], mask=active[:, None] & (ranks[None, :] < r), other=0.0)
-    b_cols = b_ptr + cols[None, :] * stride_bn + ranks[:, None]
+    y = tl.load(y_block + rows[:, None] * stride_yt + ranks[None, :],
+                mask=active[:, None] & (ranks[None, :] < r), other=0.0)  # fmt: skip
+    b_offs = cols[None, :] * stride_bn + ranks[:, None]
+    b_mask = (ranks[:, None] < r) & in_n[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_slot = b_ptr
     for s in range(num_slots):
         mine = slot_of == s
         if tl.sum(mine.to(tl.int32), 0) != 0:
-            b = tl.load(b_cols + s * stride_bs, mask=(ranks[:, None] < r) & in_n[None, :],
-                        other=0.0).to(y.dtype)  # fmt: skip
+            b = tl.load(b_slot + b_offs, mask=b_mask, other=0.0).to(y.dtype)
             y_s = tl.where(mine[:, None], y, tl.zeros_like(y))
             acc = tl.dot(y_s, b, acc, input_precision="ieee")
-    out = out_rows + cols[None, :]
+        b_slot += stride_bs
+    out = out_block + rows[:, None] * stride_ot + cols[None, :]
     keep = active[:, None] & in_n[None, :]
     base = tl.load(out, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out, (base + acc).to(out_rows.dtype.element_ty), mask=keep)
+    tl.store(out, (base + acc).to(out_block.dtype.element_ty), mask=keep)
 
 
 @kernel
@@ -208,22 +234,26 @@ def _expand_kernel(
     # follow the nb0 (+ nb1) of the slices before it. A block of the base model's tokens only
     # does nothing.
     enter(PDL)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_M
     pid_n = tl.program_id(1)
-    toks = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    toks = start + rows
     slot_of = tl.load(slots_ptr + toks, mask=toks < t, other=-1)
-    y_rows = y_ptr + toks[:, None].to(tl.int64) * stride_yt
-    out_rows = out_ptr + toks[:, None].to(tl.int64) * stride_ot
+    y_block = y_ptr + start * stride_yt
+    out_block = out_ptr + start * stride_ot
     if tl.sum((slot_of >= 0).to(tl.int32), 0) != 0:
         if pid_n < nb0:
-            _expand_slice(y_rows, b0_ptr, out_rows + off0, slot_of, pid_n, n0, sb0, stride_bn,
-                          r, num_slots, BLOCK_M, BLOCK_N, BLOCK_R)  # fmt: skip
-        elif pid_n < nb0 + nb1:
-            _expand_slice(y_rows + stride_ys, b1_ptr, out_rows + off1, slot_of, pid_n - nb0, n1,
-                          sb1, stride_bn, r, num_slots, BLOCK_M, BLOCK_N, BLOCK_R)  # fmt: skip
-        else:
-            _expand_slice(y_rows + 2 * stride_ys, b2_ptr, out_rows + off2, slot_of,
-                          pid_n - nb0 - nb1, n2, sb2, stride_bn, r, num_slots, BLOCK_M, BLOCK_N,
+            _expand_slice(y_block, b0_ptr, out_block + off0, rows, slot_of, pid_n, n0,
+                          stride_yt, stride_ot, sb0, stride_bn, r, num_slots, BLOCK_M, BLOCK_N,
                           BLOCK_R)  # fmt: skip
+        elif pid_n < nb0 + nb1:
+            _expand_slice(y_block + stride_ys, b1_ptr, out_block + off1, rows, slot_of,
+                          pid_n - nb0, n1, stride_yt, stride_ot, sb1, stride_bn, r, num_slots,
+                          BLOCK_M, BLOCK_N, BLOCK_R)  # fmt: skip
+        else:
+            _expand_slice(y_block + 2 * stride_ys, b2_ptr, out_block + off2, rows, slot_of,
+                          pid_n - nb0 - nb1, n2, stride_yt, stride_ot, sb2, stride_bn, r,
+                          num_slots, BLOCK_M, BLOCK_N, BLOCK_R)  # fmt: skip
 
 
 def _padded(items: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -271,9 +301,10 @@ def lora_shrink_slices(
         num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(t, 64), pieces)](
+        rows = min(64, 4096 // block_r)  # a program's sums: 32 floats a thread
+        _sum_splits_kernel[(triton.cdiv(t, rows), pieces)](
             out, slots, y, t, r, out.stride(0), out.stride(1), y.stride(0), y.stride(1),
-            SPLIT_K=split, BLOCK_M=64, BLOCK_R=block_r, **pdl,
+            SPLIT_K=split, BLOCK_M=rows, BLOCK_R=block_r, **pdl,
         )  # fmt: skip
     return y
 
