@@ -1,5 +1,5 @@
 """Batched LoRA in Triton: a batch whose tokens belong to different adapters, and to none (the
-base model), gets each token's own adapter in two launches per projection, shrink (x @ A.T,
+base model), gets each token's own adapter from two kernels per projection, shrink (x @ A.T,
 K -> R) and expand (out += y @ B.T, R -> N), over the batch's token -> slot map. Twins of
 ``reference.lora_shrink`` / ``lora_expand`` and their multi-slice forms, which serve a fused
 projection (q, k, v; gate, up) in one launch each.

@@ -102,5 +102,5 @@ def test_tiles_come_from_the_token_count_and_rank():
     assert lora.shrink_tile(2048, 16, 4096).split_k == 1
     assert lora.shrink_tile(1, 16, 300).split_k == 1  # too short a K to split
     assert lora.shrink_tile(1, 64, 4096).block_k == 128  # a wide rank's A tile
-    assert lora.shrink_tile(1, 16, 4096, itemsize=4).block_k == 128  # fp32's bytes
+    assert lora.shrink_tile(1, 16, 4096, itemsize=4).block_k == 64  # fp32's bytes
     assert lora.expand_tile(1, 16).block_m == 16 and lora.expand_tile(2048, 64).block_m == 64
