@@ -39,6 +39,9 @@ class ModelConfig(BaseModel):
     num_kv_heads: int
     head_dim: int
     quantization: Fp8Config | None = None
+    # Experts placed whole per tensor-parallel rank (a mixture of experts with
+    # --enable-expert-parallel and more than one rank).
+    expert_parallel: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -71,6 +74,7 @@ class ModelConfig(BaseModel):
         )
         if quantization is not None:
             check_fp8_device(device)
+        expert_parallel = _expert_parallel(args, hf_config)
         return cls(
             path=path,
             hf_config=hf_config,
@@ -82,6 +86,7 @@ class ModelConfig(BaseModel):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             quantization=quantization,
+            expert_parallel=expert_parallel,
         )
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
@@ -99,6 +104,21 @@ def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int) -> None:
             f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads: one must divide "
             "the other"
         )
+
+
+def _expert_parallel(args: EngineArgs, hf_config: object) -> bool:
+    from kvfleet.engine.models.mixture_of_experts import num_experts
+
+    experts = num_experts(hf_config)
+    tp = args.tensor_parallel_size
+    if not args.enable_expert_parallel or experts == 0 or tp == 1:
+        return False
+    if experts % tp:
+        raise ValueError(
+            f"--enable-expert-parallel: the model's {experts} experts do not divide over "
+            f"tensor_parallel_size={tp} ranks"
+        )
+    return True
 
 
 def _resolve_dtype(

@@ -24,6 +24,7 @@ from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
+from kvfleet.engine.layers.moe import expert_parallel_layers
 from kvfleet.engine.models import get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.request import Request
@@ -159,6 +160,33 @@ class StepResult:
         }
 
 
+def build_model(
+    cls: type[torch.nn.Module], mc: ModelConfig, device: torch.device
+) -> torch.nn.Module:
+    """The model's modules on ``device`` in mc.dtype (weights unloaded), in this rank's share:
+    fp8 linears and experts as mc.quantization says, experts placed as mc.expert_parallel
+    says."""
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(mc.dtype)
+    try:
+        with (
+            torch.device(device),
+            fp8_linear_layers(mc.quantization),
+            expert_parallel_layers(mc.expert_parallel),
+        ):
+            return cls(mc.hf_config, mc.architecture)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+
+
+def weight_bytes_per_rank(cls: type[torch.nn.Module], mc: ModelConfig) -> int:
+    """What this rank's weights take, counted on the meta device: every parameter the model
+    builds, so a mixture of experts counts all its experts (or this rank's share of them),
+    not the few a token uses."""
+    model = build_model(cls, mc, torch.device("meta"))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -237,20 +265,15 @@ class ModelRunner:
     def _load_model(self) -> LanguageModel:
         mc = self.model_config
         cls = get_model_class(mc.architecture)
-        prev_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            if self.device.type == "cuda":
-                self._check_weights_fit(cls)
-            with torch.device(self.device), fp8_linear_layers(mc.quantization):
-                model = cls(mc.hf_config, mc.architecture)
-        finally:
-            torch.set_default_dtype(prev_dtype)
+        if self.device.type == "cuda":
+            self._check_weights_fit(cls)
+        model = build_model(cls, mc, self.device)
         if self.args.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
             # One bar for the process group: every rank loads the same tensors.
-            load_weights(model, mc.path, progress=tp_rank() == 0)
+            block = mc.quantization.weight_block_size if mc.quantization else None
+            load_weights(model, mc.path, progress=tp_rank() == 0, weight_block_size=block)
         model.eval()
         if not isinstance(model, LanguageModel):
             raise TypeError(f"{cls.__name__} lacks what the runner calls on a model")
@@ -259,9 +282,7 @@ class ModelRunner:
     def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:
         """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
         mc = self.model_config
-        with torch.device("meta"), fp8_linear_layers(mc.quantization):
-            shapes = cls(mc.hf_config, mc.architecture)
-        need = sum(p.numel() * p.element_size() for p in shapes.parameters())
+        need = weight_bytes_per_rank(cls, mc)
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * self.args.gpu_memory_utilization
         if need > budget:
