@@ -6,6 +6,7 @@
 #   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
+#   bash bench/gpu_run.sh OUTDIR moe-placement    # two GPUs: experts split vs placed per rank
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR async-ab          # async scheduling against the synchronous loop
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
@@ -283,6 +284,26 @@ for step in "$@"; do
         for tp in 1 2; do
             timeout 120 $py bench/latency.py --model bench/models/Llama-3.1-8B \
                 --tensor-parallel-size $tp 2>&1 | tee "$out/tp${tp}_llama31_latency.txt"
+        done
+        ;;
+    moe-placement)
+        # Two GPUs, N=2, in one call: each expert's intermediate dimension split over the ranks
+        # (the default) against the experts placed whole per rank (--enable-expert-parallel),
+        # for Qwen3-30B-A3B (128 narrow experts, top-8) and Mixtral-8x7B (8 wide ones, top-2):
+        # throughput of 1000 x 256/256, then batch-1 TPOT (docs/architecture.md says what to
+        # expect and why). --enforce-eager until the experts have a CUDA-graph path.
+        for model in Qwen3-30B-A3B Mixtral-8x7B-v0.1; do
+            for placement in split experts; do
+                ep=()
+                [ $placement = experts ] && ep=(--enable-expert-parallel)
+                timeout 280 $py bench/throughput.py --model bench/models/$model --num-prompts 1000 \
+                    --input-len 256 256 --output-len 256 256 --tensor-parallel-size 2 \
+                    --enforce-eager "${ep[@]}" \
+                    --result-json "$out/moe_${model}_${placement}_throughput.json" 2>&1 |
+                    tee "$out/moe_${model}_${placement}_throughput.txt"
+                timeout 150 $py bench/latency.py --model bench/models/$model --tensor-parallel-size 2 \
+                    --enforce-eager "${ep[@]}" 2>&1 | tee "$out/moe_${model}_${placement}_latency.txt"
+            done
         done
         ;;
     tp-70b)
