@@ -97,8 +97,15 @@ def test_fp8_experts_checkpoint_equals_its_twin_quantized_at_load(fp8_dirs):
 def test_per_tensor_scales_expand_to_their_experts_rows(fp8_dirs):
     """vLLM's fp8 format (Mixtral's w1/w3/w2 names): one scale per expert projection, each
     expanded to its rows, gate's and up's apart; the experts' static input scales are not
-    used (their activations stay in the model dtype) while the attention's are."""
-    _, params = _greedy(fp8_dirs["mixtral-static"])
+    used (their activations stay in the model dtype) while the attention's are. Static
+    activation scales make the dense layers' split arithmetic the unsplit one's, so experts
+    placed per rank, each loading only its own weights and scales, generate the same tokens."""
+    one, params = _greedy(fp8_dirs["mixtral-static"])
+    two, rank0 = _greedy(
+        fp8_dirs["mixtral-static"], tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    assert two == one
+    assert torch.equal(rank0[EXPERTS + "down_scale"], params[EXPERTS + "down_scale"][:4])
     stored = load_file(next(fp8_dirs["mixtral-static"].glob("*.safetensors")))
     inter = params[EXPERTS + "gate_up_scale"].shape[1] // 2
     for e in (1, 7):
@@ -166,14 +173,39 @@ def test_experts_quantized_at_load_compute_what_their_dequantized_weights_do():
     torch.testing.assert_close(fp8(x, weights, ids), expected, rtol=1e-5, atol=1e-6 * scale)
 
 
+def test_a_split_experts_rows_keep_their_whole_scales(monkeypatch):
+    """Each expert's intermediate dimension split over 2 ranks, quantized at load: rank 1 holds
+    its rows of gate/up with their own scales, and its columns of down scaled over the whole
+    row, as one rank holds them."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(48, 32, generator=gen), torch.randn(48, 32, generator=gen)
+    down = torch.randn(32, 48, generator=gen) * torch.logspace(-2, 1, 48)  # columns differ
+    with fp8_linear_layers(Fp8Config()):
+        whole = FusedMoE(4, 2, 32, 48, "silu")
+        monkeypatch.setattr("kvfleet.engine.layers.moe.tp_size", lambda: 2)
+        monkeypatch.setattr("kvfleet.engine.layers.moe.tp_rank", lambda: 1)
+        half = FusedMoE(4, 2, 32, 48, "silu")
+    for moe in (whole, half):
+        moe.weight_loader(moe.gate_up_proj, gate, "2.gate")
+        moe.weight_loader(moe.gate_up_proj, up, "2.up")
+        moe.weight_loader(moe.down_proj, down, "2")
+    assert whole.gate_up_scale is not None and half.gate_up_scale is not None
+    assert whole.down_scale is not None and half.down_scale is not None
+    rows = torch.cat([torch.arange(24, 48), torch.arange(72, 96)])
+    assert torch.equal(half.gate_up_proj[2].float(), whole.gate_up_proj[2][rows].float())
+    assert torch.equal(half.gate_up_scale[2], whole.gate_up_scale[2][rows])
+    assert torch.equal(half.down_proj[2].float(), whole.down_proj[2][:, 24:].float())
+    assert torch.equal(half.down_scale[2], whole.down_scale[2])
+
+
 def test_bad_expert_scales_are_clear_errors():
     with fp8_linear_layers(Fp8Config(checkpoint_fp8=True)):
         moe = FusedMoE(4, 2, 32, 48, "silu")
-    assert moe.gate_up_scale is not None
+    assert moe.gate_up_scale is not None and moe.down_scale is not None
     with pytest.raises(ValueError, match=r"expert 1\.up: weight_scale of shape \(3,\)"):
         moe.weight_loader(moe.gate_up_scale, torch.ones(3), "1.up")
     with pytest.raises(ValueError, match=r"expert 2: weight_scale of shape \(32, 2\)"):
-        moe.weight_loader(moe.down_scale, torch.ones(32, 2), "2")  # type: ignore[arg-type]
+        moe.weight_loader(moe.down_scale, torch.ones(32, 2), "2")
     with pytest.raises(ValueError, match="negative or non-finite"):
         moe.weight_loader(moe.gate_up_scale, torch.tensor(float("nan")), "0.gate")
     with pytest.raises(ValueError, match=r"expert 0\.gate: checkpoint shape \(48, 16\)"):
