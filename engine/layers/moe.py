@@ -100,9 +100,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"unsupported expert activation {act!r}; known: {known}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} with {num_experts} experts")
-        self.experts = local_experts(num_experts)
+        self.local_experts = local_experts(num_experts)
         # Experts placed per rank are whole; otherwise each rank holds a slice of every one.
-        self.splits = 1 if len(self.experts) < num_experts else tp_size()
+        self.splits = 1 if len(self.local_experts) < num_experts else tp_size()
         if intermediate_size % self.splits:
             raise ValueError(
                 f"the experts' intermediate size {intermediate_size} does not split over "
@@ -116,7 +116,7 @@ class FusedMoE(nn.Module):
         inter, hidden, local = intermediate_size, hidden_size, self.intermediate_size
         fp8 = current_fp8()
         dtype = FP8 if fp8 else None
-        n = len(self.experts)
+        n = len(self.local_experts)
         self.gate_up_proj = nn.Parameter(
             torch.empty(n, 2 * local, hidden, dtype=dtype), requires_grad=False
         )
@@ -124,9 +124,9 @@ class FusedMoE(nn.Module):
             torch.empty(n, hidden, local, dtype=dtype), requires_grad=False
         )
         gate_up_shapes: CheckpointShapes = {
-            f"{e}.{part}": (inter, hidden) for e in self.experts for part in GATE_UP_SHARDS
+            f"{e}.{part}": (inter, hidden) for e in self.local_experts for part in GATE_UP_SHARDS
         }
-        down_shapes: CheckpointShapes = {str(e): (hidden, inter) for e in self.experts}
+        down_shapes: CheckpointShapes = {str(e): (hidden, inter) for e in self.local_experts}
         pairs = ((self.gate_up_proj, gate_up_shapes), (self.down_proj, down_shapes))
         for param, shapes in pairs:
             set_load_attrs(
@@ -167,12 +167,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{type(self).__name__}: expert weights load one expert at a time")
         expert_str, _, part = shard.partition(".")
         expert = int(expert_str)
-        if expert not in self.experts:
-            where = "this rank holds" if len(self.experts) < self.num_experts else "a layer of"
-            raise ValueError(
-                f"expert {expert}: {where} experts {self.experts.start}..{self.experts.stop - 1}"
-            )
-        index = expert - self.experts.start
+        held = self.local_experts
+        if expert not in held:
+            where = "this rank holds" if len(held) < self.num_experts else "a layer of"
+            raise ValueError(f"expert {expert}: {where} experts {held.start}..{held.stop - 1}")
+        index = expert - held.start
         n = self.intermediate_size
         rank = tp_rank() if self.splits > 1 else 0
         gate_up = param is self.gate_up_proj or param is self.gate_up_scale
@@ -235,10 +234,10 @@ class FusedMoE(nn.Module):
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> indices into this rank's stacked weights, -1 for the experts of
         other ranks (they add nothing here: their rank adds them)."""
-        if len(self.experts) == self.num_experts:
+        if len(self.local_experts) == self.num_experts:
             return ids
-        local = ids - self.experts.start
-        return torch.where((local >= 0) & (local < len(self.experts)), local, -1)
+        local = ids - self.local_experts.start
+        return torch.where((local >= 0) & (local < len(self.local_experts)), local, -1)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -23,7 +23,7 @@ def rank1_of_2(monkeypatch):
 def test_a_rank_holds_its_share_of_the_experts_whole(rank1_of_2):
     with expert_parallel_layers(True):
         moe = FusedMoE(8, 2, 16, 32, "silu")
-    assert moe.experts == range(4, 8) and moe.intermediate_size == 32
+    assert moe.local_experts == range(4, 8) and moe.intermediate_size == 32
     assert moe.gate_up_proj.shape == (4, 64, 16) and moe.down_proj.shape == (4, 16, 32)
     ids = torch.tensor([[0, 4], [7, 3], [5, 6]])
     assert moe.local_ids(ids).tolist() == [[-1, 0], [3, -1], [1, 2]]
@@ -35,7 +35,7 @@ def test_a_rank_holds_its_share_of_the_experts_whole(rank1_of_2):
         moe.weight_loader(moe.down_proj, down, "3")
     # Without expert parallelism the same rank holds a half of every expert.
     split = FusedMoE(8, 2, 16, 32, "silu")
-    assert split.experts == range(8) and split.gate_up_proj.shape == (8, 32, 16)
+    assert split.local_experts == range(8) and split.gate_up_proj.shape == (8, 32, 16)
 
 
 def test_experts_must_divide_over_the_ranks(monkeypatch, tmp_path):
