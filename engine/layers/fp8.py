@@ -19,6 +19,7 @@ norm, as much as quantizing a bf16 weight costs)."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,16 @@ def _from_fp8_method(qc: Any) -> Fp8Config:
     return Fp8Config(checkpoint_fp8=True, weight_block_size=(block[0], block[1]))
 
 
+# The layers kvfleet never quantizes, as a checkpoint's ignore list names them: the LM head, and
+# the routers of a mixture of experts (each layer's `mlp.gate`, Mixtral's `block_sparse_moe.gate`),
+# one by one or by a pattern ("re:.*mlp.gate$", as RedHatAI's Qwen3-MoE FP8 models write it).
+_UNQUANTIZED = re.compile(r"^(re:)?(.*[.*])?(lm_head|(mlp|block_sparse_moe)\\?\.gate)\$?$")
+
+
+def _kept_unquantized(name: str) -> bool:
+    return _UNQUANTIZED.match(name) is not None
+
+
 def _from_compressed_tensors(qc: Any) -> Fp8Config:
     """llm-compressor's format (RedHatAI's *-FP8-dynamic / *-FP8 models): one config group of
     8-bit float weights with a tensor or channel strategy, activations per token (dynamic) or
@@ -112,11 +123,11 @@ def _from_compressed_tensors(qc: Any) -> Fp8Config:
     static = not _entry(acts, "dynamic")
     if static and _entry(acts, "strategy") != "tensor":
         raise ValueError("compressed-tensors static fp8 activations must be per tensor")
-    ignored = [name for name in _entry(qc, "ignore") or [] if name != "lm_head"]
+    ignored = [name for name in _entry(qc, "ignore") or [] if not _kept_unquantized(name)]
     if ignored:
         raise ValueError(
             f"compressed-tensors checkpoint leaves {ignored[:4]} unquantized; kvfleet keeps "
-            "only the LM head out of fp8"
+            "only the LM head and a mixture of experts' routers out of fp8"
         )
     return Fp8Config(checkpoint_fp8=True, static_activations=static)
 

@@ -19,6 +19,7 @@ from kvfleet.engine.layers.fp8 import (
     dequantize_blocks,
     fp8_linear_layers,
     quantize_rows,
+    resolve_fp8,
 )
 from kvfleet.engine.layers.moe import FusedMoE
 from kvfleet.engine.llm import LLM, TokensPrompt
@@ -196,6 +197,20 @@ def test_a_split_experts_rows_keep_their_whole_scales(monkeypatch):
     assert torch.equal(half.gate_up_scale[2], whole.gate_up_scale[2][rows])
     assert torch.equal(half.down_proj[2].float(), whole.down_proj[2][:, 24:].float())
     assert torch.equal(half.down_scale[2], whole.down_scale[2])
+
+
+def test_compressed_tensors_routers_left_unquantized():
+    """llm-compressor leaves a mixture of experts' routers out of fp8, by name or pattern, as
+    kvfleet does anyway; any other projection left out is refused."""
+    group = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+             "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}  # fmt: skip
+    qc = {"quant_method": "compressed-tensors", "config_groups": {"g": group}}
+    for ignore in (["lm_head", "re:.*mlp.gate$"], ["model.layers.0.block_sparse_moe.gate"]):
+        assert resolve_fp8(None, {**qc, "ignore": ignore}, dummy=False) == Fp8Config(
+            checkpoint_fp8=True
+        )
+    with pytest.raises(ValueError, match=r"leaves \['re:\.\*mlp\.gate_proj\$'\] unquantized"):
+        resolve_fp8(None, {**qc, "ignore": ["re:.*mlp.gate_proj$"]}, dummy=False)
 
 
 def test_bad_expert_scales_are_clear_errors():

@@ -111,6 +111,9 @@ def write_fp8_checkpoint(
     save_file(out, dst / weights.name, metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _quantization_config(fmt, per_channel, static)
+    if fmt == "compressed-tensors" and ("num_experts" in config or "num_local_experts" in config):
+        # As llm-compressor writes a mixture of experts: its routers stay unquantized.
+        config["quantization_config"]["ignore"].append("re:.*mlp.gate$")
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
