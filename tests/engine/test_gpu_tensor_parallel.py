@@ -32,7 +32,7 @@ def _generate(model: str, tp: int, prompts: list, sp: SamplingParams, **engine_a
     llm = LLM(model, tensor_parallel_size=tp, gpu_memory_utilization=0.4, **engine_args)
     try:
         runner = llm.engine.runner  # rank 0's
-        assert (runner.graphs is None) == engine_args.get("enforce_eager", False)
+        assert runner.graphs is not None
         if engine_args.get("kv_cache_dtype") == "fp8":
             assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
         if engine_args.get("quantization") == "fp8":
@@ -65,10 +65,11 @@ def test_two_gpus_moe_both_placements_equal_one_gpu_and_hf_in_fp32(
     arch, model_dirs, prompts, hf_reference
 ):
     """Each expert split over the two GPUs, and the experts placed whole per GPU
-    (--enable-expert-parallel): both generate what one GPU and HF do."""
+    (--enable-expert-parallel, the fused kernel skipping the other GPU's experts), CUDA graphs
+    on: both generate what one GPU and HF do."""
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    common = dict(dtype="float32", max_num_seqs=16, enforce_eager=True)
+    common = dict(dtype="float32", max_num_seqs=16)
     runs = {"one": (1, {}), "split": (2, {}), "placed": (2, {"enable_expert_parallel": True})}
     outs = {
         name: [o.outputs[0].token_ids for o in _generate(str(model_dirs[arch]), tp, batch, sp,
