@@ -13,7 +13,7 @@ Qwen3's *-FP8 ship) are requantized per output channel as they load: each weight
 out by its tile scales (exact in fp32) and quantized per row like a bf16 weight. That costs one
 more e4m3 rounding of each entry on its row's grid instead of its tile's: at most 1/16 of an
 entry relatively, and entries of tiles far smaller than their row's largest lose bits to
-subnormals (tests/engine/test_fp8_weights.py measures it on random tiles: ~2% of a matrix's
+subnormals (tests/engine/test_moe_fp8.py measures it on random tiles: ~2% of a matrix's
 norm, as much as quantizing a bf16 weight costs)."""
 
 from __future__ import annotations
