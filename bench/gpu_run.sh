@@ -14,6 +14,7 @@
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
+#   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -94,6 +95,13 @@ for step in "$@"; do
             --input-len 100 1024 --output-len 100 1024 --baselines hf-static \
             --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
+        ;;
+    embeddings)
+        # Issue 43: embedding throughput of a Qwen3-0.6B-sized model (dummy weights, bf16) at
+        # 512-token inputs, kvfleet's pooling runner against HF AutoModel batches in the same call.
+        timeout 500 $py bench/embeddings.py --model bench/models/Qwen3-0.6B --num-prompts 4096 \
+            --input-len 512 --hf-batch-size 32 128 --result-json "$out/embeddings.json" 2>&1 |
+            tee "$out/embeddings.txt"
         ;;
     fp8-check)
         # FP8 weights at real sizes: the GEMM against its dequantized reference, an 8B-class

@@ -11,7 +11,6 @@ import torch
 
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.model_runner import weight_bytes_per_rank
-from kvfleet.engine.models import get_model_class
 
 BENCH_MODELS = Path(__file__).resolve().parents[2] / "bench" / "models"
 
@@ -20,7 +19,7 @@ def _bytes(model: str, **args) -> int:
     engine_args = EngineArgs(model=str(BENCH_MODELS / model), device="cpu", dtype="bfloat16",
                              load_format="dummy", **args)  # fmt: skip
     mc = ModelConfig.from_args(engine_args, torch.device("cpu"))
-    return weight_bytes_per_rank(get_model_class(mc.architecture), mc)
+    return weight_bytes_per_rank(mc)
 
 
 @pytest.mark.parametrize(
