@@ -337,7 +337,7 @@ for step in "$@"; do
         # Qwen3-30B-A3B on one GPU in one call: bf16 against --quantization fp8 (every expert
         # per output channel) with --kv-cache-dtype fp8: throughput of 1000 x 256/256, then
         # batch-1 TPOT against the floor of the bytes a token reads (its 8 experts a layer).
-        for mode in bf16 fp8; do
+        for mode in ${MOE_FP8_MODES:-bf16 fp8}; do
             q=()
             [ $mode = fp8 ] && q=(--quantization fp8 --kv-cache-dtype fp8)
             timeout 300 $py bench/throughput.py --model bench/models/Qwen3-30B-A3B --num-prompts 1000 \
@@ -355,9 +355,10 @@ for step in "$@"; do
         # (the default) against the experts placed whole per rank (--enable-expert-parallel),
         # for Qwen3-30B-A3B (128 narrow experts, top-8) and Mixtral-8x7B (8 wide ones, top-2):
         # throughput of 1000 x 256/256, then batch-1 TPOT (docs/architecture.md says what to
-        # expect and why).
-        for model in Qwen3-30B-A3B Mixtral-8x7B-v0.1; do
-            for placement in split experts; do
+        # expect and why). MOE_PLACEMENT_MODELS / MOE_PLACEMENTS pick a part, so that each fits
+        # one device call (a model and both placements take about as long as a call allows).
+        for model in ${MOE_PLACEMENT_MODELS:-Qwen3-30B-A3B Mixtral-8x7B-v0.1}; do
+            for placement in ${MOE_PLACEMENTS:-split experts}; do
                 ep=()
                 [ $placement = experts ] && ep=(--enable-expert-parallel)
                 timeout 280 $py bench/throughput.py --model bench/models/$model --num-prompts 1000 \
