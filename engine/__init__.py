@@ -8,16 +8,25 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvfleet.engine.engine_args import EngineArgs
     from kvfleet.engine.llm import LLM
+    from kvfleet.engine.lora_request import LoRARequest
     from kvfleet.engine.outputs import CompletionOutput, RequestOutput
     from kvfleet.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 # Imported on first use: a process that needs one submodule (the grammar sandbox's worker, a
 # command's --help) does not pay for torch.
 _HOMES = {
     "EngineArgs": "kvfleet.engine.engine_args",
     "LLM": "kvfleet.engine.llm",
+    "LoRARequest": "kvfleet.engine.lora_request",
     "CompletionOutput": "kvfleet.engine.outputs",
     "RequestOutput": "kvfleet.engine.outputs",
     "SamplingParams": "kvfleet.engine.sampling_params",

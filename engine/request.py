@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class EngineRequest:
     # The structured_outputs constraint, compiled, or still compiling (the server queues the
     # request meanwhile); each sequence gets its own matcher of it.
     grammar: CompiledGrammar | Future[CompiledGrammar] | None = None
+    # The LoRA adapter it runs with; None: the base model.
+    lora: LoRARequest | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -83,8 +86,12 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora
+        # Its adapter's GPU slot while the scheduler holds it one (running), else -1.
+        self.lora_slot = -1
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

@@ -211,3 +211,30 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
     allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+# LoRA adapters in slots, over a batch that mixes them: slots[t] is token t's adapter slot, -1
+# for the base model. The twins of kvfleet.kernels.lora. Every slot's product is computed and
+# each token keeps its own: no host sync and fixed shapes, so a CUDA graph can capture them.
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K] times its token's slot of a [S, R, K]: [T, R], zero rows where slots is -1."""
+    num_slots, rank, k = a.shape
+    every = (x @ a.reshape(num_slots * rank, k).T).view(-1, num_slots, rank)
+    index = slots.clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, rank)
+    picked = every.gather(1, index).squeeze(1)
+    return torch.where((slots >= 0).unsqueeze(1), picked, torch.zeros_like(picked))
+
+
+def lora_expand(
+    y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, offset: int = 0
+) -> None:
+    """out[:, offset:offset + N] += y [T, R] times its token's slot of b [S, N, R], in place;
+    rows where slots is -1 are left as they are."""
+    num_slots, n, rank = b.shape
+    # Each token's y in the columns of its own slot, zeros in the others'.
+    spread = y.new_zeros(y.shape[0], num_slots, rank)
+    index = slots.clamp(min=0).long().view(-1, 1, 1).expand(-1, 1, rank)
+    spread.scatter_(1, index, y.unsqueeze(1))
+    spread = torch.where((slots >= 0).view(-1, 1, 1), spread, torch.zeros_like(spread))
+    stacked = b.permute(0, 2, 1).reshape(num_slots * rank, n)
+    out[:, offset : offset + n] += (spread.view(-1, num_slots * rank) @ stacked).to(out.dtype)

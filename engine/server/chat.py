@@ -236,7 +236,7 @@ class ChatAnswer(Answer[ChatChunkChoice, _ChoiceFold]):
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
-    ctx.check_can_queue(req.model, req.n)
+    lora = ctx.check_can_queue(req.model, req.n)
     tool_settings = request.app[TOOL_SETTINGS]
     plan = await ctx.parse_off_loop(
         request[BODY_BYTES], OFF_LOOP_BYTES, plan_tools, req, tool_settings
@@ -253,6 +253,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         params,
         prompt_param="messages",
         constraint_param=field if constraint is not None else "tool_choice",
+        lora=lora,
     )
     request_id = random_id("chatcmpl")
     model = req.model or ctx.model_name
