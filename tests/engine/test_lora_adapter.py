@@ -70,7 +70,7 @@ def test_tensors_are_checked_against_the_base_model(tmp_path):
     alone = {f"base_model.model.{Q}.lora_A.weight": torch.ones(4, 16)}
     with pytest.raises(LoRAAdapterError, match="lora_A without its pair"):
         check_weights(_adapter(tmp_path / "alone", alone), config, TARGETS)
-    with pytest.raises(LoRAAdapterError, match="no adapter_config.json"):
+    with pytest.raises(LoRAAdapterError, match=r"no adapter_config\.json"):
         read_config(tmp_path / "missing", 16)
 
 

@@ -89,6 +89,7 @@ def test_adapters_load_and_unload_at_run_time(server, adapter_dirs, tmp_path):
 def test_the_adapters_metrics(server):
     assert _complete(server, "first")[0] == 200
     status, _, raw = http_call(server.url + "/metrics")
+    assert status == 200
     text = raw.decode()
     assert 'kvfleet_engine_lora_requests_total{lora_name="first",model_name="tiny"}' in text
     assert 'kvfleet_engine_lora_resident{lora_name="first",model_name="tiny",tier="gpu"} 1.0' in (
