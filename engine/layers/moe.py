@@ -11,8 +11,8 @@ Tensor parallelism splits every expert's intermediate dimension, as a dense MLP'
 its rows of every gate/up and its columns of every down projection, routes every token alike (the
 router is replicated) and the partial outputs are summed across ranks.
 
-``route`` and ``experts_reference`` are pure functions: the routing every family shares, and the
-pure-PyTorch computation of the experts (the CPU path, and the oracle of a fused kernel)."""
+``route`` is a pure function: the routing every family shares. The experts' computation is
+``kernels.reference.fused_experts`` (the CPU path, and the oracle of the fused kernel)."""
 
 from __future__ import annotations
 
@@ -38,36 +38,6 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-def experts_reference(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """sum_j weights[t, j] * down[e] @ act_and_mul(gate_up[e] @ x[t]) over the experts e =
-    ids[t, j] of each token t. The (token, expert) pairs are sorted by expert, so each expert
-    runs once over all its tokens, as the grouped GEMM will."""
-    num_tokens, top_k = ids.shape
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-    sorted_weights = weights.reshape(-1)[order]
-    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start : start + count]
-        h = reference.act_and_mul(x[rows] @ gate_up[expert].t(), activation)
-        y = (h @ down[expert].t()).float() * sorted_weights[start : start + count, None]
-        out.index_add_(0, rows, y)
-        start += count
-    return out.to(x.dtype)
 
 
 class FusedMoE(nn.Module):
@@ -145,7 +115,7 @@ class FusedMoE(nn.Module):
             raise RuntimeError(
                 "mixture-of-experts models have no CUDA-graph path yet: run with --enforce-eager"
             )
-        return experts_reference(
+        return reference.fused_experts(
             x, self.gate_up_proj, self.down_proj, weights, ids, self.activation
         )
 
