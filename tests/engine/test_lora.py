@@ -11,7 +11,7 @@ import pytest
 
 from kvfleet.engine import LLM, LoRARequest, SamplingParams
 from tests.support.engine import assert_no_leak, hf_greedy
-from tests.support.lora_adapters import MLP, write_peft_adapter
+from tests.support.lora_adapters import write_test_adapters
 
 MAX_TOKENS = 12
 # Lengths on and off the 16-token blocks, the longest two blocks and more.
@@ -26,19 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def adapters(model_dirs, tmp_path_factory) -> list[LoRARequest]:
-    """Three adapters of the tiny Llama: every projection at rank 8; q and v at rank 4 with
-    rsLoRA; the MLP at rank 16."""
-    base = model_dirs["llama"]
-    root = tmp_path_factory.mktemp("adapters")
-    specs = [
-        ("all-r8", dict(rank=8, alpha=16.0)),
-        ("qv-r4-rslora", dict(rank=4, targets=("q_proj", "v_proj"), alpha=8.0, use_rslora=True)),
-        ("mlp-r16", dict(rank=16, targets=MLP, alpha=32.0)),
-    ]
-    return [
-        LoRARequest(name, i, str(write_peft_adapter(base, root / name, seed=i, **spec)))
-        for i, (name, spec) in enumerate(specs, 1)
-    ]
+    return write_test_adapters(model_dirs["llama"], tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from kvfleet.engine.lora_request import LoRARequest
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -47,3 +49,18 @@ def write_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
     peft_model.save_pretrained(path)
     return path
+
+
+def write_test_adapters(base_model: Path, root: Path) -> list[LoRARequest]:
+    """The suite's three adapters of a tiny Llama, ids 1-3: every projection at rank 8; q and v
+    at rank 4 with rsLoRA; the MLP at rank 16 (alpha 32)."""
+    specs: list[tuple[str, dict]] = [
+        ("all-r8", {"rank": 8, "alpha": 16}),
+        ("qv-r4-rslora", {"rank": 4, "targets": ("q_proj", "v_proj"), "alpha": 8,
+                          "use_rslora": True}),
+        ("mlp-r16", {"rank": 16, "targets": MLP, "alpha": 32}),
+    ]  # fmt: skip
+    return [
+        LoRARequest(name, i, str(write_peft_adapter(base_model, root / name, seed=i, **spec)))
+        for i, (name, spec) in enumerate(specs, 1)
+    ]
