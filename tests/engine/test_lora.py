@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.engine import LLM, LoRARequest, SamplingParams
+from kvfleet.engine.llm import TokensPrompt
 from tests.support.engine import assert_no_leak, hf_greedy
 from tests.support.lora_adapters import write_test_adapters
 
@@ -49,7 +50,7 @@ def _mixed(adapters: list[LoRARequest]) -> list[LoRARequest | None]:
 
 
 def _run(llm: LLM, loras: list[LoRARequest | None]) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(loras))]
+    prompts = [TokensPrompt(prompt_token_ids=PROMPTS[i % len(PROMPTS)]) for i in range(len(loras))]
     outs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), lora_request=loras
     )
@@ -84,11 +85,13 @@ def test_one_slot_pages_adapters_in_and_out(model_dirs, adapters, expected):
     again. Chunked prefill (a 24-token budget) and a cache small enough to preempt."""
     loras = _mixed(adapters)
     with _llm(model_dirs, max_loras=1, max_cpu_loras=2, max_num_batched_tokens=24,
-              num_gpu_blocks_override=12, max_num_seqs=4) as llm:  # fmt: skip
+              num_gpu_blocks_override=8, max_num_seqs=4) as llm:  # fmt: skip
         # Twice: the second round reads the first adapter from disk again.
         for _ in range(2):
             assert _run(llm, loras) == _want(expected, loras)
         assert_no_leak(llm)
+        assert llm.engine.stats().num_preemptions > 0
+        assert llm.engine.lora_slots is not None
         stats = llm.engine.lora_slots.stats
         assert sum(stats.evictions.values()) >= 4
         assert stats.disk_reads[adapters[0].lora_name] == 2
@@ -96,7 +99,7 @@ def test_one_slot_pages_adapters_in_and_out(model_dirs, adapters, expected):
 
 
 def test_the_prefix_cache_is_kept_apart_per_adapter(model_dirs, adapters):
-    prompt = [{"prompt_token_ids": PROMPTS[3]}]  # two full blocks and more
+    prompt = [TokensPrompt(prompt_token_ids=PROMPTS[3])]  # two full blocks and more
     sp = SamplingParams(temperature=0.0, max_tokens=2)
     first, second = adapters[:2]
     with _llm(model_dirs, max_loras=2) as llm:

@@ -21,7 +21,7 @@ def write_peft_adapter(
     *,
     rank: int,
     targets: Sequence[str] = ATTENTION + MLP,
-    alpha: float = 16.0,
+    alpha: int = 16,
     use_rslora: bool = False,
     seed: int = 0,
     std: float = 0.1,
@@ -47,7 +47,7 @@ def write_peft_adapter(
         for name, param in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
-    peft_model.save_pretrained(path)
+    peft_model.save_pretrained(str(path))
     return path
 
 
