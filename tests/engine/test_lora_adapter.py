@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kvfleet.engine.engine_args import EngineArgs
 from kvfleet.engine.lora_adapter import (
     LoRAAdapterError,
     TargetShape,
@@ -19,6 +20,7 @@ from kvfleet.engine.lora_adapter import (
     read_config,
     read_weights,
 )
+from kvfleet.engine.lora_request import LoRARequest
 
 Q = "model.layers.0.self_attn.q_proj"
 TARGETS = {Q: TargetShape(32, 16), "model.layers.0.mlp.down_proj": TargetShape(16, 48)}
@@ -81,3 +83,21 @@ def test_the_scaling_is_folded_into_b(tmp_path, rslora, scale):
     a, b = adapter.weights[Q]
     assert torch.equal(a, torch.ones(4, 16))
     assert torch.allclose(b, torch.full((32, 4), scale))
+
+
+def test_lora_modules_are_read_as_vllm_takes_them():
+    args = EngineArgs(
+        model="m", enable_lora=True, lora_modules=["a=/x", '{"name": "b", "path": "/y"}']
+    )
+    assert args.lora_requests() == [LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y")]
+    assert args.cpu_loras == args.max_loras == 1
+    refusals = [
+        ({"lora_modules": ["a=/x"]}, "lora_modules needs enable_lora"),
+        ({"enable_lora": True, "lora_modules": ["a=/x", "a=/y"]}, r"names \['a'\] more than once"),
+        ({"enable_lora": True, "lora_modules": ["nopath"]}, "is not name=path"),
+        ({"enable_lora": True, "lora_modules": ['{"name": "a"}']}, "needs a name and a path"),
+        ({"enable_lora": True, "max_loras": 4, "max_cpu_loras": 2}, "at least max_loras"),
+    ]
+    for kwargs, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model="m", **kwargs)
