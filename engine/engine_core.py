@@ -256,6 +256,8 @@ class EngineCore:
         if any(r.lora == lora for r in self.scheduler.requests.values()):
             return
         slots.remove(lora)
+        # Its series leave /metrics with it: adapters come and go, the exposition stays bounded.
+        self._lora_requests.pop(lora.lora_name, None)
 
     def add_request(self, request_id: str, request: EngineRequest) -> None:
         """Queue an admitted request, as n child requests when n > 1. Raises ValueError, having

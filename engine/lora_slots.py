@@ -122,6 +122,8 @@ class AdapterSlots:
         key = lora.lora_int_id
         if self.pins[key]:
             raise ValueError(f"adapter {lora.lora_name} is in use by a running request")
+        for counts in (self.stats.loads, self.stats.evictions, self.stats.disk_reads):
+            counts.pop(lora.lora_name, None)
         slot = self.gpu.pop(key, None)
         if slot is not None:
             self.free_slots.append(slot)

@@ -6,6 +6,7 @@ metrics."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -82,6 +83,13 @@ def test_adapters_load_and_unload_at_run_time(server, adapter_dirs, tmp_path):
     status, raw = _post(server, "/v1/unload_lora_adapter", {"lora_name": "second"})
     assert status == 200
     assert _complete(server, "second")[0] == 404
+    status, _, raw = http_call(server.url + "/v1/models")
+    assert "second" not in {c["id"] for c in json.loads(raw)["data"]}
+    # The engine forgets it between steps: its series leave /metrics.
+    deadline = time.monotonic() + 10
+    while b'lora_name="second"' in http_call(server.url + "/metrics")[2]:
+        assert time.monotonic() < deadline, "the unloaded adapter is still exported"
+        time.sleep(0.05)
     status, raw = _post(server, "/v1/unload_lora_adapter", {"lora_name": "second"})
     assert status == 400 and b"cannot be found" in raw
 
