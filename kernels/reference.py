@@ -1,6 +1,7 @@
 """Pure-PyTorch twins of the Triton kernels (paged attention, KV-cache writes, norms, rotary,
-activations, a mixture of experts' MLP, fp8 quantization, the grammar mask, batched LoRA): the
-CPU path and the oracle the kernels are tested against. Clarity over speed; one sequence at a time.
+activations, a mixture of experts' routing and MLP, fp8 quantization, the grammar mask, batched
+LoRA): the CPU path and the oracle the kernels are tested against. Clarity over speed; one
+sequence at a time.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
 An FP8 cache (e4m3) holds ``clamp(x / scale, -448, 448)``, one fp32 scale per layer for K and
@@ -178,6 +179,19 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for an input holding gate and up side by side, in the input dtype."""
     gate, up = x.chunk(2, dim=-1)
     return GATED_ACTIVATIONS[activation](gate) * up
+
+
+def route_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [tokens, top_k], ids int64 [tokens, top_k]): each token's top_k experts by
+    the softmax of its router logits (in fp32), most probable first, their probabilities
+    rescaled to sum to 1 when ``renormalize``. The twin of kernels.expert_routing."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def fused_experts(

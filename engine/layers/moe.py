@@ -11,8 +11,9 @@ Tensor parallelism splits every expert's intermediate dimension, as a dense MLP'
 its rows of every gate/up and its columns of every down projection, routes every token alike (the
 router is replicated) and the partial outputs are summed across ranks.
 
-``route`` is a pure function: the routing every family shares. The experts' computation is
-``kernels.reference.fused_experts`` (the CPU path, and the oracle of the fused kernel)."""
+``route`` is a pure function: the routing every family shares. The experts run in
+``kernels.fused_moe`` on CUDA (Triton) and in its twin ``kernels.reference.fused_experts``
+elsewhere."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 from kvfleet.engine.layers.fp8 import current_fp8
 from kvfleet.engine.layers.linear import CheckpointShapes, set_load_attrs
 from kvfleet.kernels import reference
+from kvfleet.kernels.availability import triton_available
 
 GATE_UP_SHARDS = ("gate", "up")
 
@@ -32,12 +34,12 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (in fp32), the top_k most probable per token, their
     probabilities rescaled to sum to 1 when ``renormalize``. Returns (weights fp32 [tokens,
-    top_k], expert ids int64 [tokens, top_k]), most probable first."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    top_k], expert ids int64 [tokens, top_k]), most probable first. One kernel on CUDA."""
+    if router_logits.is_cuda and triton_available():
+        from kvfleet.kernels.expert_routing import route_experts
+    else:
+        route_experts = reference.route_experts
+    return route_experts(router_logits, top_k, renormalize)
 
 
 class FusedMoE(nn.Module):
@@ -110,14 +112,12 @@ class FusedMoE(nn.Module):
         dest.copy_(loaded.narrow(axis, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # The PyTorch path reads each expert's token count on the host.
-            raise RuntimeError(
-                "mixture-of-experts models have no CUDA-graph path yet: run with --enforce-eager"
-            )
-        return reference.fused_experts(
-            x, self.gate_up_proj, self.down_proj, weights, ids, self.activation
-        )
+        if x.is_cuda and triton_available():
+            # No host synchronisation and shapes fixed per token count: CUDA graphs capture it.
+            from kvfleet.kernels.fused_moe import fused_experts
+        else:
+            fused_experts = reference.fused_experts
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation)
 
 
 class SparseMoeBlock(nn.Module):

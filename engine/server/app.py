@@ -36,6 +36,7 @@ from kvfleet.engine.server.openai_responses import (
     Tokens,
     now,
 )
+from kvfleet.engine.server.responses import create_response, stored_response
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
 from kvfleet.engine.server.tool_parsers import parser_for_template
@@ -264,6 +265,8 @@ def build_app(
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_route("*", "/v1/responses/{path:.+}", stored_response)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     if settings.enable_runtime_lora_updating:

@@ -591,3 +591,21 @@ async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
         assert sorted(await asyncio.gather(one(), one(), one())) == ["a", "a", "b"]
         metrics = await (await s.get(f"{url}/metrics")).text()
     assert "kvfleet_router_spilled_total 1.0" in metrics
+
+
+def test_a_responses_input_keys_as_the_chat_messages_it_stands_for() -> None:
+    messages = [("system", SYSTEM), ("user", "first")]
+    as_chat = key_of({}, chat(*messages), POLICY)
+    body = {"model": "m", "instructions": SYSTEM, "input": "first"}
+    as_responses = key_of({}, json.dumps(body).encode(), POLICY)
+    assert as_chat.reason == "prefix" and as_responses == as_chat
+    items = [{"role": "system", "content": [{"type": "input_text", "text": SYSTEM}]},
+             {"role": "user", "content": "first"}]  # fmt: skip
+    assert key_of({}, json.dumps({"input": items}).encode(), POLICY) == as_chat
+    tok = FakeTokenizer()
+    assert key_of({}, json.dumps(body).encode(), POLICY, tok) == key_of(
+        {}, chat(*messages), POLICY, tok
+    )
+    # An input the engine will refuse (an image) goes to any engine, which says why.
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]
+    assert key_of({}, json.dumps({"input": image}).encode(), POLICY).reason == "least_loaded"
