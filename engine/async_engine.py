@@ -141,6 +141,11 @@ class AsyncEngine:
         return self.core.vocab_size
 
     @property
+    def lora_modules(self) -> list[LoRARequest]:
+        """The adapters the engine was started with (--lora-modules), checked: any thread."""
+        return self.core.args.lora_requests()
+
+    @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer (None without one), never replaced: any thread."""
         return self.core.tokenizer

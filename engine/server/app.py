@@ -249,7 +249,7 @@ def build_app(
         settings.tool_call_parser or parser_for_template(template),
         settings.enable_auto_tool_choice,
     )
-    registry = AdapterRegistry(engine.core.args.lora_requests())
+    registry = AdapterRegistry(engine.lora_modules)
     app[ADAPTERS] = registry
     app[SERVING] = ServingContext(
         engine, names, settings.max_waiting_requests, adapters=registry.by_name
