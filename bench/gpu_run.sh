@@ -13,6 +13,8 @@
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
+#   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
+#   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -94,6 +96,13 @@ for step in "$@"; do
             --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
         ;;
+    embeddings)
+        # Issue 43: embedding throughput of a Qwen3-0.6B-sized model (dummy weights, bf16) at
+        # 512-token inputs, kvfleet's pooling runner against HF AutoModel batches in the same call.
+        timeout 500 $py bench/embeddings.py --model bench/models/Qwen3-0.6B --num-prompts 4096 \
+            --input-len 512 --hf-batch-size 32 128 --result-json "$out/embeddings.json" 2>&1 |
+            tee "$out/embeddings.txt"
+        ;;
     fp8-check)
         # FP8 weights at real sizes: the GEMM against its dequantized reference, an 8B-class
         # stack's first-token logprobs with --quantization fp8 against bf16.
@@ -123,6 +132,17 @@ for step in "$@"; do
         timeout 580 $py bench/moe_kernel.py --out-dir "$out" --sweep --models "${sweep_models[@]}" \
             --dtypes "${sweep_dtypes[@]}" --sweep-tokens "${sweep_tokens[@]}" 2>&1 |
             tee "$out/moe_kernel_sweep.txt"
+        ;;
+    lora-tests)
+        # Issue 40's batched LoRA kernels against their twins at Llama-3.1-8B's sizes, and
+        # replayed from a CUDA graph as the slot map changes.
+        timeout 500 $py -m pytest -q -s -p no:cacheprovider tests/kernels/test_lora_gpu.py 2>&1 |
+            tee "$out/lora_gpu_tests.txt"
+        ;;
+    lora-kernel)
+        # What batched LoRA's shrink + expand add to each Llama-3.1-8B projection's GEMM, 1-2,048
+        # tokens, ranks 16 and 64, 8 and 16 slots (lora_kernel.json).
+        timeout 560 $py bench/lora_kernel.py --out-dir "$out" 2>&1 | tee "$out/lora_kernel.txt"
         ;;
     fp8-linear)
         # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.

@@ -9,12 +9,19 @@ if TYPE_CHECKING:
     from kvfleet.engine.engine_args import EngineArgs
     from kvfleet.engine.llm import LLM
     from kvfleet.engine.lora_request import LoRARequest
-    from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+    from kvfleet.engine.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
     from kvfleet.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LoRARequest",
     "RequestOutput",
@@ -28,6 +35,8 @@ _HOMES = {
     "LLM": "kvfleet.engine.llm",
     "LoRARequest": "kvfleet.engine.lora_request",
     "CompletionOutput": "kvfleet.engine.outputs",
+    "EmbeddingOutput": "kvfleet.engine.outputs",
+    "EmbeddingRequestOutput": "kvfleet.engine.outputs",
     "RequestOutput": "kvfleet.engine.outputs",
     "SamplingParams": "kvfleet.engine.sampling_params",
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.engine.pooling import PoolerConfig, PoolingParams
 from kvfleet.engine.request import EngineRequest, InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
     from kvfleet.engine.structured_output import CompiledGrammar
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# The code of a request for what the engine's runner does not do: generation from an embedding
+# model, embeddings from a generative one.
+WRONG_RUNNER = "model_not_supported"
 
 
 def completion_budget(
@@ -68,6 +72,9 @@ class Admission:
     structured_unavailable: str | None = None
     # Whether the engine serves LoRA adapters (enable_lora).
     lora_enabled: bool = False
+    # An embedding model's pooler (--runner pooling), which admits embedding requests only;
+    # None for a generative model, which admits no embedding request.
+    pooler: PoolerConfig | None = None
 
     def admit(
         self,
@@ -89,6 +96,13 @@ class Admission:
                 f"LoRA adapter {lora.lora_name!r} asked for, but the engine serves none "
                 "(start it with enable_lora)",
                 "lora_request",
+            )
+        if self.pooler is not None:
+            raise InvalidRequestError(
+                "this model is an embedding model (--runner pooling): it generates no text; "
+                "ask /v1/embeddings",
+                "model",
+                WRONG_RUNNER,
             )
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
@@ -134,6 +148,52 @@ class Admission:
         return EngineRequest(
             list(prompt_token_ids), params, max_tokens, prompt, grammar=grammar, lora=lora
         )
+
+    def admit_embedding(
+        self, prompt_token_ids: list[int], dimensions: int | None = None, prompt: str | None = None
+    ) -> EngineRequest:
+        """An embedding request as the engine will run it: its prompt computed (all of the
+        context is the prompt's: nothing is generated) and pooled, truncated to `dimensions`
+        where the model allows it. InvalidRequestError naming the parameter at fault."""
+        pooler = self.pooler
+        if pooler is None:
+            raise InvalidRequestError(
+                "this model generates text; embeddings need an embedding model, served with "
+                "--runner pooling",
+                "model",
+                WRONG_RUNNER,
+            )
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise InvalidRequestError("the input is empty", "input")
+        if num_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"an input has {num_tokens} tokens. Shorten the input.",
+                "input",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"input token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "input"
+            )
+        needed = -(-num_tokens // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"an input of {num_tokens} tokens needs {needed} KV blocks but the KV cache "
+                f"holds only {self.num_kv_blocks}; shorten it or give the engine more "
+                "KV-cache memory",
+                "input",
+            )
+        why = pooler.check_dimensions(dimensions)
+        if why is not None:
+            raise InvalidRequestError(why, "dimensions")
+        if dimensions == pooler.hidden_size:
+            dimensions = None
+        pooling = PoolingParams(pooler.pooling_type, pooler.normalize, dimensions)
+        return EngineRequest(list(prompt_token_ids), SamplingParams(), 0, prompt, pooling=pooling)
 
     def _check_vocabulary(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

@@ -175,6 +175,7 @@ class EngineCore:
             has_tokenizer=self.tokenizer is not None,
             structured_unavailable=self.structured_unavailable,
             lora_enabled=args.enable_lora,
+            pooler=self.model_config.pooler,
         )
         for lora in args.lora_requests():
             self.check_adapter(lora)
@@ -283,6 +284,7 @@ class EngineCore:
                     request.arrival_time,
                     request.grammar,
                     request.lora,
+                    request.pooling,
                 )
             )
         self.output_processor.add_request(request_id, request, children)

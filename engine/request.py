@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.engine.pooling import PoolingParams
 from kvfleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class EngineRequest:
     grammar: CompiledGrammar | Future[CompiledGrammar] | None = None
     # The LoRA adapter it runs with; None: the base model.
     lora: LoRARequest | None = None
+    # An embedding request (a pooling engine's): its prompt runs and is pooled, nothing is
+    # sampled; max_tokens is 0 and params are the defaults.
+    pooling: PoolingParams | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,11 +91,13 @@ class Request:
         arrival_time: float | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.lora = lora
         # Its adapter's GPU slot while the scheduler holds it one (running), else -1.
         self.lora_slot = -1
+        self.pooling = pooling
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

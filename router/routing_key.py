@@ -45,6 +45,12 @@ class RoutingKey:
 
 LEAST_LOADED = RoutingKey("least_loaded", None)
 
+# Paths routed least-loaded whatever their headers and body say: an embedding request is one
+# prefill of its inputs, nothing follows it that a warm engine would serve better, and a
+# client's batch of them is best spread by load. (Session, user and prefix keys would pile one
+# client's bulk embedding job onto one engine.)
+LEAST_LOADED_PATHS = frozenset({"/v1/embeddings"})
+
 
 class PromptTokenizer(Protocol):
     """The prompt tokens exactly as the engine computes them."""

@@ -27,6 +27,7 @@ from kvfleet.engine.server.adapters import (
 )
 from kvfleet.engine.server.chat import create_chat_completion, render_chat_served
 from kvfleet.engine.server.completions import create_completion
+from kvfleet.engine.server.embeddings import create_embedding
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.openai_requests import DetokenizeRequest, TokenizeRequest
 from kvfleet.engine.server.openai_responses import (
@@ -267,6 +268,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_route("*", "/v1/responses/{path:.+}", stored_response)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     if settings.enable_runtime_lora_updating:
