@@ -47,8 +47,9 @@ GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 
-# The largest --max-lora-rank: vLLM's. Each LoRA layer holds max_loras slots of this rank.
-MAX_LORA_RANK = 512
+# The largest --max-lora-rank: the batched LoRA kernels' (kvfleet.kernels.lora.MAX_RANK). Each
+# LoRA layer holds max_loras slots of this rank.
+MAX_LORA_RANK = 256
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from kvfleet.engine.distributed import tp_rank
+from kvfleet.engine.layers.batched_lora import lora_expand_slices, lora_shrink_slices
 from kvfleet.engine.lora_adapter import TARGET_MODULES, LoRAAdapter, TargetShape
-from kvfleet.kernels import reference
-from kvfleet.kernels.availability import triton_available
 
 _slots: torch.Tensor | None = None
 
@@ -35,18 +34,6 @@ def lora_context(token_slots: torch.Tensor | None) -> Iterator[None]:
         yield
     finally:
         _slots = prev
-
-
-def _kernels():
-    """The Triton kernels on CUDA when they are there, else their PyTorch twins."""
-    if triton_available():
-        try:
-            from kvfleet.kernels import lora  # pyright: ignore[reportAttributeAccessIssue]
-
-            return lora
-        except ImportError:
-            pass
-    return reference
 
 
 @dataclass(frozen=True)
@@ -72,8 +59,8 @@ class LoRASlice:
 
 
 class LinearLoRA(nn.Module):
-    """The slots of one linear layer: A of every slice stacked [slots, slices * rank, in] (one
-    shrink for the layer's input), B per slice [slots, rows, rank]."""
+    """The slots of one linear layer: A of every slice stacked [slots, slices * rank, in], B
+    per slice [slots, rows, rank]; one shrink and one expand launch for all the slices."""
 
     def __init__(
         self,
@@ -92,22 +79,21 @@ class LinearLoRA(nn.Module):
         size = len(slices) * max_rank
         # Plain tensors, not buffers: no checkpoint or state dict holds them.
         self.a = torch.zeros(max_loras, size, in_features, dtype=dtype, device=device)
+        # Each slice's A: a view of the stacked buffer, which load() fills.
+        self.a_slices = [self.a[:, i * max_rank : (i + 1) * max_rank] for i in range(len(slices))]
         self.b = [
             torch.zeros(max_loras, s.rows, max_rank, dtype=dtype, device=device) for s in slices
         ]
+        self.offsets = [s.offset for s in slices]
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
         slots = _slots
         if slots is None:
             return
-        kernels = _kernels()
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
-        shrunk = kernels.lora_shrink(x2, self.a, slots)
-        r = self.max_rank
-        for i, (s, b) in enumerate(zip(self.slices, self.b, strict=True)):
-            part = shrunk[:, i * r : (i + 1) * r].contiguous() if len(self.b) > 1 else shrunk
-            kernels.lora_expand(part, b, slots, out2, s.offset)
+        shrunk = lora_shrink_slices(x2, self.a_slices, slots)
+        lora_expand_slices(shrunk, self.b, slots, out2, self.offsets)
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Fill one slot with this rank's part of the adapter's A and B for this layer (zeros

@@ -101,3 +101,12 @@ def test_lora_modules_are_read_as_vllm_takes_them():
     for kwargs, message in refusals:
         with pytest.raises(ValueError, match=message):
             EngineArgs(model="m", **kwargs)
+
+
+def test_the_rank_bound_is_the_kernels():
+    from kvfleet.engine.engine_args import MAX_LORA_RANK
+    from kvfleet.kernels import lora
+
+    assert MAX_LORA_RANK == lora.MAX_RANK
+    with pytest.raises(ValueError, match="less than or equal to 256"):
+        EngineArgs(model="m", enable_lora=True, max_lora_rank=MAX_LORA_RANK + 1)
