@@ -10,6 +10,7 @@
 #   bash bench/gpu_run.sh OUTDIR moe-fp8          # Qwen3-30B-A3B bf16 vs fp8 weights and cache
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR async-ab          # async scheduling against the synchronous loop
+#   bash bench/gpu_run.sh OUTDIR lora              # multi-LoRA: 8 and 64 adapters against the base
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
@@ -77,12 +78,12 @@ for step in "$@"; do
     check)
         timeout 420 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     gputests)
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     qwen3)
@@ -290,6 +291,42 @@ for step in "$@"; do
             --result-json "$out/structured.json" 2>&1 | tee "$out/structured.txt"
         kill $server
         wait $server
+        ;;
+    lora)
+        # Issue 40's goals: Llama-3.1-8B (dummy), 32 closed-loop users, 512/128 tokens: the base
+        # model alone, then 8 rank-16 adapters spread over the requests (--max-loras 8), then 64
+        # with --max-loras 16 (churn from host memory), same call; LORA_DURATION seconds each.
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        [ -d /tmp/lora8b/a63 ] || timeout 600 $py bench/lora.py adapters \
+            --model bench/models/Llama-3.1-8B --out /tmp/lora8b --count 64 --rank 16 >/dev/null ||
+            continue
+        for run in base lora8 lora64; do
+            case $run in
+            base) largs=() names=(llama8b) ;;
+            lora8) names=(a0 a1 a2 a3 a4 a5 a6 a7)
+                largs=(--enable-lora --max-loras 8 --max-lora-rank 16 --lora-modules) ;;
+            lora64) names=($(seq -f 'a%g' 0 63))
+                largs=(--enable-lora --max-loras 16 --max-cpu-loras 64 --max-lora-rank 16
+                    --lora-modules) ;;
+            esac
+            modules=()
+            [ $run != base ] && for n in "${names[@]}"; do modules+=("$n=/tmp/lora8b/$n"); done
+            start_server "$out/lora_${run}_server.log" --model /tmp/llama8b --load-format dummy \
+                --dtype bfloat16 --max-model-len 8192 --served-model-name llama8b \
+                "${largs[@]}" "${modules[@]}" || continue
+            timeout 300 $py bench/serve.py --base-url http://127.0.0.1:8000 --model llama8b \
+                --spread-models "${names[@]}" --vocab-size 128000 --input-len 512 \
+                --output-len 128 --num-prompts 256 --users 32 --warmup-duration 15 \
+                --duration "${LORA_DURATION:-60}" --result-json "$out/lora_$run.json" 2>&1 |
+                tee "$out/lora_$run.txt"
+            $py -c 'import urllib.request as r
+print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_${run}_metrics.txt"
+            kill $server
+            wait $server
+        done
+        $py bench/lora.py report --base "$out/lora_base.json" --lora "$out/lora_lora8.json" \
+            --churn "$out/lora_lora64.json" --metrics "$out/lora_lora64_metrics.txt" |
+            tee "$out/lora.txt"
         ;;
     structured-profile)
         # Issue 22's TPOT gap: one decode step of 32 Llama-3.1-8B rows (128k vocabulary), free

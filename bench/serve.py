@@ -692,6 +692,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name sent in each request")
+    p.add_argument(
+        "--spread-models",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model names the requests take in turn instead of --model (LoRA adapters of it)",
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument(
         "--tokenizer",
@@ -855,17 +862,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     samples, texts = _samples_and_texts(args)
+    models = args.spread_models or [args.model]
     payloads = [
         build_payload(
             s,
             args.endpoint,
-            args.model,
+            models[i % len(models)],
             ignore_eos=args.ignore_eos,
             temperature=args.temperature,
             prompt_text=text,
             extra_body=args.extra_body,
         )
-        for s, text in zip(samples, texts, strict=True)
+        for i, (s, text) in enumerate(zip(samples, texts, strict=True))
     ]
     n = args.num_prompts
     prompt_lens = [s.prompt_len for s in samples[:n]]

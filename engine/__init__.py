@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvfleet.engine.engine_args import EngineArgs
     from kvfleet.engine.llm import LLM
+    from kvfleet.engine.lora_request import LoRARequest
     from kvfleet.engine.outputs import (
         CompletionOutput,
         EmbeddingOutput,
@@ -22,6 +23,7 @@ __all__ = [
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "EngineArgs",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]
@@ -31,6 +33,7 @@ __all__ = [
 _HOMES = {
     "EngineArgs": "kvfleet.engine.engine_args",
     "LLM": "kvfleet.engine.llm",
+    "LoRARequest": "kvfleet.engine.lora_request",
     "CompletionOutput": "kvfleet.engine.outputs",
     "EmbeddingOutput": "kvfleet.engine.outputs",
     "EmbeddingRequestOutput": "kvfleet.engine.outputs",

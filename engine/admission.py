@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.pooling import PoolerConfig, PoolingParams
 from kvfleet.engine.request import EngineRequest, InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class Admission:
     # Why structured outputs are off (no tokenizer, or one the grammar library cannot read);
     # None when they are on.
     structured_unavailable: str | None = None
+    # Whether the engine serves LoRA adapters (enable_lora).
+    lora_enabled: bool = False
     # An embedding model's pooler (--runner pooling), which admits embedding requests only;
     # None for a generative model, which admits no embedding request.
     pooler: PoolerConfig | None = None
@@ -81,12 +84,19 @@ class Admission:
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
         *,
         refuse_past_context: bool = False,
+        lora: LoRARequest | None = None,
     ) -> EngineRequest:
         """The request as the engine will run it, its max_tokens resolved (completion_budget);
         InvalidRequestError (a ValueError) naming the parameter at fault for one that could
         never run. `grammar`: the structured_outputs constraint's, compiled or compiling (the
         caller starts its compile: admission never blocks on one); a compile already failed
         raises its GrammarError here."""
+        if lora is not None and not self.lora_enabled:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora.lora_name!r} asked for, but the engine serves none "
+                "(start it with enable_lora)",
+                "lora_request",
+            )
         if self.pooler is not None:
             raise InvalidRequestError(
                 "this model is an embedding model (--runner pooling): it generates no text; "
@@ -135,7 +145,9 @@ class Admission:
                 raise ValueError("a structured_outputs request is admitted with its grammar")
             if isinstance(grammar, Future) and grammar.done():
                 grammar = grammar.result()  # compiled, or its GrammarError
-        return EngineRequest(list(prompt_token_ids), params, max_tokens, prompt, grammar=grammar)
+        return EngineRequest(
+            list(prompt_token_ids), params, max_tokens, prompt, grammar=grammar, lora=lora
+        )
 
     def admit_embedding(
         self, prompt_token_ids: list[int], dimensions: int | None = None, prompt: str | None = None

@@ -33,6 +33,7 @@ from kvfleet.engine.liveness import (
     stall_verdict,
     step_bound,
 )
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.model_runner import StepInterrupted
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest
@@ -77,7 +78,12 @@ class AbortAll:
     request_ids: tuple[str, ...]
 
 
-Command = AddRequest | Abort | AbortAll
+@dataclass(frozen=True, slots=True)
+class RemoveAdapter:
+    lora: LoRARequest
+
+
+Command = AddRequest | Abort | AbortAll | RemoveAdapter
 
 
 class AsyncEngine:
@@ -135,6 +141,11 @@ class AsyncEngine:
         return self.core.vocab_size
 
     @property
+    def lora_modules(self) -> list[LoRARequest]:
+        """The adapters the engine was started with (--lora-modules), checked: any thread."""
+        return self.core.args.lora_requests()
+
+    @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer (None without one), never replaced: any thread."""
         return self.core.tokenizer
@@ -147,12 +158,29 @@ class AsyncEngine:
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
         *,
         refuse_past_context: bool = False,
+        lora: LoRARequest | None = None,
     ) -> EngineRequest:
         """The engine's admission of a request (admission.Admission.admit), which reads only
         limits fixed at construction: any thread, the event loop included."""
         return self.core.admission.admit(
-            prompt_token_ids, params, prompt, grammar, refuse_past_context=refuse_past_context
+            prompt_token_ids,
+            params,
+            prompt,
+            grammar,
+            refuse_past_context=refuse_past_context,
+            lora=lora,
         )
+
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """LoRAAdapterError (a ValueError) unless the engine can serve the adapter: reads its
+        folder (config, tensor header) against the model, changing nothing; any thread, best a
+        worker thread (it reads files)."""
+        self.core.runner.check_adapter(lora)
+
+    def remove_adapter(self, lora: LoRARequest) -> None:
+        """The engine forgets an unloaded adapter at its next step boundary (a command): any
+        thread."""
+        self._send(RemoveAdapter(lora))
 
     def admit_embedding(
         self, prompt_token_ids: list[int], dimensions: int | None = None, prompt: str | None = None
@@ -316,6 +344,8 @@ class AsyncEngine:
                 self._add(cmd)
             elif isinstance(cmd, Abort):
                 self._abort(cmd.request_id)
+            elif isinstance(cmd, RemoveAdapter):
+                self.core.remove_adapter(cmd.lora)
             else:
                 for request_id in cmd.request_ids:
                     self._abort(request_id)

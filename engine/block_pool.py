@@ -9,12 +9,18 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes | None = None
+) -> bytes:
     """Chained content hash of one full block. A cryptographic digest, not Python's hash(), so a
-    collision cannot silently hand one request another prompt's KV."""
+    collision cannot silently hand one request another prompt's KV. `extra_key` (vLLM's
+    extra_keys: the LoRA adapter) sets apart blocks whose KV differs for the same tokens; the
+    first block's is enough, the chain carries it."""
     h = hashlib.blake2b(digest_size=16)
     if parent_hash is not None:
         h.update(parent_hash)
+    if extra_key is not None:
+        h.update(len(extra_key).to_bytes(4, "little") + extra_key)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
 

@@ -4,7 +4,8 @@ decode token, or a prompt token run as a decode over its own prefix (the runner 
 steps qualify: `model_runner.fits_decode_graph`). Batches are padded to the next captured size;
 padded rows write no KV (slot -1) and attend to nothing (sequence length 0). Sizes from
 `cascade_min_rows` up get a second graph that splits off a prefix all rows share (cascade
-attention, `kernels.paged_attention`); its length is a device buffer set before each replay."""
+attention, `kernels.paged_attention`); its length is a device buffer set before each replay. With
+LoRA the token -> adapter slot map is another input buffer (padded rows: -1, the base model)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.attention_metadata import AttentionMetadata, attention_context
+from kvfleet.engine.layers.lora import lora_context
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device,
         cascade_min_rows: int | None = None,
+        *,
+        lora: bool = False,
     ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
@@ -52,6 +56,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.prefix_len = torch.zeros(1, dtype=torch.long, device=device)
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device) if lora else None
         # Keyed by (rows, cascade).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
@@ -83,7 +88,8 @@ class DecodeGraphs:
         # Largest first: later, smaller graphs reuse the memory pool of the largest.
         for key in sorted(self.variants(), reverse=True):
             bs = key[0]
-            with attention_context(self._meta(*key)):
+            slots = None if self.lora_slots is None else self.lora_slots[:bs]
+            with attention_context(self._meta(*key)), lora_context(slots):
                 self.model(self.input_ids[:bs], self.positions[:bs])  # warm up kernels
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -105,9 +111,11 @@ class DecodeGraphs:
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
         prefix_len: int = 0,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """`prefix_len` > 0: every row's context starts with that many tokens in the same blocks
-        (the runner checked), and the step is at least `cascade_min_rows` rows."""
+        (the runner checked), and the step is at least `cascade_min_rows` rows. `lora_slots`:
+        each row's adapter slot (None: the base model for all)."""
         n = len(positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         key = (bs, prefix_len > 0)
@@ -119,6 +127,12 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
         self.seq_lens[:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
         self.block_tables[:n, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        if self.lora_slots is not None:
+            if lora_slots is None:
+                self.lora_slots[:bs].fill_(-1)
+            else:
+                self.lora_slots[:n].copy_(torch.from_numpy(lora_slots), non_blocking=True)
+                self.lora_slots[n:bs].fill_(-1)
         if bs > n:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].zero_()

@@ -6,11 +6,13 @@ which is after the arguments are parsed."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvfleet.engine.host_memory import CPU_KV_SHARE, CPU_KV_SHARE_UNDER_LIMIT
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.protocol.byte_size import ByteSize
 
 if TYPE_CHECKING:
@@ -43,6 +45,34 @@ def default_max_num_seqs(device: torch.device) -> int:
 # CPU, for many-core servers, and 8,192 on large GPUs.
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 512
+
+
+# The largest --max-lora-rank: the batched LoRA kernels' (kvfleet.kernels.lora.MAX_RANK). Each
+# LoRA layer holds max_loras slots of this rank.
+MAX_LORA_RANK = 256
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' item as vLLM takes it: name=path, or {"name": ..., "path": ...}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"lora module {text!r} is not JSON: {e}") from None
+        if not isinstance(value, dict) or set(value) - {"name", "path", "base_model_name"}:
+            raise ValueError(
+                f'lora module {text!r}: a JSON one is {{"name": ..., "path": ...}} (and an '
+                "optional base_model_name)"
+            )
+        name, path = value.get("name"), value.get("path")
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"lora module {text!r} is not name=path")
+    if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path:
+        raise ValueError(f"lora module {text!r} needs a name and a path")
+    return name.strip(), path
 
 
 def default_max_num_batched_tokens(device: torch.device) -> int:
@@ -160,6 +190,31 @@ class EngineArgs(BaseModel):
         ge=1,
         description="split the model over this many GPUs of this machine, one process each",
     )
+    enable_lora: bool = Field(
+        default=False,
+        description="serve LoRA adapters of the model (PEFT folders): --lora-modules at start, "
+        "LoRARequest in the Python API, the load endpoints with --enable-runtime-lora-updating",
+    )
+    lora_modules: list[str] = Field(
+        default=[],
+        description="adapters served from the start, each name=path (or JSON "
+        '{"name": ..., "path": ...}); a request whose model is the name runs with it',
+    )
+    max_loras: int = Field(
+        default=1, ge=1, description="adapters held in GPU slots at once (one batch mixes them)"
+    )
+    max_lora_rank: int = Field(
+        default=16,
+        ge=1,
+        le=MAX_LORA_RANK,
+        description="the largest adapter rank served; each slot holds an adapter of this rank",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        description="adapters kept in host memory (those in GPU slots included), loaded from "
+        "disk when needed; default: --max-loras",
+    )
     enable_expert_parallel: bool = Field(
         default=False,
         description="mixtures of experts with --tensor-parallel-size N: each rank holds 1/N "
@@ -192,6 +247,17 @@ class EngineArgs(BaseModel):
                     f"tensor_parallel_size={tp} needs {tp} GPUs but {torch.cuda.device_count()} "
                     "are visible"
                 )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): an adapter in a GPU slot keeps its copy in host memory"
+            )
+        names = [parse_lora_module(m)[0] for m in self.lora_modules]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"lora_modules names {repeated} more than once")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8')")
         if self.kv_cache_dtype != "auto" and self.resolved_device().type == "cuda":
@@ -206,6 +272,17 @@ class EngineArgs(BaseModel):
                     "kv_cache_dtype='auto'"
                 )
         return self
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """--lora-modules as adapters, with ids 1, 2, ... in their order."""
+        return [
+            LoRARequest(name, i, path)
+            for i, (name, path) in enumerate(map(parse_lora_module, self.lora_modules), 1)
+        ]
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         import torch

@@ -4,8 +4,11 @@ front ends (offline LLM, AsyncEngine) drive it."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
+import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -16,9 +19,11 @@ from kvfleet.engine.checkpoint_path import find_gguf
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.engine.lora_slots import AdapterSlots
 from kvfleet.engine.model_runner import ModelRunner, Step
 from kvfleet.engine.output_processor import OutputProcessor, ProcessedStep
-from kvfleet.engine.outputs import EngineStats, RequestOutput
+from kvfleet.engine.outputs import LORA_LOAD_BUCKETS, EngineStats, LoRAStats, RequestOutput
 from kvfleet.engine.request import EngineRequest, Request
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
@@ -133,11 +138,23 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
+        self.lora_slots = AdapterSlots(args.max_loras, args.cpu_loras) if args.enable_lora else None
+        # Adapters whose folder has been checked (check_adapter), by lora_int_id.
+        self._checked_loras: dict[int, LoRARequest] = {}
+        # For the metrics: requests queued per adapter; slot loads per LORA_LOAD_BUCKETS bucket
+        # (not cumulative here), their count and seconds; the adapters of the running and the
+        # waiting requests as last seen, and when that changed.
+        self._lora_requests: Counter[str] = Counter()
+        self._lora_load_hist = [0] * (len(LORA_LOAD_BUCKETS) + 1)
+        self._lora_load_seconds = 0.0
+        self._lora_in_use: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._lora_changed_at = time.time()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             # No more sequences than the runner has block-table rows.
             max_num_seqs=self.runner.max_num_seqs,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            lora_slots=self.lora_slots,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async scheduling: the step the last call launched, which the next call samples.
@@ -157,8 +174,11 @@ class EngineCore:
             num_kv_blocks=self.kv_cache_manager.pool.num_usable_blocks,
             has_tokenizer=self.tokenizer is not None,
             structured_unavailable=self.structured_unavailable,
+            lora_enabled=args.enable_lora,
             pooler=self.model_config.pooler,
         )
+        for lora in args.lora_requests():
+            self.check_adapter(lora)
 
     def worker_failure(self) -> str | None:
         """Why a tensor-parallel worker can no longer run steps, or None."""
@@ -204,19 +224,49 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
+        lora: LoRARequest | None = None,
     ) -> EngineRequest:
         """Admission (self.admission) for the offline front end and tests, from any thread: a
         structured_outputs constraint given without its grammar compiles here, blocking."""
         constraint = params.structured_outputs
         if grammar is None and constraint is not None and self.structured is not None:
             grammar = self.structured.grammar(constraint)
-        return self.admission.admit(prompt_token_ids, params, prompt, grammar)
+        return self.admission.admit(prompt_token_ids, params, prompt, grammar, lora=lora)
+
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """LoRAAdapterError (a ValueError) unless the engine can serve this adapter: its
+        folder read once per adapter (config, tensor names and shapes), not per request."""
+        if lora.lora_int_id in self._checked_loras:
+            known = self._checked_loras[lora.lora_int_id]
+            if known != lora:
+                raise ValueError(
+                    f"lora_int_id {lora.lora_int_id} is {known.lora_name!r} ({known.lora_path}) "
+                    f"already; {lora.lora_name!r} needs an id of its own"
+                )
+            return
+        self.runner.check_adapter(lora)
+        self._checked_loras[lora.lora_int_id] = lora
+
+    def remove_adapter(self, lora: LoRARequest) -> None:
+        """Forget an adapter no request will ask for again (unloaded): its slot and host copy
+        go now if no request of it is in the engine; else they age out as any unused one."""
+        self._checked_loras.pop(lora.lora_int_id, None)
+        slots = self.lora_slots
+        if slots is None:
+            return
+        if any(r.lora == lora for r in self.scheduler.requests.values()):
+            return
+        slots.remove(lora)
+        # Its series leave /metrics with it: adapters come and go, the exposition stays bounded.
+        self._lora_requests.pop(lora.lora_name, None)
 
     def add_request(self, request_id: str, request: EngineRequest) -> None:
         """Queue an admitted request, as n child requests when n > 1. Raises ValueError, having
-        queued nothing, if the id is in use."""
+        queued nothing, if the id is in use or its LoRA adapter cannot be served."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request.lora is not None:
+            self.check_adapter(request.lora)
         params = request.params
         children = []
         for i in range(params.n):
@@ -233,10 +283,13 @@ class EngineCore:
                     request.max_tokens,
                     request.arrival_time,
                     request.grammar,
+                    request.lora,
                     request.pooling,
                 )
             )
         self.output_processor.add_request(request_id, request, children)
+        if request.lora is not None:
+            self._lora_requests[request.lora.lora_name] += 1
         try:
             for child in children:
                 self.scheduler.add_request(child)
@@ -284,6 +337,9 @@ class EngineCore:
         waited = prev.out.num_batched_tokens if prev is not None and on_gpu else 0
         self.step_tokens = out.num_batched_tokens + waited
         step = self.runner.launch(out, prev)
+        for _, seconds in self.runner.take_lora_load_seconds():
+            self._lora_load_hist[bisect.bisect_left(LORA_LOAD_BUCKETS, seconds)] += 1
+            self._lora_load_seconds += seconds
         self.scheduler.advance(out)
         outputs += self._fail(out.failed)
         if prev is not None:
@@ -330,4 +386,31 @@ class EngineCore:
             prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens=self.output_processor.prompt_tokens_total,
             generation_tokens=self.output_processor.generation_tokens_total,
+            lora=self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        slots = self.lora_slots
+        if slots is None:
+            return None
+        sched = self.scheduler
+        in_use = (
+            tuple(sorted({r.lora.lora_name for r in sched.running if r.lora is not None})),
+            tuple(sorted({r.lora.lora_name for r in sched.waiting if r.lora is not None})),
+        )
+        if in_use != self._lora_in_use:
+            self._lora_in_use, self._lora_changed_at = in_use, time.time()
+        hist = self._lora_load_hist
+        return LoRAStats(
+            running=in_use[0],
+            waiting=in_use[1],
+            changed_at=self._lora_changed_at,
+            max_loras=slots.max_loras,
+            resident=tuple(sorted(slots.resident().items())),
+            requests=tuple(sorted(self._lora_requests.items())),
+            loads=tuple(sorted(slots.stats.loads.items())),
+            evictions=tuple(sorted(slots.stats.evictions.items())),
+            load_buckets=tuple(sum(hist[: i + 1]) for i in range(len(LORA_LOAD_BUCKETS))),
+            load_count=sum(hist),
+            load_seconds=self._lora_load_seconds,
         )

@@ -39,9 +39,11 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         tokens = req.all_token_ids
+        extra = req.lora.cache_key if req.lora is not None else None
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+            block = tokens[i * bs : (i + 1) * bs]
+            hashes.append(hash_block_tokens(parent, block, None if i else extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of leading full blocks already in the prefix cache, and its length in

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -69,6 +70,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order. A request the
         engine failed alone (an error in its own sampling or detokenization, logged) comes back
@@ -76,7 +78,9 @@ class LLM:
         others complete as if it had not been there.
 
         use_tqdm: a "Processed prompts" bar with token rates on stderr; None (the default) shows
-        it when stderr is a terminal, True always, False never."""
+        it when stderr is a terminal, True always, False never. lora_request: the LoRA adapter
+        every prompt runs with, or one per prompt (None: the base model); the engine needs
+        enable_lora."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
@@ -87,14 +91,20 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
 
         results: dict[str, RequestOutput] = {}
         order = []
         try:
-            for prompt, sp in zip(prompts, params, strict=True):
+            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
                 text, ids = self._tokenize(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, self.engine.admit(ids, sp, prompt=text))
+                self.engine.add_request(rid, self.engine.admit(ids, sp, prompt=text, lora=lora))
                 order.append(rid)
                 results[rid] = RequestOutput(
                     rid, ids, [CompletionOutput(index=i) for i in range(sp.n)], prompt=text

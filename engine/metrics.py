@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvfleet.engine.config import EngineArgs
-from kvfleet.engine.outputs import EngineStats, RequestOutput
+from kvfleet.engine.outputs import LORA_LOAD_BUCKETS, EngineStats, LoRAStats, RequestOutput
 from kvfleet.engine.structured_output import GrammarStats
 from kvfleet.telemetry import metric_names
 
@@ -97,6 +97,62 @@ class _EngineStateCollector(Collector):
         yield counter(metric_names.PROMPT_TOKENS, "Prompt tokens processed.", s.prompt_tokens)
         yield counter(metric_names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens)
         yield counter(metric_names.PREEMPTIONS, "Requests preempted.", s.num_preemptions)
+
+
+class _LoRACollector(Collector):
+    """The adapters' series, read at scrape time from the published stats: empty families for
+    an engine without LoRA."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(
+        self,
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        lora: LoRAStats | None = self.stats().lora
+        m = self.model_name
+        model, name = metric_names.MODEL_NAME, metric_names.LORA_NAME
+        info = GaugeMetricFamily(
+            metric_names.LORA_REQUESTS_INFO,
+            "LoRA adapters of the running and the waiting requests, and max_loras; the value is "
+            "the time of the last change.",
+            labels=[model, *metric_names.LORA_REQUESTS_INFO_LABELS],
+        )
+        resident = GaugeMetricFamily(
+            metric_names.LORA_RESIDENT,
+            "LoRA adapters the engine holds, by tier (gpu: in a slot; cpu: in host memory).",
+            labels=[model, name, metric_names.LORA_TIER],
+        )
+        counters = [
+            (metric_names.LORA_REQUESTS, "Requests queued per LoRA adapter.", "requests"),
+            (metric_names.LORA_LOADS, "LoRA adapter loads into a GPU slot.", "loads"),
+            (metric_names.LORA_EVICTIONS, "LoRA adapter evictions from a GPU slot.", "evictions"),
+        ]
+        families = [CounterMetricFamily(n, doc, labels=[model, name]) for n, doc, _ in counters]
+        load_time = HistogramMetricFamily(
+            metric_names.LORA_LOAD_SECONDS,
+            "Time to load a LoRA adapter into a GPU slot (from disk without a host copy).",
+            labels=[model],
+        )
+        if lora is not None:
+            running, waiting = ",".join(lora.running), ",".join(lora.waiting)
+            info.add_metric([m, running, waiting, str(lora.max_loras)], lora.changed_at)
+            for adapter, tier in lora.resident:
+                resident.add_metric([m, adapter, tier], 1.0)
+            for family, (_, _, field) in zip(families, counters, strict=True):
+                for adapter, count in getattr(lora, field):
+                    family.add_metric([m, adapter], count)
+            buckets = [
+                (str(bound), count)
+                for bound, count in zip(LORA_LOAD_BUCKETS, lora.load_buckets, strict=True)
+            ]
+            buckets.append(("+Inf", lora.load_count))
+            load_time.add_metric([m], buckets, lora.load_seconds)
+        yield info
+        yield resident
+        yield from families
+        yield load_time
 
 
 class _GrammarCollector(Collector):
@@ -206,6 +262,7 @@ class EngineMetrics:
     def collect_state(self, stats: Callable[[], EngineStats]) -> None:
         """Export the engine's state, as `stats` returns it, at every scrape."""
         self.registry.register(_EngineStateCollector(stats, self.args, self.model_name))
+        self.registry.register(_LoRACollector(stats, self.model_name))
 
     def collect_grammar(
         self, stats: Callable[[], GrammarStats] | None, unavailable: str | None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -24,7 +25,12 @@ from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
+from kvfleet.engine.layers.lora import LoRALayers, attach_lora, load_slot, lora_context
 from kvfleet.engine.layers.moe import expert_parallel_layers
+from kvfleet.engine.lora_adapter import LoRAAdapter, check_weights, read_config
+from kvfleet.engine.lora_adapter import read_weights as read_lora_weights
+from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.engine.lora_slots import SlotChanges
 from kvfleet.engine.models import build_pooling_model, get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.pooling import finish_embedding
@@ -116,6 +122,10 @@ class StepPlan:
     # that its chunk's first positions predict). Every rank computes their logits (the LM head
     # is a collective); rank 0 keeps the logprobs.
     prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # Each sequence's LoRA slot (-1: the base model); empty when the engine serves no LoRA or
+    # no sequence of the step uses an adapter. The adapters every rank copies into slots first.
+    lora_slots: np.ndarray | None = None
+    lora_changes: SlotChanges | None = None
     # Embedding requests (a pooling engine): the sequences whose chunk adds to a mean pooling,
     # and those whose prompt ends this step, which rank 0 pools.
     pool_mean: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -237,6 +247,11 @@ class ModelRunner:
         self.pool_sums: dict[int, torch.Tensor] = {}
 
         torch.manual_seed(args.seed)
+        # LoRA: the projections adapters may target (by checkpoint module name), and the
+        # adapters held in host memory, by lora_int_id, with the seconds each took to load.
+        self.lora: LoRALayers | None = None
+        self.lora_host: dict[int, LoRAAdapter] = {}
+        self.lora_load_seconds: list[tuple[str, float]] = []
         self.model = self._load_model()
         if on_loaded is not None:
             on_loaded()
@@ -268,6 +283,7 @@ class ModelRunner:
                 model_config.max_model_len,
                 device,
                 CASCADE_MIN_ROWS if self.cascade else None,
+                lora=args.enable_lora,
             )
             self.graphs.capture()
         # The first real batch sets the FP8 KV scales (the warm-up and capture above ran on
@@ -296,6 +312,15 @@ class ModelRunner:
             block = mc.quantization.weight_block_size if mc.quantization else None
             load_weights(model, mc.path, progress=tp_rank() == 0, weight_block_size=block)
         model.eval()
+        if self.args.enable_lora:
+            self.lora = attach_lora(
+                model, self.args.max_loras, self.args.max_lora_rank, self.dtype, self.device
+            )
+            if not self.lora.targets:
+                raise ValueError(
+                    f"LoRA (enable_lora) is not supported for {mc.architecture}: it has none "
+                    "of the q/k/v/o/gate/up/down projections adapters target"
+                )
         if not isinstance(model, LanguageModel):
             raise TypeError(f"{type(model).__name__} lacks what the runner calls on a model")
         return model
@@ -414,7 +439,11 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        with torch.inference_mode(), attention_context(meta):
+        # Every token through slot 0: the adapters' activations count in the memory profile.
+        slots = None
+        if self.lora is not None:
+            slots = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
+        with torch.inference_mode(), attention_context(meta), lora_context(slots):
             hidden = self.model(ids, pos)
             if not self.pooling:
                 logits = self.model.compute_logits(hidden[qsl[1:] - 1]).float()
@@ -577,6 +606,7 @@ class ModelRunner:
         computed_l: list[int] = []
         input_ids: list[int] = []
         sampling: list[int] = []
+        lora_slots: list[int] = []
         pool_mean: list[int] = []
         pool_end: list[int] = []
         scored: list[tuple[int, int, tuple[int, ...]]] = []
@@ -595,6 +625,7 @@ class ModelRunner:
                 writes.append((row, start, new_blocks))
                 row_len[row] = start + len(new_blocks)
             c = req.num_computed_tokens
+            lora_slots.append(req.lora_slot)
             rows_l.append(row)
             num_new_l.append(n)
             computed_l.append(c)
@@ -639,6 +670,8 @@ class ModelRunner:
             pool_mean=np.array(pool_mean, dtype=np.int64),
             pool_end=np.array(pool_end, dtype=np.int64),
             num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.sampled_rows),
+            lora_slots=np.array(lora_slots, dtype=np.int32) if max(lora_slots) >= 0 else None,
+            lora_changes=out.lora_changes or None,
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -656,6 +689,8 @@ class ModelRunner:
         pooled hidden states of the embedding requests whose prompt ends here, both by
         sequence index (rank 0 only). `prev_tokens`: rank 0's tokens of the previous step, where
         the plan's pending input ids are."""
+        if plan.lora_changes is not None:
+            self._apply_lora_changes(plan.lora_changes)
         bs = self.block_size
         table = self.block_table
         for row, start, blocks in plan.table_writes:
@@ -674,6 +709,9 @@ class ModelRunner:
 
         dev = self.device
         ids = self._input_ids(plan, prev_tokens)
+        token_lora = None
+        if plan.lora_slots is not None:
+            token_lora = np.repeat(plan.lora_slots, num_new)
         graphs = None if self.kv_scales_pending else self.graphs
         if (
             graphs is not None
@@ -684,7 +722,9 @@ class ModelRunner:
             row_lens = positions + 1
             prefix = self._cascade_prefix(token_tables, row_lens)
             with torch.inference_mode():
-                hidden = graphs.run(ids, positions, slots, token_tables, row_lens, prefix)
+                hidden = graphs.run(
+                    ids, positions, slots, token_tables, row_lens, prefix, token_lora
+                )
                 # Every row samples in a pure decode step; a one-token chunk of a longer prompt
                 # (a budget's last token) makes a row that does not.
                 if len(plan.sampling) == num_tokens:
@@ -708,7 +748,10 @@ class ModelRunner:
             cascade_prefix_len=to_device([prefix], torch.long, dev) if prefix else None,
         )
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
-        with torch.inference_mode(), attention_context(meta):
+        lora = (
+            None if token_lora is None else torch.from_numpy(token_lora).to(dev, non_blocking=True)
+        )
+        with torch.inference_mode(), attention_context(meta), lora_context(lora):
             hidden = self.model(ids, pos)
             self.kv_scales_pending = False
             scored = self._score_prompts(plan, hidden, qsl) if plan.prompt_logprobs else {}
@@ -740,6 +783,42 @@ class ModelRunner:
             else:
                 pooled[int(i)] = total / float(plan.computed[i] + plan.num_new[i])
         return pooled
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """LoRAAdapterError (a ValueError) unless this engine can serve the adapter: its config
+        and the names and shapes of its tensors, read without the tensors themselves."""
+        if self.lora is None:
+            raise ValueError("the engine serves no LoRA adapters (enable_lora is off)")
+        config = read_config(lora.lora_path, self.args.max_lora_rank)
+        check_weights(lora.lora_path, config, self.lora.targets)
+
+    def _read_adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        assert self.lora is not None  # changes come only to an engine with LoRA
+        config = read_config(lora.lora_path, self.args.max_lora_rank)
+        return read_lora_weights(lora.lora_path, config, self.lora.targets)
+
+    def _apply_lora_changes(self, changes: SlotChanges) -> None:
+        """Drop the host copies the slot manager let go; copy adapters into their slots, read
+        from disk first when host memory has no copy. Queued on the device's stream behind the
+        step before, which may still read the slot."""
+        for key in changes.dropped:
+            self.lora_host.pop(key, None)
+        assert self.lora is not None
+        for slot, lora in changes.loads:
+            started = time.perf_counter()
+            adapter = self.lora_host.get(lora.lora_int_id)
+            if adapter is None:
+                adapter = self.lora_host[lora.lora_int_id] = self._read_adapter(lora)
+            with torch.inference_mode():
+                load_slot(self.lora, slot, adapter)
+            if self.sampler is not None:  # rank 0's metrics; the workers keep no record
+                self.lora_load_seconds.append((lora.lora_name, time.perf_counter() - started))
+
+    def take_lora_load_seconds(self) -> list[tuple[str, float]]:
+        """(adapter name, seconds) of each slot load since the last call."""
+        loads, self.lora_load_seconds = self.lora_load_seconds, []
+        return loads
 
     def _input_ids(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The step's input ids on the device, the pending ones filled in there from the previous

@@ -99,6 +99,29 @@ class EmbeddingRequestOutput:
     prompt: str | None = None
 
 
+# Upper bounds of the LoRA load-time histogram's buckets, in seconds.
+LORA_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAStats:
+    """The adapters' state between two steps (an engine with enable_lora)."""
+
+    running: tuple[str, ...]  # adapters of the running requests, sorted
+    waiting: tuple[str, ...]  # of the waiting ones
+    changed_at: float  # time.time() when either list last changed
+    max_loras: int
+    resident: tuple[tuple[str, str], ...]  # (adapter, "gpu" or "cpu")
+    requests: tuple[tuple[str, int], ...]  # requests queued per adapter, since the start
+    loads: tuple[tuple[str, int], ...]  # loads into a GPU slot
+    evictions: tuple[tuple[str, int], ...]  # evictions from a GPU slot
+    # Slot loads no longer than each LORA_LOAD_BUCKETS bound (cumulative), all of them, and
+    # their seconds in total.
+    load_buckets: tuple[int, ...]
+    load_count: int
+    load_seconds: float
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """The engine's state between two steps, as the server and its metrics read it."""
@@ -116,3 +139,4 @@ class EngineStats:
     prefix_cache_hits: int  # of those, tokens found
     prompt_tokens: int
     generation_tokens: int
+    lora: LoRAStats | None = None

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.pooling import PoolingParams
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -46,6 +47,8 @@ class EngineRequest:
     # The structured_outputs constraint, compiled, or still compiling (the server queues the
     # request meanwhile); each sequence gets its own matcher of it.
     grammar: CompiledGrammar | Future[CompiledGrammar] | None = None
+    # The LoRA adapter it runs with; None: the base model.
+    lora: LoRARequest | None = None
     # An embedding request (a pooling engine's): its prompt runs and is pooled, nothing is
     # sampled; max_tokens is 0 and params are the defaults.
     pooling: PoolingParams | None = None
@@ -87,9 +90,13 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
+        lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora
+        # Its adapter's GPU slot while the scheduler holds it one (running), else -1.
+        self.lora_slot = -1
         self.pooling = pooling
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.lora_slots import AdapterSlots, SlotChanges
 from kvfleet.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class SchedulerOutput:
     unready: list[Request] = field(default_factory=list)
     # Whether Scheduler.advance has moved the requests past this step.
     advanced: bool = False
+    # LoRA adapters to copy into GPU slots (or drop from host memory) before this step runs.
+    lora_changes: SlotChanges = field(default_factory=SlotChanges)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,8 +59,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        lora_slots: AdapterSlots | None = None,
     ) -> None:
+        """`lora_slots`: where the LoRA adapters are (enable_lora): a request of an adapter
+        starts only once its adapter has a GPU slot, pinned until it stops running."""
         self.kv = kv_cache_manager
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -128,6 +135,12 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[w]
+            lora = req.lora
+            if lora is not None and not self._lora_slots.can_acquire(lora):
+                # Every slot is pinned by other adapters' running requests: this one waits for
+                # one of them to finish; requests of held adapters and of the base model go on.
+                w += 1
+                continue
             hits, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             num_new = self._until_grammar(req, num_cached, num_new, out)
@@ -138,6 +151,8 @@ class Scheduler:
             if block_ids is None:
                 break
             del self.waiting[w]
+            if lora is not None:
+                req.lora_slot = self._lora_slots.acquire(lora)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -150,7 +165,21 @@ class Scheduler:
             out.new_block_ids[req.request_id] = block_ids
             out.started.add(req.request_id)
             budget -= num_new
+        if self.lora_slots is not None:
+            out.lora_changes = self.lora_slots.take_changes()
         return out
+
+    @property
+    def _lora_slots(self) -> AdapterSlots:
+        if self.lora_slots is None:
+            raise ValueError("a LoRA request reached a scheduler without LoRA slots")
+        return self.lora_slots
+
+    def _unpin(self, req: Request) -> None:
+        """A request that stops running gives back its hold on its adapter's slot."""
+        if req.lora is not None and req.lora_slot >= 0:
+            self._lora_slots.release(req.lora)
+            req.lora_slot = -1
 
     @staticmethod
     def _until_grammar(req: Request, computed: int, num_new: int, out: SchedulerOutput) -> int:
@@ -195,6 +224,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        self._unpin(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -264,6 +294,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        self._unpin(req)
         self._finished.append(req.request_id)
         del self.requests[req.request_id]
 

@@ -52,7 +52,9 @@ ENGINE_METRICS = (
     STRUCTURED_OUTPUTS_AVAILABLE, GRAMMAR_CACHE_ENTRIES, GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILES,
     GRAMMAR_COMPILER_CRASHES, REQUEST_SUCCESS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME,
-    REQUEST_INFERENCE_TIME,
+    REQUEST_INFERENCE_TIME, "vllm:lora_requests_info", "kvfleet_engine_lora_resident",
+    "kvfleet_engine_lora_requests", "kvfleet_engine_lora_loads", "kvfleet_engine_lora_evictions",
+    "kvfleet_engine_lora_load_seconds",
 )  # fmt: skip
 
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
@@ -68,3 +70,9 @@ LORA_REQUESTS_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "
 LORA_RESIDENT = "kvfleet_engine_lora_resident"
 LORA_NAME = "lora_name"
 LORA_TIER = "tier"
+# Per adapter (lora_name): requests queued, loads into a GPU slot, evictions from one; and the
+# time a load into a slot takes (from disk when host memory had no copy).
+LORA_REQUESTS = "kvfleet_engine_lora_requests"
+LORA_LOADS = "kvfleet_engine_lora_loads"
+LORA_EVICTIONS = "kvfleet_engine_lora_evictions"
+LORA_LOAD_SECONDS = "kvfleet_engine_lora_load_seconds"

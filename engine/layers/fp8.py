@@ -191,11 +191,11 @@ class Fp8Input:
     the producing layer."""
 
     def __init__(self, consumer: Any) -> None:
-        self._consumer = consumer
+        self.consumer = consumer
 
     @property
     def static_scale(self) -> torch.Tensor | None:
-        return self._consumer.input_scale
+        return self.consumer.input_scale
 
 
 def quantize_input(x: torch.Tensor, static_scale: torch.Tensor | None) -> Fp8Activations:

@@ -6,6 +6,8 @@ tensors that it quantizes, shard by shard, as they arrive."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -17,6 +19,12 @@ from kvfleet.engine.layers.fp8 import (
     fp8_linear,
     quantize_rows,
 )
+
+
+class LinearAdapters(Protocol):
+    """What a layer calls on its LoRA slots (kvfleet.engine.layers.lora.LinearLoRA)."""
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -69,6 +77,8 @@ class _Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.input_scale: nn.Parameter | None = None
+        # The adapters' slots, when the engine serves LoRA (layers.lora.attach_lora).
+        self.lora: LinearAdapters | None = None
         if fp8 is None:
             return
         check_fp8_shape(out_features, in_features, type(self).__name__)
@@ -104,7 +114,10 @@ class _Linear(nn.Module):
         return nn.functional.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        y = self._matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
 
 class ColumnParallelLinear(_Linear):
@@ -225,6 +238,10 @@ class RowParallelLinear(_Linear):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the sum, not once per rank.
-        y = all_reduce(self._matmul(x, None))
+        # The bias is added once, after the sum, not once per rank; so is each rank's share of
+        # the adapters' product.
+        y = self._matmul(x, None)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias

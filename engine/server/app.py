@@ -19,6 +19,12 @@ from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.metrics import EngineMetrics
+from kvfleet.engine.server.adapters import (
+    ADAPTERS,
+    AdapterRegistry,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from kvfleet.engine.server.chat import create_chat_completion, render_chat_served
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.embeddings import create_embedding
@@ -40,7 +46,6 @@ from kvfleet.engine.server.validation import (
     BODY_BYTES,
     BODY_LIMIT,
     BODY_TIMEOUT,
-    check_model,
     parse_body,
     refused,
 )
@@ -159,18 +164,22 @@ async def _metrics(request: web.Request) -> web.Response:
 
 def _model_card(request: web.Request, name: str) -> ModelCard:
     ctx: ServingContext = request.app[SERVING]
-    # The root is the served name, never the model's path on the server's disk.
+    lora = ctx.adapters.get(name)
+    # The root is the served name, never the model's path on the server's disk; an adapter's
+    # is its folder (as vLLM shows it) and its parent the base model's served name.
     return ModelCard(
         id=name,
         created=request.app[STARTED],
         owned_by="kvfleet",
-        root=ctx.model_name,
+        root=ctx.model_name if lora is None else lora.lora_path,
+        parent=None if lora is None else ctx.model_name,
         max_model_len=ctx.max_model_len,
     )
 
 
 async def _models(request: web.Request) -> web.Response:
-    names = request.app[SERVING].served_model_names
+    ctx: ServingContext = request.app[SERVING]
+    names = [*ctx.served_model_names, *ctx.adapters]
     models = ModelList(data=[_model_card(request, name) for name in names])
     return web.json_response(text=models.model_dump_json())
 
@@ -179,14 +188,14 @@ async def _model(request: web.Request) -> web.Response:
     """One model (the openai SDK's models.retrieve). Served names may hold a slash (org/name),
     which the SDK puts into the path as it is."""
     name = request.match_info["model"]
-    check_model(name, request.app[SERVING].served_model_names)
+    request.app[SERVING].resolve_model(name)
     return web.json_response(text=_model_card(request, name).model_dump_json())
 
 
 async def _tokenize(request: web.Request) -> web.Response:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, TokenizeRequest)
-    check_model(req.model, ctx.served_model_names)
+    ctx.resolve_model(req.model)
     if req.messages is not None:
         # The prompt exactly as chat completions renders it, tools included.
         plan = await ctx.parse_off_loop(
@@ -205,7 +214,7 @@ async def _tokenize(request: web.Request) -> web.Response:
 async def _detokenize(request: web.Request) -> web.Response:
     ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, DetokenizeRequest)
-    check_model(req.model, ctx.served_model_names)
+    ctx.resolve_model(req.model)
     vocab = ctx.engine.vocab_size
     bad = [t for t in req.tokens if t >= vocab]
     if bad:
@@ -241,7 +250,11 @@ def build_app(
         settings.tool_call_parser or parser_for_template(template),
         settings.enable_auto_tool_choice,
     )
-    app[SERVING] = ServingContext(engine, names, settings.max_waiting_requests)
+    registry = AdapterRegistry(engine.lora_modules)
+    app[ADAPTERS] = registry
+    app[SERVING] = ServingContext(
+        engine, names, settings.max_waiting_requests, adapters=registry.by_name
+    )
     app[METRICS] = metrics
     app[STARTED] = now()
     app[BODY_TIMEOUT] = settings.body_timeout
@@ -258,10 +271,15 @@ def build_app(
     app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    if settings.enable_runtime_lora_updating:
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     return app
 
 
 def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngine, EngineMetrics]:
+    if settings.enable_runtime_lora_updating and not args.enable_lora:
+        raise ValueError("--enable-runtime-lora-updating needs --enable-lora")
     core = EngineCore(args)
     names = settings.served_model_name or [str(core.model_config.path)]
     metrics = EngineMetrics(core.args, names[0])

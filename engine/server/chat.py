@@ -252,7 +252,7 @@ async def start_chat(
     """A chat request planned (tools), rendered, admitted and queued: its tool plan, its prompt
     and its outputs (the Responses API's requests come this way too)."""
     ctx: ServingContext = request.app[SERVING]
-    ctx.check_can_queue(req.model, req.n)
+    lora = ctx.check_can_queue(req.model, req.n)
     tool_settings = request.app[TOOL_SETTINGS]
     plan = await ctx.parse_off_loop(
         request[BODY_BYTES], OFF_LOOP_BYTES, plan_tools, req, tool_settings
@@ -269,6 +269,7 @@ async def start_chat(
         params,
         prompt_param="messages",
         constraint_param=field if constraint is not None else "tool_choice",
+        lora=lora,
     )
     model = req.model or ctx.model_name
     outputs = await ctx.run(request_id, admitted)

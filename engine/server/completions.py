@@ -181,7 +181,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, CompletionRequest)
     raw_prompts = req.prompts()
     num_sequences = len(raw_prompts) * req.n
-    ctx.check_can_queue(req.model, num_sequences)
+    lora = ctx.check_can_queue(req.model, num_sequences)
     for p in raw_prompts:
         if isinstance(p, str):
             ctx.check_prompt_chars(len(p), "prompt")
@@ -197,6 +197,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         texts,
         prompt_param="prompt",
         constraint_param=req.constraint[1],
+        lora=lora,
     )
     echoes = [
         (t if t is not None else await ctx.decode(ids)) if req.echo else ""

@@ -235,6 +235,8 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str
     root: str
+    # The base model of a LoRA adapter; None for the base model itself.
+    parent: str | None = None
     max_model_len: int
 
 

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.grammar import GrammarError
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.request import EngineRequest, InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
@@ -76,6 +77,8 @@ class ServingContext:
     max_waiting_requests: int | None = None
     draining: bool = field(default=False)
     max_prompt_chars: int | None = field(default=None)
+    # LoRA adapter name -> the adapter (the server's AdapterRegistry's table).
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.max_prompt_chars is None:
@@ -93,12 +96,24 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_can_queue(self, requested_model: str | None, num_sequences: int) -> None:
+    def check_can_queue(
+        self, requested_model: str | None, num_sequences: int
+    ) -> LoRARequest | None:
         """Refuse before any work what the server cannot queue now: an unknown model, or what
         check_queue_room refuses. (Whether the engine can ever run the request is its
-        admission's to say, once the prompt is tokenized: admit_prompts.)"""
-        check_model(requested_model, self.served_model_names)
+        admission's to say, once the prompt is tokenized: admit_prompts.) Returns the LoRA
+        adapter the model names, None for the base model."""
+        lora = self.resolve_model(requested_model)
         self.check_queue_room(num_sequences)
+        return lora
+
+    def resolve_model(self, requested_model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for a name that
+        is neither."""
+        lora = self.adapters.get(requested_model) if requested_model is not None else None
+        if lora is None:
+            check_model(requested_model, self.served_model_names)
+        return lora
 
     def check_queue_room(self, num_sequences: int) -> None:
         """Refuse a request when the engine is dead or its waiting queue cannot take the
@@ -175,6 +190,7 @@ class ServingContext:
         *,
         prompt_param: str,
         constraint_param: str = "structured_outputs",
+        lora: LoRARequest | None = None,
     ) -> Admitted:
         """Each prompt through the engine's admission (the one check of what a request asks,
         which resolves its max_tokens within the context), its constraint compiling meanwhile
@@ -188,7 +204,9 @@ class ServingContext:
             grammar = None if job is None else job.future
             text = texts[i] if texts else None
             try:
-                admitted = self.engine.admit(ids, params, text, grammar, refuse_past_context=True)
+                admitted = self.engine.admit(
+                    ids, params, text, grammar, refuse_past_context=True, lora=lora
+                )
             except InvalidRequestError as e:
                 fields = {"prompt": prompt_param, "structured_outputs": constraint_param}
                 param = fields.get(e.param, e.param)

@@ -97,6 +97,11 @@ class ServerSettings(BaseModel):
         description="how tool calls are read from the model's output; default: from the chat "
         "template's family (Llama 3 tokens: llama3_json, Mistral's: mistral, else hermes)",
     )
+    enable_runtime_lora_updating: bool = Field(
+        default=False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), "
+        "which load and unload LoRA adapters while the server runs; needs --enable-lora",
+    )
     enable_auto_tool_choice: bool = Field(
         default=True,
         description='tool_choice "auto" (the default with tools): the model decides and its calls '

@@ -19,16 +19,21 @@ def hf_greedy(
     prompts: list[list[int]],
     max_tokens: int,
     gguf_file: str | None = None,
+    lora_dir: Path | None = None,
     **gen_kwargs,
 ) -> list:
     """Greedy continuation of each prompt by HF transformers, one prompt at a time (no padding),
     stopping at EOS as the engine does. ``gguf_file``: the checkpoint is that GGUF file in
-    ``model_dir``."""
+    ``model_dir``. ``lora_dir``: with that PEFT LoRA adapter (PEFT applies it)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, gguf_file=gguf_file, dtype=torch.float32
     ).eval()
+    if lora_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, lora_dir).eval()
     eos = model.generation_config.eos_token_id
     outs = []
     with torch.no_grad():

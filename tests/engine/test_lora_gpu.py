@@ -1,0 +1,74 @@
+"""LoRA on the CUDA path: the Triton kernels (or their twins) inside the decode CUDA graphs,
+adapters mixed with the base model in one batch, against HF transformers + PEFT in fp32; and
+fp8 base weights with adapters in the model dtype. Skipped where no GPU is visible (CI); run on
+a GPU machine with `pytest -q tests/engine/test_lora_gpu.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet.engine import LLM, LoRARequest, SamplingParams
+from kvfleet.engine.llm import TokensPrompt
+from tests.support.engine import PROMPT_LENS, hf_greedy
+from tests.support.lora_adapters import write_test_adapters
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dirs, tmp_path_factory) -> list[LoRARequest]:
+    return write_test_adapters(model_dirs["llama"], tmp_path_factory.mktemp("gpu-adapters"))
+
+
+def _prompts(prompts: list[list[int]]) -> list[TokensPrompt]:
+    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+
+def _loras(adapters: list[LoRARequest], n: int) -> list[LoRARequest | None]:
+    cycle: list[LoRARequest | None] = [*adapters, None]
+    return [cycle[i % len(cycle)] for i in range(n)]
+
+
+def test_cuda_graphs_with_adapters_equal_peft_in_fp32(model_dirs, prompts, adapters):
+    base = model_dirs["llama"]
+    loras = _loras(adapters, len(PROMPT_LENS))
+    with LLM(str(base), dtype="float32", device="cuda", enable_lora=True, max_loras=2,
+             skip_tokenizer_init=True) as llm:  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.lora_slots is not None
+        outs = llm.generate(
+            _prompts(prompts),
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+            lora_request=loras,
+        )
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (p, lora) in enumerate(zip(prompts, loras, strict=True)):
+        lora_dir = None if lora is None else Path(lora.lora_path)
+        assert got[i] == hf_greedy(base, [p], MAX_TOKENS, lora_dir=lora_dir)[0], (i, lora)
+
+
+def test_fp8_base_weights_with_bf16_adapters(model_dirs, prompts, adapters):
+    """Adapters in bf16 over fp8 base weights (their producers' fused quantization turned off,
+    the layers quantize their own input): each request's first token under --quantization fp8
+    mostly matches the same adapter's on bf16 weights."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    base = str(model_dirs["llama"])
+    loras = _loras(adapters, len(PROMPT_LENS))
+    sp = SamplingParams(temperature=0, max_tokens=1)
+
+    def first_tokens(**kwargs) -> list[int]:
+        with LLM(base, dtype="bfloat16", device="cuda", enable_lora=True, max_loras=3,
+                 skip_tokenizer_init=True, **kwargs) as llm:  # fmt: skip
+            outs = llm.generate(_prompts(prompts), sp, lora_request=loras)
+        return [o.outputs[0].token_ids[0] for o in outs]
+
+    bf16 = first_tokens()
+    fp8 = first_tokens(quantization="fp8")
+    agree = sum(a == b for a, b in zip(bf16, fp8, strict=True))
+    assert agree >= len(prompts) - 2, (bf16, fp8)
