@@ -40,8 +40,11 @@ serve_cpu_wheel() {
     ln -s "$wheel" "$dir/torch/"
     # One port from build to build where it is free: the index's URL is a build argument, and a
     # new value misses the layer cache of every RUN after it (all of the image's layers).
+    # SO_REUSEADDR, as the server sets it: the last build's connections may hold the port in
+    # TIME_WAIT for a minute.
     port="$(python3 -c 'import socket, sys
 s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 try:
     s.bind(("127.0.0.1", int(sys.argv[1])))
 except OSError:
@@ -51,6 +54,7 @@ print(s.getsockname()[1])' "${TORCH_WHEEL_PORT:-47381}")"
     server=$!
     trap 'kill "$server"; rm -rf "$dir"' EXIT
     cpu_index="http://127.0.0.1:$port/"
+    echo "torch's CPU wheel served at $cpu_index"
     sleep 1
 }
 
