@@ -5,8 +5,8 @@ substitutes), answers as the section says, and so do its client commands:
 - the default model: /ready, and the curl question answered with Paris;
 - a mounted HF model directory and a mounted GGUF file, served under the name given;
 - the API key from an env file (401 without it, Paris with it, never in the container's
-  arguments), a read-only root, uid 1000, no capabilities, and the cache volume holding the
-  default model after the container is gone;
+  arguments), a read-only root, uid 1000, no capabilities, the compose file's health check run
+  in the container, and the cache volume holding the default model after the container is gone;
 - --help and a command other than serve through --entrypoint.
 
 The GPU image's commands are checked without a GPU in tests/test_images.py, and its image by
@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvfleet.engine.default_model import DEFAULT_MODEL_NAME
 from tests.support.containers import ENGINE_IMAGE, ask_capital, wait_healthy
@@ -36,6 +37,8 @@ from tests.support.documented_runs import (
     with_port,
 )
 from tests.support.net import http_call
+
+COMPOSE = Path(__file__).resolve().parents[2] / "examples" / "docker-compose.engine.yaml"
 
 
 def served_names(url: str, api_key: str | None = None) -> list[str]:
@@ -96,6 +99,13 @@ def test_the_key_from_an_env_file_a_read_only_root_and_the_cache_volume(
     assert key not in json.dumps([config["Args"], config["Config"]["Cmd"]])
     assert config["HostConfig"]["ReadonlyRootfs"] and config["Config"]["User"] == "1000:1000"
     assert config["HostConfig"]["CapDrop"] == ["ALL"]
+    # The compose file's health check, as docker runs it: in the container, without the key.
+    (service,) = yaml.safe_load(COMPOSE.read_text())["services"].values()
+    kind, *probe = service["healthcheck"]["test"]
+    assert kind == "CMD"
+    checked = subprocess.run([docker, "exec", engine.box.id, *probe], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
     # docker stop: the engine drains and exits; --rm removes the container, not the volume.
     subprocess.run([docker, "stop", engine.box.id], capture_output=True, timeout=60, check=True)
     kept = subprocess.run(
