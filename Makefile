@@ -59,8 +59,9 @@ lint: install-dev
 
 # pytest exits 5 when it collects nothing: that is a failure here, not a pass.
 # KVFLEET_REQUIRE_TOOLS: the tools were just installed, so a test that cannot find one fails.
+# --durations: the slowest tests named in every run's log, since CI's time is bounded.
 test: lint tools
-	KVFLEET_REQUIRE_TOOLS=1 $(PY) -m pytest -q; rc=$$?; \
+	KVFLEET_REQUIRE_TOOLS=1 $(PY) -m pytest -q --durations=30; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # End to end on a kind cluster (docker, kind, kubectl needed): fails in one line saying what is

@@ -11,6 +11,8 @@
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
+#   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
+#   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -72,12 +74,12 @@ for step in "$@"; do
     check)
         timeout 420 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     gputests)
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     qwen3)
@@ -92,11 +94,42 @@ for step in "$@"; do
             --baseline-num-prompts 32 --result-json "$out/qwen3_throughput.json" 2>&1 |
             tee "$out/qwen3_throughput.txt"
         ;;
+    embeddings)
+        # Issue 43: embedding throughput of a Qwen3-0.6B-sized model (dummy weights, bf16) at
+        # 512-token inputs, kvfleet's pooling runner against HF AutoModel batches in the same call.
+        timeout 500 $py bench/embeddings.py --model bench/models/Qwen3-0.6B --num-prompts 4096 \
+            --input-len 512 --hf-batch-size 32 128 --result-json "$out/embeddings.json" 2>&1 |
+            tee "$out/embeddings.txt"
+        ;;
     fp8-check)
         # FP8 weights at real sizes: the GEMM against its dequantized reference, an 8B-class
         # stack's first-token logprobs with --quantization fp8 against bf16.
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
             tee "$out/fp8_weights_tests.txt"
+        ;;
+    moe-tests)
+        # Issue 39's fused MoE kernel on the GPU: against its twin at real sizes, replayed from
+        # a CUDA graph, tiny MoE models with graphs equal to eager and HF.
+        timeout 500 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_moe_gpu.py 2>&1 |
+            tee "$out/moe_gpu_tests.txt"
+        ;;
+    moe-kernel)
+        # The fused MoE kernel's time against the per-expert PyTorch loop and a dense GEMM of the
+        # same FLOPs at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, bf16 and fp8 weights, 1-4,096
+        # tokens (moe_kernel.json).
+        timeout 560 $py bench/moe_kernel.py --out-dir "$out" 2>&1 | tee "$out/moe_kernel.txt"
+        ;;
+    moe-kernel-sweep)
+        # The fused MoE kernel's candidate tiles per token-count bucket, best first, and a TILES
+        # table for kernels/fused_moe.py; MOE_SWEEP_MODELS / MOE_SWEEP_DTYPES / MOE_SWEEP_TOKENS
+        # pick the shapes and sizes (Qwen3-30B-A3B bf16 at each bucket's largest size by default:
+        # one model and dtype fits the step's time).
+        read -ra sweep_models <<<"${MOE_SWEEP_MODELS:-qwen3-30b-a3b}"
+        read -ra sweep_dtypes <<<"${MOE_SWEEP_DTYPES:-bf16}"
+        read -ra sweep_tokens <<<"${MOE_SWEEP_TOKENS:-1 32 128 512 2048 4096}"
+        timeout 580 $py bench/moe_kernel.py --out-dir "$out" --sweep --models "${sweep_models[@]}" \
+            --dtypes "${sweep_dtypes[@]}" --sweep-tokens "${sweep_tokens[@]}" 2>&1 |
+            tee "$out/moe_kernel_sweep.txt"
         ;;
     fp8-linear)
         # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.

@@ -8,10 +8,23 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvfleet.engine.engine_args import EngineArgs
     from kvfleet.engine.llm import LLM
-    from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+    from kvfleet.engine.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+    )
     from kvfleet.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "EngineArgs",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 # Imported on first use: a process that needs one submodule (the grammar sandbox's worker, a
 # command's --help) does not pay for torch.
@@ -19,6 +32,8 @@ _HOMES = {
     "EngineArgs": "kvfleet.engine.engine_args",
     "LLM": "kvfleet.engine.llm",
     "CompletionOutput": "kvfleet.engine.outputs",
+    "EmbeddingOutput": "kvfleet.engine.outputs",
+    "EmbeddingRequestOutput": "kvfleet.engine.outputs",
     "RequestOutput": "kvfleet.engine.outputs",
     "SamplingParams": "kvfleet.engine.sampling_params",
 }

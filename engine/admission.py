@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvfleet.engine.pooling import PoolerConfig, PoolingParams
 from kvfleet.engine.request import EngineRequest, InvalidRequestError
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from kvfleet.engine.structured_output import CompiledGrammar
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# The code of a request for what the engine's runner does not do: generation from an embedding
+# model, embeddings from a generative one.
+WRONG_RUNNER = "model_not_supported"
 
 
 def completion_budget(
@@ -65,6 +69,9 @@ class Admission:
     # Why structured outputs are off (no tokenizer, or one the grammar library cannot read);
     # None when they are on.
     structured_unavailable: str | None = None
+    # An embedding model's pooler (--runner pooling), which admits embedding requests only;
+    # None for a generative model, which admits no embedding request.
+    pooler: PoolerConfig | None = None
 
     def admit(
         self,
@@ -80,6 +87,13 @@ class Admission:
         never run. `grammar`: the structured_outputs constraint's, compiled or compiling (the
         caller starts its compile: admission never blocks on one); a compile already failed
         raises its GrammarError here."""
+        if self.pooler is not None:
+            raise InvalidRequestError(
+                "this model is an embedding model (--runner pooling): it generates no text; "
+                "ask /v1/embeddings",
+                "model",
+                WRONG_RUNNER,
+            )
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -122,6 +136,52 @@ class Admission:
             if isinstance(grammar, Future) and grammar.done():
                 grammar = grammar.result()  # compiled, or its GrammarError
         return EngineRequest(list(prompt_token_ids), params, max_tokens, prompt, grammar=grammar)
+
+    def admit_embedding(
+        self, prompt_token_ids: list[int], dimensions: int | None = None, prompt: str | None = None
+    ) -> EngineRequest:
+        """An embedding request as the engine will run it: its prompt computed (all of the
+        context is the prompt's: nothing is generated) and pooled, truncated to `dimensions`
+        where the model allows it. InvalidRequestError naming the parameter at fault."""
+        pooler = self.pooler
+        if pooler is None:
+            raise InvalidRequestError(
+                "this model generates text; embeddings need an embedding model, served with "
+                "--runner pooling",
+                "model",
+                WRONG_RUNNER,
+            )
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise InvalidRequestError("the input is empty", "input")
+        if num_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"an input has {num_tokens} tokens. Shorten the input.",
+                "input",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"input token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "input"
+            )
+        needed = -(-num_tokens // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"an input of {num_tokens} tokens needs {needed} KV blocks but the KV cache "
+                f"holds only {self.num_kv_blocks}; shorten it or give the engine more "
+                "KV-cache memory",
+                "input",
+            )
+        why = pooler.check_dimensions(dimensions)
+        if why is not None:
+            raise InvalidRequestError(why, "dimensions")
+        if dimensions == pooler.hidden_size:
+            dimensions = None
+        pooling = PoolingParams(pooler.pooling_type, pooler.normalize, dimensions)
+        return EngineRequest(list(prompt_token_ids), SamplingParams(), 0, prompt, pooling=pooling)
 
     def _check_vocabulary(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

@@ -154,6 +154,18 @@ class AsyncEngine:
             prompt_token_ids, params, prompt, grammar, refuse_past_context=refuse_past_context
         )
 
+    def admit_embedding(
+        self, prompt_token_ids: list[int], dimensions: int | None = None, prompt: str | None = None
+    ) -> EngineRequest:
+        """The engine's admission of an embedding request (Admission.admit_embedding): any
+        thread, the event loop included."""
+        return self.core.admission.admit_embedding(prompt_token_ids, dimensions, prompt)
+
+    @property
+    def runner(self) -> str:
+        """generate, or pooling for an embedding model: any thread."""
+        return self.core.model_config.runner
+
     def compile_grammar(self, constraint: StructuredOutputsParams) -> GrammarJob | None:
         """Start compiling a structured_outputs constraint on a compile thread, never the
         caller's; None when structured outputs are off (admit says why): any thread."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from kvfleet.engine.checkpoint_path import find_checkpoint
 from kvfleet.engine.engine_args import EngineArgs
 from kvfleet.engine.layers.fp8 import Fp8Config, check_fp8_device, resolve_fp8
+from kvfleet.engine.pooling import PoolerConfig, has_sentence_transformers_pooling, resolve_pooler
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ class ModelConfig(BaseModel):
     num_kv_heads: int
     head_dim: int
     quantization: Fp8Config | None = None
+    # --runner resolved: generate, or pooling (an embedding model) with its pooler.
+    runner: Literal["generate", "pooling"] = "generate"
+    pooler: PoolerConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -71,6 +76,13 @@ class ModelConfig(BaseModel):
         )
         if quantization is not None:
             check_fp8_device(device)
+        model_dir = None if gguf else path
+        runner = _resolve_runner(args.runner, archs[0], model_dir)
+        pooler = None
+        if runner == "pooling":
+            pooler = resolve_pooler(model_dir, hf_config, args.pooling_type)
+        elif args.pooling_type is not None:
+            raise ValueError("--pooling-type applies to --runner pooling only")
         return cls(
             path=path,
             hf_config=hf_config,
@@ -82,11 +94,37 @@ class ModelConfig(BaseModel):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             quantization=quantization,
+            runner=runner,
+            pooler=pooler,
         )
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """KV heads one rank holds; with fewer KV heads than ranks each is replicated."""
         return max(1, self.num_kv_heads // tensor_parallel_size)
+
+
+def _resolve_runner(
+    asked: str, architecture: str, model_dir: Path | None
+) -> Literal["generate", "pooling"]:
+    from kvfleet.engine.models import POOLING_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+
+    body = architecture in POOLING_ARCHITECTURES and architecture not in SUPPORTED_ARCHITECTURES
+    if asked == "auto":
+        sentence_transformers = model_dir is not None and has_sentence_transformers_pooling(
+            model_dir
+        )
+        asked = "pooling" if body or sentence_transformers else "generate"
+    if asked == "generate" and body:
+        raise ValueError(
+            f"{architecture} is a decoder body without an LM head: it cannot generate text; "
+            "serve it with --runner pooling"
+        )
+    if asked == "pooling" and architecture not in POOLING_ARCHITECTURES:
+        raise ValueError(
+            f"--runner pooling supports the Llama family ({', '.join(POOLING_ARCHITECTURES)}), "
+            f"not {architecture}"
+        )
+    return "pooling" if asked == "pooling" else "generate"
 
 
 def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int) -> None:

@@ -127,6 +127,19 @@ class EngineArgs(BaseModel):
     load_format: Literal["auto", "dummy"] = Field(
         default="auto", description="dummy: random weights of the architecture, for benchmarks"
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        default="auto",
+        description="generate: text generation; pooling: an embedding model, which serves "
+        "/v1/embeddings (prompts in, one vector each out, nothing generated); auto: pooling "
+        "for a checkpoint that ships a sentence-transformers Pooling module (modules.json) or "
+        "names a decoder body without its LM head (Qwen3Model, LlamaModel), else generate",
+    )
+    pooling_type: Literal["LAST", "MEAN"] | None = Field(
+        default=None,
+        description="with --runner pooling: LAST pools the last token's hidden state, MEAN the "
+        "mean of every token's; default: the checkpoint's sentence-transformers Pooling "
+        "module's mode, else LAST (normalised, as Qwen3-Embedding)",
+    )
     skip_tokenizer_init: bool = Field(
         default=False,
         description="no tokenizer: prompts must be token ids and outputs carry no text",

@@ -157,6 +157,7 @@ class EngineCore:
             num_kv_blocks=self.kv_cache_manager.pool.num_usable_blocks,
             has_tokenizer=self.tokenizer is not None,
             structured_unavailable=self.structured_unavailable,
+            pooler=self.model_config.pooler,
         )
 
     def worker_failure(self) -> str | None:
@@ -232,6 +233,7 @@ class EngineCore:
                     request.max_tokens,
                     request.arrival_time,
                     request.grammar,
+                    request.pooling,
                 )
             )
         self.output_processor.add_request(request_id, request, children)

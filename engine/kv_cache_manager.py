@@ -47,8 +47,12 @@ class KVCacheManager:
         """The longest run of leading full blocks already in the prefix cache, and its length in
         tokens. The last token is never taken from the cache: it must run to produce logits.
         Nor is any token of a request that scores its prompt (prompt_logprobs): each position
-        must run to produce its logits, so such a request takes no hit (as in vLLM)."""
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        must run to produce its logits, so such a request takes no hit (as in vLLM); nor does
+        an embedding request that pools the mean of every position's hidden state."""
+        every_position = req.sampling_params.prompt_logprobs is not None or (
+            req.pooling is not None and req.pooling.pooling_type == "MEAN"
+        )
+        if not self.enable_caching or every_position:
             return [], 0
         self._update_block_hashes(req)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size

@@ -1,4 +1,5 @@
-"""The offline API, as vLLM users know it: ``LLM(model=...).generate(prompts, sampling_params)``."""
+"""The offline API, as vLLM users know it: ``LLM(model=...).generate(prompts, sampling_params)``,
+and ``LLM(model=..., runner="pooling").embed(prompts)`` for an embedding model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from tqdm import tqdm
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.engine_core import EngineCore
-from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from kvfleet.engine.sampling_params import SamplingParams
 
 
@@ -99,6 +105,45 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return [results[rid] for rid in order]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        dimensions: int | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (an embedding model's, runner="pooling"), in order:
+        `outputs.embedding`, truncated to `dimensions` where the model allows it. Raises
+        InvalidRequestError (a ValueError) for a prompt the engine cannot embed; a request the
+        engine failed alone raises RuntimeError with its error."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for prompt in prompts:
+                text, ids = self._tokenize(prompt)
+                request = self.engine.admission.admit_embedding(ids, dimensions, text)
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, request)
+                order.append(rid)
+                results[rid] = RequestOutput(rid, ids, [CompletionOutput(index=0)], prompt=text)
+            self._run(results, disable=None if use_tqdm is None else not use_tqdm)
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        embedded = []
+        for rid in order:
+            out = results[rid]
+            if out.embedding is None:
+                raise RuntimeError(f"prompt {rid} was not embedded: {out.error}")
+            embedded.append(
+                EmbeddingRequestOutput(
+                    rid, out.prompt_token_ids, EmbeddingOutput(out.embedding), prompt=out.prompt
+                )
+            )
+        return embedded
 
     def _run(self, results: dict[str, RequestOutput], disable: bool | None) -> None:
         """Step the engine until every request is done, counting finished prompts on a bar."""

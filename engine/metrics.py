@@ -223,7 +223,9 @@ class EngineMetrics:
             scheduled = timing.first_scheduled_time if timing is not None else None
             first_token = timing.first_token_time if timing is not None else None
             if last is None and timing is not None:
-                self.ttft.labels(m).observe(now - timing.arrival_time)
+                # An embedding request has no tokens, so no time to its first.
+                if out.embedding is None:
+                    self.ttft.labels(m).observe(now - timing.arrival_time)
                 if scheduled is not None:
                     self.queue_time.labels(m).observe(scheduled - timing.arrival_time)
                     if first_token is not None:

@@ -24,8 +24,9 @@ from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
-from kvfleet.engine.models import get_model_class
+from kvfleet.engine.models import build_pooling_model, get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
+from kvfleet.engine.pooling import finish_embedding
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Logprobs, SampledBatch, Sampler, to_device
 from kvfleet.engine.scheduler import SchedulerOutput
@@ -114,6 +115,10 @@ class StepPlan:
     # that its chunk's first positions predict). Every rank computes their logits (the LM head
     # is a collective); rank 0 keeps the logprobs.
     prompt_logprobs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # Embedding requests (a pooling engine): the sequences whose chunk adds to a mean pooling,
+    # and those whose prompt ends this step, which rank 0 pools.
+    pool_mean: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pool_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 # A sequence's prompt tokens scored in one step: the position in the prompt of the first, and
@@ -131,6 +136,9 @@ class Step:
     reqs: list[Request]  # the sequences that sample, row for row of `logits`, then of `sampled`
     logits: torch.Tensor | None
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+    # Request id -> its embedding (fp32, on the device), for the embedding requests whose
+    # prompt ended in this step.
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     sampled: SampledBatch | None = None
     # Request id -> its row of sampled.token_ids, where the next step finds its input id.
     sampled_rows: dict[str, int] = field(default_factory=dict)
@@ -148,6 +156,8 @@ class StepResult:
     failed: dict[int, Exception] = field(default_factory=dict)
     # Request id -> the prompt tokens it scored (prompt_logprobs), sampling or not.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Request id -> its embedding, for the embedding requests whose prompt ended in the step.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def new_tokens(self) -> dict[str, int]:
         """Each request's token, those of the failed rows left out."""
@@ -191,6 +201,13 @@ class ModelRunner:
         # release() gives the model and its memory back; no step runs after.
         self.released = False
 
+        # A pooling engine's sequences end at their prompt's last position: no logits, no
+        # decode steps (and so no decode CUDA graphs).
+        self.pooling = model_config.runner == "pooling"
+        # Block-table row -> the sum of its mean-pooled sequence's hidden states so far (fp32):
+        # a chunked prompt's mean spans its chunks. Dropped with the row.
+        self.pool_sums: dict[int, torch.Tensor] = {}
+
         torch.manual_seed(args.seed)
         self.model = self._load_model()
         if on_loaded is not None:
@@ -210,7 +227,12 @@ class ModelRunner:
             layer.sliding_window is None for layer in self.model.attention_layers()
         )
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and self.backend.supports_cuda_graphs and not args.enforce_eager:
+        if (
+            device.type == "cuda"
+            and self.backend.supports_cuda_graphs
+            and not args.enforce_eager
+            and not self.pooling
+        ):
             self.graphs = DecodeGraphs(
                 self.model,
                 self.max_num_seqs,
@@ -234,16 +256,21 @@ class ModelRunner:
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
 
     # -- set-up ----------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        mc = self.model_config
+        if self.pooling:
+            return build_pooling_model(mc.hf_config, mc.architecture)
+        return get_model_class(mc.architecture)(mc.hf_config, mc.architecture)
+
     def _load_model(self) -> LanguageModel:
         mc = self.model_config
-        cls = get_model_class(mc.architecture)
         prev_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             if self.device.type == "cuda":
-                self._check_weights_fit(cls)
+                self._check_weights_fit()
             with torch.device(self.device), fp8_linear_layers(mc.quantization):
-                model = cls(mc.hf_config, mc.architecture)
+                model = self._build_model()
         finally:
             torch.set_default_dtype(prev_dtype)
         if self.args.load_format == "dummy":
@@ -253,14 +280,14 @@ class ModelRunner:
             load_weights(model, mc.path, progress=tp_rank() == 0)
         model.eval()
         if not isinstance(model, LanguageModel):
-            raise TypeError(f"{cls.__name__} lacks what the runner calls on a model")
+            raise TypeError(f"{type(model).__name__} lacks what the runner calls on a model")
         return model
 
-    def _check_weights_fit(self, cls: type[torch.nn.Module]) -> None:
+    def _check_weights_fit(self) -> None:
         """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
         mc = self.model_config
         with torch.device("meta"), fp8_linear_layers(mc.quantization):
-            shapes = cls(mc.hf_config, mc.architecture)
+            shapes = self._build_model()
         need = sum(p.numel() * p.element_size() for p in shapes.parameters())
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * self.args.gpu_memory_utilization
@@ -374,8 +401,9 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(self.device)
         with torch.inference_mode(), attention_context(meta):
             hidden = self.model(ids, pos)
-            logits = self.model.compute_logits(hidden[qsl[1:] - 1]).float()
-            logits.softmax(-1).sort(dim=-1)
+            if not self.pooling:
+                logits = self.model.compute_logits(hidden[qsl[1:] - 1]).float()
+                logits.softmax(-1).sort(dim=-1)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         mc = self.model_config
@@ -435,6 +463,7 @@ class ModelRunner:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.row_len[row] = 0
+            self.pool_sums.pop(row, None)
             self.free_rows.append(row)
 
     def finish_request(self, request_id: str) -> None:
@@ -455,10 +484,15 @@ class ModelRunner:
         if self.send_plan is not None:
             self.send_plan(plan)
         prev_tokens = None if prev is None or prev.sampled is None else prev.sampled.token_ids
-        logits, scored = self.forward(plan, prev_tokens)
+        logits, scored, pooled = self.forward(plan, prev_tokens)
         prompt_logprobs = {out.scheduled[i][0].request_id: chunk for i, chunk in scored.items()}
         sample_reqs = [out.scheduled[i][0] for i in plan.sampling]
-        return Step(out, sample_reqs, logits, prompt_logprobs)
+        embeddings = {}
+        for i, vec in pooled.items():
+            req = out.scheduled[i][0]
+            assert req.pooling is not None  # only embedding requests pool
+            embeddings[req.request_id] = finish_embedding(vec, req.pooling)
+        return Step(out, sample_reqs, logits, prompt_logprobs, embeddings)
 
     def sample(self, step: Step) -> None:
         """Queue a launched step's sampling behind its forward pass, the grammar masks computed
@@ -487,6 +521,13 @@ class ModelRunner:
         its penalty counts take it; rows of requests that finished since the sampling (aborted,
         or stopped by their previous token) are left out, their tokens void."""
         result = StepResult([], [], [], prompt_logprobs=step.prompt_logprobs)
+        if step.embeddings:
+            # One copy to the host for the whole step, not one wait per request.
+            flat = torch.cat(list(step.embeddings.values())).tolist()
+            start = 0
+            for rid, vec in step.embeddings.items():
+                result.embeddings[rid] = flat[start : start + len(vec)]
+                start += len(vec)
         batch = step.sampled
         if batch is None:
             return result
@@ -521,6 +562,8 @@ class ModelRunner:
         computed_l: list[int] = []
         input_ids: list[int] = []
         sampling: list[int] = []
+        pool_mean: list[int] = []
+        pool_end: list[int] = []
         scored: list[tuple[int, int, tuple[int, ...]]] = []
         writes: list[tuple[int, int, list[int]]] = []
         row_len, row_of, started = self.row_len, self.rows, out.started
@@ -554,7 +597,13 @@ class ModelRunner:
                 input_ids.append(tokens[c])
             else:
                 input_ids.extend(tokens[c : c + n])
-            if req.samples_after(n):
+            pooling = req.pooling
+            if pooling is not None:
+                if pooling.pooling_type == "MEAN":
+                    pool_mean.append(i)
+                if req.samples_after(n):
+                    pool_end.append(i)
+            elif req.samples_after(n):
                 sampling.append(i)
             top_n = req.sampling_params.prompt_logprobs
             if top_n is not None:
@@ -572,6 +621,8 @@ class ModelRunner:
             prompt_logprobs=tuple(scored),
             pending_ids=np.array(pending_ids, dtype=np.int64),
             pending_src=np.array(pending_src, dtype=np.int64),
+            pool_mean=np.array(pool_mean, dtype=np.int64),
+            pool_end=np.array(pool_end, dtype=np.int64),
             num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.sampled_rows),
         )
 
@@ -584,9 +635,10 @@ class ModelRunner:
 
     def forward(
         self, plan: StepPlan, prev_tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk]]:
+    ) -> tuple[torch.Tensor | None, dict[int, PromptLogprobsChunk], dict[int, torch.Tensor]]:
         """Run a plan through this rank's model: the logits of the sampling sequences (None
-        when none samples), and the scored prompt tokens of the sequences that asked, by
+        when none samples), the scored prompt tokens of the sequences that asked, and the
+        pooled hidden states of the embedding requests whose prompt ends here, both by
         sequence index (rank 0 only). `prev_tokens`: rank 0's tokens of the previous step, where
         the plan's pending input ids are."""
         bs = self.block_size
@@ -621,10 +673,10 @@ class ModelRunner:
                 # Every row samples in a pure decode step; a one-token chunk of a longer prompt
                 # (a budget's last token) makes a row that does not.
                 if len(plan.sampling) == num_tokens:
-                    return self.model.compute_logits(hidden), {}
+                    return self.model.compute_logits(hidden), {}, {}
                 if not len(plan.sampling):
-                    return None, {}
-                return self.model.compute_logits(hidden[qsl[1:][plan.sampling] - 1]), {}
+                    return None, {}, {}
+                return self.model.compute_logits(hidden[qsl[1:][plan.sampling] - 1]), {}, {}
 
         seq_tables = table[rows, :width]
         # Only a pure decode step runs the decode kernel, which has the cascade pass.
@@ -645,10 +697,34 @@ class ModelRunner:
             hidden = self.model(ids, pos)
             self.kv_scales_pending = False
             scored = self._score_prompts(plan, hidden, qsl) if plan.prompt_logprobs else {}
+            pooled = self._pool(plan, hidden, qsl) if self.sampler is not None else {}
             if not len(plan.sampling):
-                return None, scored
+                return None, scored, pooled
             logits_idx = torch.from_numpy(qsl[1:][plan.sampling] - 1).to(dev, non_blocking=True)
-            return self.model.compute_logits(hidden[logits_idx]), scored
+            return self.model.compute_logits(hidden[logits_idx]), scored, pooled
+
+    def _pool(
+        self, plan: StepPlan, hidden: torch.Tensor, qsl: np.ndarray
+    ) -> dict[int, torch.Tensor]:
+        """Each embedding request's chunk of final hidden states folded into its pooling: a
+        mean's running sum grows by the chunk; a prompt that ends here is pooled (fp32), the
+        last position's state or the sum over the whole prompt divided by its length. A mean
+        request never takes prefix-cache hits, so every position of it runs here."""
+        sums = self.pool_sums
+        for i in plan.pool_mean:
+            row = int(plan.rows[i])
+            chunk = hidden[int(qsl[i]) : int(qsl[i + 1])].float().sum(dim=0)
+            prev = sums.get(row)
+            sums[row] = chunk if prev is None else prev + chunk
+        pooled: dict[int, torch.Tensor] = {}
+        for i in plan.pool_end:
+            row = int(plan.rows[i])
+            total = sums.pop(row, None)
+            if total is None:  # last-token pooling
+                pooled[int(i)] = hidden[int(qsl[i + 1]) - 1].float()
+            else:
+                pooled[int(i)] = total / float(plan.computed[i] + plan.num_new[i])
+        return pooled
 
     def _input_ids(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The step's input ids on the device, the pending ones filled in there from the previous

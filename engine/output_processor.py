@@ -109,6 +109,8 @@ class OutputProcessor:
             prompt = parent.request.prompt_token_ids
             for pos, (chosen, top) in enumerate(scored, start):
                 buf[pos] = {prompt[pos]: chosen, **dict(top)}
+        for rid, embedding in result.embeddings.items():
+            self._embedded(rid, embedding, step)
         for i, error in result.failed.items():
             self._fail(reqs[i], "sampling", error, step)
         self.generation_tokens_total += len(reqs) - len(result.failed)
@@ -189,6 +191,27 @@ class OutputProcessor:
             return False
         parent.num_unfinished -= 1
         return not parent.num_unfinished
+
+    def _embedded(self, request_id: str, embedding: list[float], step: ProcessedStep) -> None:
+        """An embedding request's one output: its vector, and the request ends (stopped)."""
+        entry = self._child_of.get(request_id)
+        if entry is None:
+            return  # aborted since its step was launched
+        parent, index = entry
+        req = parent.children[index]
+        self.prompt_tokens_total += req.num_prompt_tokens
+        step.to_finish.append((req, RequestStatus.FINISHED_STOPPED))
+        self._forget(parent)
+        step.outputs[parent.request_id] = RequestOutput(
+            parent.request_id,
+            parent.request.prompt_token_ids,
+            [CompletionOutput(index, finish_reason="stop")],
+            finished=True,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt=parent.request.prompt,
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time),
+            embedding=embedding,
+        )
 
     def fail(self, failures: list[tuple[Request, Exception]], stage: str) -> ProcessedStep:
         """Fail the user requests of these sequences, each with its error, outside a step."""

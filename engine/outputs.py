@@ -60,6 +60,8 @@ class RequestOutput:
     # prompt's token and the top N given the tokens before it; None for the first token, which
     # nothing predicts. Arrives with the first generated token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request's vector (a pooling engine's): in its one, finished, output.
+    embedding: list[float] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a step's delta (which lists only the choices that changed) into this output."""
@@ -73,6 +75,28 @@ class RequestOutput:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.metrics is not None:
             self.metrics = delta.metrics
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, as vLLM's: `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    prompt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvfleet.engine.pooling import PoolingParams
 from kvfleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class EngineRequest:
     # The structured_outputs constraint, compiled, or still compiling (the server queues the
     # request meanwhile); each sequence gets its own matcher of it.
     grammar: CompiledGrammar | Future[CompiledGrammar] | None = None
+    # An embedding request (a pooling engine's): its prompt runs and is pooled, nothing is
+    # sampled; max_tokens is 0 and params are the defaults.
+    pooling: PoolingParams | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -83,8 +87,10 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         grammar: CompiledGrammar | Future[CompiledGrammar] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling = pooling
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

@@ -95,7 +95,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_tokens + req.num_pending >= req.max_tokens:
+            # (An embedding request generates nothing: it runs until its prompt is computed.)
+            if req.pooling is None and req.num_output_tokens + req.num_pending >= req.max_tokens:
                 i += 1  # its last token is in flight: it ends at length once that is read
                 continue
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
@@ -213,7 +214,7 @@ class Scheduler:
         for req, num_new in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted before the step was launched
-            if req.samples_after(num_new):
+            if req.samples_after(num_new) and req.pooling is None:
                 req.num_pending += 1
             req.num_computed_tokens += num_new
 

@@ -1,6 +1,7 @@
 """Pure-PyTorch twins of the Triton kernels (paged attention, KV-cache writes, norms, rotary,
-activations, fp8 quantization, the grammar mask): the CPU path and the oracle the kernels are
-tested against. Clarity over speed; one sequence at a time.
+activations, a mixture of experts' routing and MLP, fp8 quantization, the grammar mask, batched
+LoRA): the CPU path and the oracle the kernels are tested against. Clarity over speed; one
+sequence at a time.
 
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
 An FP8 cache (e4m3) holds ``clamp(x / scale, -448, 448)``, one fp32 scale per layer for K and
@@ -180,6 +181,69 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     return GATED_ACTIVATIONS[activation](gate) * up
 
 
+def route_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [tokens, top_k], ids int64 [tokens, top_k]): each token's top_k experts by
+    the softmax of its router logits (in fp32), most probable first, their probabilities
+    rescaled to sum to 1 when ``renormalize``. The twin of kernels.expert_routing."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor,  # [tokens, hidden]
+    gate_up: torch.Tensor,  # [experts, 2 * intermediate, hidden]: gate rows, then up rows
+    down: torch.Tensor,  # [experts, hidden, intermediate]
+    weights: torch.Tensor,  # fp32 [tokens, top_k]: the routing weights
+    ids: torch.Tensor,  # int [tokens, top_k]: each slot's expert, -1 for one on another rank
+    activation: str,
+    gate_up_scale: torch.Tensor | None = None,  # fp32 [experts, 2 * intermediate]
+    down_scale: torch.Tensor | None = None,  # fp32 [experts, hidden]
+) -> torch.Tensor:
+    """A mixture of experts' MLP: sum_j weights[t, j] * down[e] @ act_and_mul(gate_up[e] @ x[t])
+    over the experts e = ids[t, j] of each token t; a slot whose id is -1 adds nothing (expert
+    parallelism: its expert is another rank's). The (token, slot) pairs are sorted by expert, so
+    each expert runs once over all its tokens, as the grouped GEMM of kernels.fused_moe does.
+
+    Weights of the model dtype multiply in it. FP8 (e4m3) weights are dequantized by their
+    per-expert, per-output-channel scales (W8A16): the activations stay in the model dtype, the
+    products accumulate in fp32, and the gate/up output is rounded to the model dtype as a
+    model-dtype GEMM's would be. The twin of kernels.fused_moe.fused_experts."""
+    fp8 = gate_up.dtype == FP8
+    if fp8 != (down.dtype == FP8):
+        raise ValueError(f"gate_up is {gate_up.dtype} but down is {down.dtype}")
+    if fp8 and (gate_up_scale is None or down_scale is None):
+        raise ValueError("fp8 expert weights need gate_up_scale and down_scale")
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    # Skipped slots (-1) sort first; each expert's pairs follow in token order.
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    kept = flat_ids[flat_ids >= 0]
+    counts = torch.bincount(kept, minlength=gate_up.shape[0]).tolist()
+    sorted_weights = weights.reshape(-1)[order]
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    start = flat_ids.numel() - kept.numel()
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        if gate_up_scale is not None and down_scale is not None:
+            gu = (x[rows].float() @ gate_up[expert].float().t()) * gate_up_scale[expert]
+            h = act_and_mul(gu.to(x.dtype), activation)
+            y = (h.float() @ down[expert].float().t()) * down_scale[expert]
+        else:
+            h = act_and_mul(x[rows] @ gate_up[expert].t(), activation)
+            y = (h @ down[expert].t()).float()
+        out.index_add_(0, rows, y * sorted_weights[start : start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
 # FP8 (e4m3) activations, as the fp8 linear layers quantize them: the twin of
 # kernels.fp8_quant.quantize_tokens.
 FP8 = torch.float8_e4m3fn
@@ -211,3 +275,62 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=logits.device)
     allowed = (bitmask.view(torch.uint8).unsqueeze(-1) & bits).flatten(1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+# Batched LoRA (the twins of kernels.lora). A batch mixes adapters and the base model: slots[t]
+# names the GPU slot of token t's adapter, -1 for the base model. Slots hold each adapter's
+# A [R, K] and B [N, R] padded to the largest rank R with zeros (so a smaller rank adds
+# nothing beyond its own), B already scaled by lora_alpha / r (or rsLoRA's / sqrt(r)). Both
+# loop over the slots, a fixed count, so neither reads the slot map on the host.
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a: torch.Tensor,  # [S, R, K]
+    slots: torch.Tensor,  # [T] int32, in [-1, S)
+) -> torch.Tensor:
+    """[T, R] in x's dtype: row t is x[t] @ a[slots[t]].T accumulated in fp32, zero where
+    slots[t] is -1."""
+    xf = x.float()
+    y = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(a.shape[0]):
+        y = torch.where((slots == s).unsqueeze(1), xf @ a[s].float().T, y)
+    return y.to(x.dtype)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, R]
+    b: torch.Tensor,  # [S, N, R]
+    slots: torch.Tensor,  # [T] int32, in [-1, S)
+    out: torch.Tensor,  # [T, >= offset + N]
+    offset: int = 0,
+) -> None:
+    """out[t, offset:offset + N] += y[t] @ b[slots[t]].T in place where slots[t] >= 0: the sum
+    in fp32, rounded once to out's dtype; rows of the base model and the other columns keep
+    their values."""
+    yf = y.float()
+    n = b.shape[1]
+    delta = torch.zeros(y.shape[0], n, dtype=torch.float32, device=y.device)
+    for s in range(b.shape[0]):
+        delta = torch.where((slots == s).unsqueeze(1), yf @ b[s].float().T, delta)
+    target = out[:, offset : offset + n]
+    target.copy_(target.float() + delta)
+
+
+def lora_shrink_slices(
+    x: torch.Tensor, a_slices: Sequence[torch.Tensor], slots: torch.Tensor
+) -> torch.Tensor:
+    """[n_slices, T, R]: lora_shrink of x by each slice's A (q, k, v of a fused qkv)."""
+    return torch.stack([lora_shrink(x, a, slots) for a in a_slices])
+
+
+def lora_expand_slices(
+    y: torch.Tensor,  # [n_slices, T, R]
+    b_slices: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
+    """lora_expand of each slice's y by its B into out's columns from that slice's offset."""
+    for y_i, b, offset in zip(y, b_slices, offsets, strict=True):
+        lora_expand(y_i, b, slots, out, offset)

@@ -44,6 +44,8 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None, *, port: int
         args += ["--kv-cache-dtype", e.kv_cache_dtype]
     if e.tool_call_parser is not None:
         args += ["--tool-call-parser", e.tool_call_parser]
+    if e.runner is not None:
+        args += ["--runner", e.runner]
     return args + list(e.extra_args)
 
 

@@ -46,6 +46,8 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--calculate-kv-scales": 0,
     "--no-calculate-kv-scales": 0,
     "--load-format": None,
+    "--runner": None,
+    "--pooling-type": None,
     "--skip-tokenizer-init": 0,
     "--no-skip-tokenizer-init": 0,
     "--seed": None,

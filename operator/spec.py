@@ -89,6 +89,7 @@ MANAGED_FLAGS = (
     "--quantization",
     "--kv-cache-dtype",
     "--tool-call-parser",
+    "--runner",
     "-h",
     "--help",
 )
@@ -256,6 +257,8 @@ class EngineSpec(_Model):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     # None: the engine picks the family from the chat template.
     tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # type: ignore[valid-type]
+    # None: the engine chooses (pooling for an embedding checkpoint, else generate).
+    runner: Literal["generate", "pooling"] | None = None
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     max_waiting_requests: Annotated[int, Field(ge=1)] | None = None
     shutdown_timeout_seconds: int = Field(default=30, ge=0, le=3600)

@@ -65,6 +65,8 @@ from kvfleet.router.request_body import (
     too_large,
 )
 from kvfleet.router.routing_key import (
+    LEAST_LOADED,
+    LEAST_LOADED_PATHS,
     REASONS,
     PromptTokenizer,
     RoutingKey,
@@ -475,6 +477,8 @@ class Router:
         return await asyncio.to_thread(parse_json_body, body, self.settings.body)
 
     async def _key(self, request: web.Request, parsed: Any) -> RoutingKey:
+        if request.path in LEAST_LOADED_PATHS:
+            return LEAST_LOADED
         policy = self.settings.policy
         if self.tokenizer is None:
             return routing_key(request.headers, parsed, policy)

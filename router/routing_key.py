@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from kvfleet.protocol.responses_input import chat_messages, parse_input
+
 # The engine's KV block size (EngineArgs.block_size is fixed at 16).
 BLOCK_SIZE = 16
 CHARS_PER_TOKEN = 4
@@ -42,6 +44,12 @@ class RoutingKey:
 
 
 LEAST_LOADED = RoutingKey("least_loaded", None)
+
+# Paths routed least-loaded whatever their headers and body say: an embedding request is one
+# prefill of its inputs, nothing follows it that a warm engine would serve better, and a
+# client's batch of them is best spread by load. (Session, user and prefix keys would pile one
+# client's bulk embedding job onto one engine.)
+LEAST_LOADED_PATHS = frozenset({"/v1/embeddings"})
 
 
 class PromptTokenizer(Protocol):
@@ -114,6 +122,10 @@ def _prefix_key(
     body: Mapping[str, Any], prefix_length: int, tokenizer: PromptTokenizer | None
 ) -> str | None:
     messages = body.get("messages")
+    if "input" in body:  # the Responses API: keyed as the chat messages its input stands for
+        instructions = body.get("instructions")
+        items = parse_input(body["input"])
+        messages = chat_messages(items, instructions if isinstance(instructions, str) else None)
     if isinstance(messages, list) and messages:
         if tokenizer is None:
             return char_prefix_key(chat_characters(messages), prefix_length)

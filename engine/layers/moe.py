@@ -11,8 +11,9 @@ Tensor parallelism splits every expert's intermediate dimension, as a dense MLP'
 its rows of every gate/up and its columns of every down projection, routes every token alike (the
 router is replicated) and the partial outputs are summed across ranks.
 
-``route`` and ``experts_reference`` are pure functions: the routing every family shares, and the
-pure-PyTorch computation of the experts (the CPU path, and the oracle of a fused kernel)."""
+``route`` is a pure function: the routing every family shares. The experts run in
+``kernels.fused_moe`` on CUDA (Triton) and in its twin ``kernels.reference.fused_experts``
+elsewhere."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvfleet.engine.distributed import all_reduce, tp_rank, tp_size
 from kvfleet.engine.layers.fp8 import current_fp8
 from kvfleet.engine.layers.linear import CheckpointShapes, set_load_attrs
 from kvfleet.kernels import reference
+from kvfleet.kernels.availability import triton_available
 
 GATE_UP_SHARDS = ("gate", "up")
 
@@ -32,42 +34,12 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (in fp32), the top_k most probable per token, their
     probabilities rescaled to sum to 1 when ``renormalize``. Returns (weights fp32 [tokens,
-    top_k], expert ids int64 [tokens, top_k]), most probable first."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def experts_reference(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    activation: str,
-) -> torch.Tensor:
-    """sum_j weights[t, j] * down[e] @ act_and_mul(gate_up[e] @ x[t]) over the experts e =
-    ids[t, j] of each token t. The (token, expert) pairs are sorted by expert, so each expert
-    runs once over all its tokens, as the grouped GEMM will."""
-    num_tokens, top_k = ids.shape
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-    sorted_weights = weights.reshape(-1)[order]
-    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start : start + count]
-        h = reference.act_and_mul(x[rows] @ gate_up[expert].t(), activation)
-        y = (h @ down[expert].t()).float() * sorted_weights[start : start + count, None]
-        out.index_add_(0, rows, y)
-        start += count
-    return out.to(x.dtype)
+    top_k], expert ids int64 [tokens, top_k]), most probable first. One kernel on CUDA."""
+    if router_logits.is_cuda and triton_available():
+        from kvfleet.kernels.expert_routing import route_experts
+    else:
+        route_experts = reference.route_experts
+    return route_experts(router_logits, top_k, renormalize)
 
 
 class FusedMoE(nn.Module):
@@ -140,14 +112,12 @@ class FusedMoE(nn.Module):
         dest.copy_(loaded.narrow(axis, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # The PyTorch path reads each expert's token count on the host.
-            raise RuntimeError(
-                "mixture-of-experts models have no CUDA-graph path yet: run with --enforce-eager"
-            )
-        return experts_reference(
-            x, self.gate_up_proj, self.down_proj, weights, ids, self.activation
-        )
+        if x.is_cuda and triton_available():
+            # No host synchronisation and shapes fixed per token count: CUDA graphs capture it.
+            from kvfleet.kernels.fused_moe import fused_experts
+        else:
+            fused_experts = reference.fused_experts
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation)
 
 
 class SparseMoeBlock(nn.Module):

@@ -68,12 +68,17 @@ class CausalLM(nn.Module):
     def checkpoint_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hands the checkpoint's KV-cache scales to the attention layers (they are buffers with
-        a default, not parameters every checkpoint must fill) and passes the rest on."""
-        layers = self.attention_layers()
-        for name, tensor in tensors:
-            match = _KV_SCALE.search(name)
-            if match is None:
-                yield name, tensor
-            else:
-                layers[int(match[1])].set_kv_scale(match[2], tensor)
+        return place_kv_scales(tensors, self.attention_layers())
+
+
+def place_kv_scales(
+    tensors: Iterable[tuple[str, torch.Tensor]], layers: list[Attention]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hands the checkpoint's KV-cache scales to the attention layers (they are buffers with a
+    default, not parameters every checkpoint must fill) and passes the rest on."""
+    for name, tensor in tensors:
+        match = _KV_SCALE.search(name)
+        if match is None:
+            yield name, tensor
+        else:
+            layers[int(match[1])].set_kv_scale(match[2], tensor)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from contextlib import aclosing
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -102,8 +102,23 @@ class Answer(ABC, Generic[_DeltaT, _FoldT]):
         self.tally.add(prompt_index, output)
         return self.choices(prompt_index, output)
 
-    def opening(self) -> ResponseModel | None:
-        """The event a stream starts with, before any step's; None: none."""
+    # Whether a stream ends with `data: [DONE]`, as OpenAI's chat and completions streams do.
+    ends_with_done: ClassVar[bool] = True
+
+    def opening(self) -> list[ResponseModel]:
+        """The events a stream starts with, before any step's."""
+        return []
+
+    def events(self, choices: list[_DeltaT]) -> list[ResponseModel]:
+        """The events of one step's deltas (one at least): one event of them all."""
+        return [self.event(choices, self.event_usage())]
+
+    def closing(self) -> list[ResponseModel]:
+        """The events after the last step's: the usage, when the request asked for it."""
+        return [self.event([], self.tally.usage())] if self.include_usage else []
+
+    def failure(self, error: APIError) -> ResponseModel | None:
+        """The event a stream that cannot be finished ends with; None: the error's JSON."""
         return None
 
     def event_usage(self) -> Usage | None:
@@ -138,33 +153,43 @@ async def respond(
 async def stream_answer(
     request: web.Request, answer: Answer[Any, Any], outputs: Outputs
 ) -> web.StreamResponse:
-    """One event per engine step that has deltas, then the usage when asked, then [DONE]. A
+    """The answer's opening events, its events of each engine step that has deltas, then its
+    closing ones (the usage when asked), then [DONE] where the answer's streams end with it. A
     request that cannot be finished (the engine failed it, the server aborted it, the engine
-    died, or the server failed on it) ends with an error event instead: the stream has begun,
-    and it still ends."""
+    died, or the server failed on it) ends with the answer's failure event instead: the stream
+    has begun, and it still ends."""
     sse = SSEResponse(request)
     await sse.start()
-    opening = answer.opening()
-    if opening is not None:
-        await sse.send(opening)
+    for event in answer.opening():
+        await sse.send(event)
     try:
         async with aclosing(outputs) as it:
             async for prompt_index, output in it:
                 choices = answer.step(prompt_index, output)
                 if choices:
-                    await sse.send(answer.event(choices, answer.event_usage()))
+                    for event in answer.events(choices):
+                        await sse.send(event)
     except ENGINE_ERRORS as e:
-        await sse.send_error(engine_error(e))
-        return await sse.finish()
+        return await _failed(sse, answer, engine_error(e))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         logger.exception("unhandled error streaming %s", request.path)
-        await sse.send_error(APIError(500, "internal server error", "server_error"))
-        return await sse.finish()
-    if answer.include_usage:
-        await sse.send(answer.event([], answer.tally.usage()))
-    return await sse.finish()
+        return await _failed(sse, answer, APIError(500, "internal server error", "server_error"))
+    for event in answer.closing():
+        await sse.send(event)
+    return await sse.finish(answer.ends_with_done)
+
+
+async def _failed(
+    sse: SSEResponse, answer: Answer[Any, Any], error: APIError
+) -> web.StreamResponse:
+    event = answer.failure(error)
+    if event is None:
+        await sse.send_error(error)
+    else:
+        await sse.send(event)
+    return await sse.finish(answer.ends_with_done)
 
 
 async def whole_answer(answer: Answer[Any, _FoldT], outputs: Outputs) -> ResponseModel:

@@ -21,6 +21,7 @@ from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.server.chat import create_chat_completion, render_chat_served
 from kvfleet.engine.server.completions import create_completion
+from kvfleet.engine.server.embeddings import create_embedding
 from kvfleet.engine.server.errors import APIError, error_response
 from kvfleet.engine.server.openai_requests import DetokenizeRequest, TokenizeRequest
 from kvfleet.engine.server.openai_responses import (
@@ -30,6 +31,7 @@ from kvfleet.engine.server.openai_responses import (
     Tokens,
     now,
 )
+from kvfleet.engine.server.responses import create_response, stored_response
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
 from kvfleet.engine.server.tool_parsers import parser_for_template
@@ -251,6 +253,9 @@ def build_app(
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_route("*", "/v1/responses/{path:.+}", stored_response)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     return app

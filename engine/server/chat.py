@@ -19,12 +19,13 @@ from kvfleet.engine.server.openai_responses import (
     ChatDelta,
     ChatLogprobs,
     ChatRoleChoice,
+    ResponseModel,
     TokenLogprob,
     TopLogprob,
     Usage,
     random_id,
 )
-from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, ServingContext, traced
+from kvfleet.engine.server.serving import OFF_LOOP_CHARS, SERVING, Outputs, ServingContext, traced
 from kvfleet.engine.server.tools import (
     TOOL_SETTINGS,
     StreamedChoices,
@@ -157,12 +158,12 @@ class ChatAnswer(Answer[ChatChunkChoice, _ChoiceFold]):
         self.streamed = StreamedChoices(plan) if req.stream else None
         self.prompt_logprobs: Logprobs | None = None
 
-    def opening(self) -> ChatCompletionChunk:
+    def opening(self) -> list[ResponseModel]:
         roles = [
             ChatRoleChoice(index=index, delta=ChatDelta(role="assistant", content=""))
             for index in range(self.req.n)
         ]
-        return self._chunk(roles, self.event_usage())
+        return [self._chunk(roles, self.event_usage())]
 
     def choices(self, prompt_index: int, output: RequestOutput) -> list[ChatChunkChoice]:
         if output.prompt_logprobs is not None:
@@ -207,7 +208,11 @@ class ChatAnswer(Answer[ChatChunkChoice, _ChoiceFold]):
     def new_fold(self) -> _ChoiceFold:
         return _ChoiceFold()
 
-    async def whole(self, folds: list[_ChoiceFold]) -> ChatCompletion:
+    async def whole(self, folds: list[_ChoiceFold]) -> ResponseModel:
+        return await self.completion(folds)
+
+    async def completion(self, folds: list[_ChoiceFold]) -> ChatCompletion:
+        """The whole chat completion, from every choice's fold."""
         choices = []
         for fold in folds:
             text = "".join(fold.texts)
@@ -234,8 +239,19 @@ class ChatAnswer(Answer[ChatChunkChoice, _ChoiceFold]):
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    ctx: ServingContext = request.app[SERVING]
     req = await parse_body(request, ChatCompletionRequest)
+    request_id = random_id("chatcmpl")
+    ctx, plan, ids, outputs = await start_chat(request, req, request_id)
+    answer = ChatAnswer(ctx, req, plan, request_id, req.model or ctx.model_name, ids)
+    return await respond(request, answer, outputs)
+
+
+async def start_chat(
+    request: web.Request, req: ChatCompletionRequest, request_id: str
+) -> tuple[ServingContext, ToolPlan, list[int], Outputs]:
+    """A chat request planned (tools), rendered, admitted and queued: its tool plan, its prompt
+    and its outputs (the Responses API's requests come this way too)."""
+    ctx: ServingContext = request.app[SERVING]
     ctx.check_can_queue(req.model, req.n)
     tool_settings = request.app[TOOL_SETTINGS]
     plan = await ctx.parse_off_loop(
@@ -254,9 +270,6 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         prompt_param="messages",
         constraint_param=field if constraint is not None else "tool_choice",
     )
-    request_id = random_id("chatcmpl")
     model = req.model or ctx.model_name
     outputs = await ctx.run(request_id, admitted)
-    outputs = traced(request, CHAT, request_id, model, admitted.requests, outputs)
-    answer = ChatAnswer(ctx, req, plan, request_id, model, ids)
-    return await respond(request, answer, outputs)
+    return ctx, plan, ids, traced(request, CHAT, request_id, model, admitted.requests, outputs)

@@ -78,7 +78,10 @@ class SSEResponse:
         data = json.dumps(error.body(), ensure_ascii=False, separators=(",", ":"))
         await self.response.write(b"data: " + data.encode() + b"\n\n")
 
-    async def finish(self) -> web.StreamResponse:
-        await self.response.write(b"data: [DONE]\n\n")
+    async def finish(self, done: bool = True) -> web.StreamResponse:
+        """The end of the stream: `data: [DONE]` first unless `done` is false (the Responses
+        API's streams end with their last event)."""
+        if done:
+            await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response

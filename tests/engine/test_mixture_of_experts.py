@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.layers.fp8 import Fp8Config, fp8_linear_layers
-from kvfleet.engine.layers.moe import FusedMoE, SparseMoeBlock, experts_reference, route
+from kvfleet.engine.layers.fp8 import Fp8Config, fp8_linear_layers, quantize_rows
+from kvfleet.engine.layers.moe import FusedMoE, SparseMoeBlock, route
 from kvfleet.engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from kvfleet.engine.models.mixture_of_experts import MoeForCausalLM
+from kvfleet.kernels import reference
 from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
 from tests.support.tiny_model import build_tiny_model
 
@@ -49,23 +50,92 @@ def test_route_softmax_in_fp32_for_bf16_logits():
     torch.testing.assert_close(weights, expected)
 
 
+def _experts(gen: torch.Generator, experts: int, hidden: int, inter: int):
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    return gate_up, down
+
+
+def _direct(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """The formula, token by token and slot by slot in fp32; a slot of expert -1 adds nothing."""
+    inter = down.shape[-1]
+    out = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            xt = x[t].float()
+            gate, up = gate_up[e, :inter].float() @ xt, gate_up[e, inter:].float() @ xt
+            out[t] += weights[t, j] * (down[e].float() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 [E, N, K] and its scale [E, N]: each expert's output channel (row) on its own."""
+    fp8, scale = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return fp8.view(w.shape), scale.view(w.shape[:2])
+
+
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 40])
-def test_experts_reference_is_the_weighted_sum_of_each_tokens_experts(num_tokens):
+def test_fused_experts_is_the_weighted_sum_of_each_tokens_experts(num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
     experts, hidden, inter, top_k = 6, 16, 12, 2
     x = torch.randn(num_tokens, hidden, generator=gen)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    gate_up, down = _experts(gen, experts, hidden, inter)
     weights, ids = route(torch.randn(num_tokens, experts, generator=gen), top_k, True)
-    out = experts_reference(x, gate_up, down, weights, ids, "silu")
+    out = reference.fused_experts(x, gate_up, down, weights, ids, "silu")
     assert out.shape == (num_tokens, hidden)
-    for t in range(num_tokens):
-        expected = torch.zeros(hidden)
-        for j in range(top_k):
-            e = int(ids[t, j])
-            gate, up = gate_up[e, :inter] @ x[t], gate_up[e, inter:] @ x[t]
-            expected += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
-        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, _direct(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_skips_the_slots_of_another_ranks_experts():
+    """Expert parallelism: a rank holding experts 0-2 of 6 gets ids -1 for the others."""
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, top_k, local = 6, 16, 12, 3, 3
+    x = torch.randn(20, hidden, generator=gen)
+    gate_up, down = _experts(gen, experts, hidden, inter)
+    weights, ids = route(torch.randn(20, experts, generator=gen), top_k, True)
+    local_ids = ids.masked_fill(ids >= local, -1)
+    assert (local_ids == -1).any() and (local_ids >= 0).any()
+    out = reference.fused_experts(x, gate_up[:local], down[:local], weights, local_ids, "silu")
+    expected = _direct(x, gate_up, down, weights, local_ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Every slot elsewhere: zeros, and the other ranks' outputs sum to the whole.
+    nowhere = torch.full_like(ids, -1)
+    assert not reference.fused_experts(x, gate_up, down, weights, nowhere, "silu").any()
+    rest = ids.masked_fill(ids < local, -1)
+    whole = reference.fused_experts(x, gate_up, down, weights, ids, "silu")
+    other = reference.fused_experts(x, gate_up, down, weights, rest, "silu")
+    torch.testing.assert_close(out + other, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_dequantizes_fp8_weights_per_expert_and_channel():
+    gen = torch.Generator().manual_seed(4)
+    experts, hidden, inter, top_k = 4, 32, 16, 2
+    x = torch.randn(9, hidden, generator=gen).to(torch.bfloat16)
+    gate_up, down = _experts(gen, experts, hidden, inter)
+    # Experts and channels of very different magnitudes: one scale each is needed.
+    gate_up = gate_up * torch.logspace(-2, 1, 2 * inter)[None, :, None]
+    down = down * torch.logspace(1, -2, experts)[:, None, None]
+    gate_up_q, gate_up_scale = _quantize_experts(gate_up)
+    down_q, down_scale = _quantize_experts(down)
+    weights, ids = route(torch.randn(9, experts, generator=gen), top_k, True)
+    out = reference.fused_experts(
+        x, gate_up_q, down_q, weights, ids, "silu", gate_up_scale, down_scale
+    )
+    assert out.dtype == torch.bfloat16
+    dequantized = (
+        gate_up_q.float() * gate_up_scale[..., None],
+        down_q.float() * down_scale[..., None],
+    )
+    expected = _direct(x, *dequantized, weights, ids)
+    # The gate/up output and the result are rounded to bf16 once each.
+    torch.testing.assert_close(
+        out.float(), expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max())
+    )
+    with pytest.raises(ValueError, match="need gate_up_scale and down_scale"):
+        reference.fused_experts(x, gate_up_q, down_q, weights, ids, "silu")
 
 
 def test_qwen3_moe_dense_and_sparse_layers_unnormalised_top_k(tmp_path, prompts):

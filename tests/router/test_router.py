@@ -574,6 +574,28 @@ async def test_health_and_metrics() -> None:
 
 
 @pytest.mark.asyncio
+async def test_embeddings_pass_through_least_loaded() -> None:
+    """/v1/embeddings reaches an engine as it is, and is routed by load alone: its session
+    header and user field, which would pin a chat request, are not keys."""
+    engine = FakeEngine("a", chunks=1)
+    app = engine.app()
+    app.router.add_post("/v1/embeddings", engine.handle)
+    body = json.dumps({"model": "m", "input": ["x" * 300], "user": "u"}).encode()
+    async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+        addr = await stack.enter_async_context(serving(app))
+        router = Router(RouterSettings(prefix_length=POLICY.prefix_length))
+        router.set_endpoints([addr])
+        url = "http://" + await stack.enter_async_context(serving(build_app(router)))
+        async with s.post(f"{url}/v1/embeddings", data=body,
+                          headers={"X-Session-Id": "k"}) as r:  # fmt: skip
+            assert r.status == 200 and await r.read() == expected_body("a", 1)
+        text = await (await s.get(f"{url}/metrics")).text()
+    assert engine.hits == 1 and engine.headers[0]["X-Session-Id"] == "k"
+    assert 'kvfleet_router_requests_total{reason="least_loaded"} 1.0' in text
+    assert 'kvfleet_router_requests_total{reason="session"} 0.0' in text
+
+
+@pytest.mark.asyncio
 async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
     a, b = FakeEngine("a", gap=0.1), FakeEngine("b", gap=0.1)
     async with fleet(a, b) as (router, url, addrs), aiohttp.ClientSession() as s:
@@ -591,3 +613,21 @@ async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
         assert sorted(await asyncio.gather(one(), one(), one())) == ["a", "a", "b"]
         metrics = await (await s.get(f"{url}/metrics")).text()
     assert "kvfleet_router_spilled_total 1.0" in metrics
+
+
+def test_a_responses_input_keys_as_the_chat_messages_it_stands_for() -> None:
+    messages = [("system", SYSTEM), ("user", "first")]
+    as_chat = key_of({}, chat(*messages), POLICY)
+    body = {"model": "m", "instructions": SYSTEM, "input": "first"}
+    as_responses = key_of({}, json.dumps(body).encode(), POLICY)
+    assert as_chat.reason == "prefix" and as_responses == as_chat
+    items = [{"role": "system", "content": [{"type": "input_text", "text": SYSTEM}]},
+             {"role": "user", "content": "first"}]  # fmt: skip
+    assert key_of({}, json.dumps({"input": items}).encode(), POLICY) == as_chat
+    tok = FakeTokenizer()
+    assert key_of({}, json.dumps(body).encode(), POLICY, tok) == key_of(
+        {}, chat(*messages), POLICY, tok
+    )
+    # An input the engine will refuse (an image) goes to any engine, which says why.
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]
+    assert key_of({}, json.dumps({"input": image}).encode(), POLICY).reason == "least_loaded"

@@ -6,13 +6,14 @@ OpenAI's shape has no key for."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvfleet.engine.async_engine import RequestFailedError
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.answers import Answer, respond
 from kvfleet.engine.server.chat import ChatAnswer
@@ -26,6 +27,8 @@ from kvfleet.engine.server.openai_responses import (
     DeltaToolCall,
     TopLogprob,
 )
+from kvfleet.engine.server.responses import ResponsesAnswer
+from kvfleet.engine.server.responses_request import ResponsesRequest
 from kvfleet.engine.server.tool_parsers import HERMES
 from kvfleet.engine.server.tools import ToolSettings, plan_tools
 
@@ -86,12 +89,17 @@ def _steps(
     return steps
 
 
-async def _answered(answer: Answer[Any, Any], steps: list[tuple[int, RequestOutput]]) -> Any:
-    """The answer as a client gets it over HTTP: the JSON body, or the stream's events."""
+async def _answered(
+    answer: Answer[Any, Any], steps: list[tuple[int, RequestOutput]], fails: bool = False
+) -> Any:
+    """The answer as a client gets it over HTTP: the JSON body, or the stream's events.
+    fails: the engine fails the request after the steps."""
 
-    async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs() -> AsyncGenerator[tuple[int, RequestOutput], None]:
         for step in steps:
             yield step
+        if fails:
+            raise RequestFailedError("detokenization failed")
 
     async def handler(request: web.Request) -> web.StreamResponse:
         return await respond(request, answer, outputs())
@@ -104,8 +112,10 @@ async def _answered(answer: Answer[Any, Any], steps: list[tuple[int, RequestOutp
             return await resp.json()
         text = await resp.text()
     events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+    if answer.ends_with_done:
+        assert events.pop() == "[DONE]"
+    assert "[DONE]" not in events
+    return [json.loads(e) for e in events]
 
 
 def _joined_completion(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -256,3 +266,61 @@ def test_omitted_fields_leave_the_json_and_every_other_none_is_null() -> None:
         '"logprob":-Infinity'
         in TopLogprob(token="a", logprob=float("-inf"), bytes=[97]).model_dump_json()
     )
+
+
+def _responses_answer(stream: bool) -> ResponsesAnswer:
+    tool = {"type": "function", **TIME["function"]}
+    req = ResponsesRequest.model_validate({"input": "time?", "tools": [tool], "stream": stream})
+    chat = req.chat_request()
+    plan = plan_tools(chat, ToolSettings(HERMES))
+    return ResponsesAnswer(_Context(), req, chat, plan, "resp_1", "m", PROMPTS[0])  # type: ignore[arg-type]
+
+
+def _without_ids(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in item.items() if k not in ("id", "call_id")}
+
+
+@pytest.mark.asyncio
+async def test_a_streamed_response_ends_with_the_whole_one() -> None:
+    """Text, then a tool call (in 3-character pieces): a message item, then a function_call
+    item, each opened, extended and closed by its events."""
+    steps = _steps({(0, 0): _pieces("Checking." + CALL, 3)})
+    whole = await _answered(_responses_answer(False), steps)
+    events = await _answered(_responses_answer(True), steps)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"].removeprefix("response.") for e in events]
+    text_deltas = kinds.count("output_text.delta")
+    argument_deltas = kinds.count("function_call_arguments.delta")
+    assert kinds == [
+        "created", "in_progress",
+        "output_item.added", "content_part.added", *["output_text.delta"] * text_deltas,
+        "output_text.done", "content_part.done", "output_item.done",
+        "output_item.added", *["function_call_arguments.delta"] * argument_deltas,
+        "function_call_arguments.done", "output_item.done",
+        "completed",
+    ]  # fmt: skip
+    assert text_deltas >= 2 and argument_deltas >= 1
+    final = events[-1]["response"]
+    assert [_without_ids(i) for i in final["output"]] == [_without_ids(i) for i in whole["output"]]
+    assert final["usage"] == whole["usage"] and whole["status"] == "completed"
+    message, call = whole["output"]
+    assert message["content"][0]["text"] == "Checking."
+    assert (call["name"], call["arguments"]) == ("get_time", '{"zone": "UTC"}')
+    # The items' ids as their events name them.
+    streamed_message, streamed_call = final["output"]
+    assert {e["item_id"] for e in events if "item_id" in e} == {
+        streamed_message["id"], streamed_call["id"],
+    }  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_failed_stream_ends_with_response_failed() -> None:
+    steps = _steps({(0, 0): ["It is", " noon"]})[:1]
+    events = await _answered(_responses_answer(True), steps, fails=True)
+    last = events[-1]
+    assert last["type"] == "response.failed"
+    assert last["response"]["status"] == "failed"
+    assert last["response"]["error"] == {
+        "code": "request_failed",
+        "message": "detokenization failed",
+    }

@@ -47,6 +47,24 @@ def hf_greedy(
     return outs
 
 
+def hf_embeddings(
+    model_dir: Path, prompts: list[list[int]], pooling: str, normalize: bool = True
+) -> list[torch.Tensor]:
+    """HF transformers' embedding of each prompt, one at a time (no padding), in fp32: the
+    body's final hidden states (AutoModel: after its final norm), pooled (`lasttoken` or
+    `mean`) and L2-normalised when asked, as sentence-transformers pools them."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            hidden = model(torch.tensor([p])).last_hidden_state[0].float()
+            vec = hidden[-1] if pooling == "lasttoken" else hidden.mean(dim=0)
+            outs.append(torch.nn.functional.normalize(vec, dim=-1) if normalize else vec)
+    return outs
+
+
 def hf_prompt_logprobs(
     model_dir: Path, prompt: list[int], gguf_file: str | None = None
 ) -> torch.Tensor:

@@ -767,3 +767,55 @@ def tiny_model_path() -> Path:
         num_kv_heads=2,
         max_position_embeddings=2048,
     )
+
+
+def build_tiny_embedding_model(
+    path: str | Path,
+    pooling: str = "lasttoken",
+    *,
+    normalize: bool = True,
+    is_matryoshka: bool = False,
+    **model_args: Any,
+) -> Path:
+    """A tiny random embedding checkpoint laid out as Qwen3-Embedding ships: a bare Qwen3 body's
+    weights (``layers.0...``, ``norm.weight``, no ``lm_head``) under a config.json that still
+    names ``Qwen3ForCausalLM``, and sentence-transformers files (``modules.json``,
+    ``1_Pooling/config.json`` with ``pooling`` as its mode: ``lasttoken`` or ``mean``, and a
+    Normalize module when ``normalize``). ``is_matryoshka`` declares Matryoshka dimensions in
+    config.json. ``model_args`` go to build_tiny_model. Returns ``path``; rebuilt every call."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    causal = build_tiny_model(path.with_name(path.name + "-causal-lm"), "qwen3", **model_args)
+    path.mkdir(parents=True, exist_ok=True)
+    for item in causal.iterdir():
+        if item.suffix != ".safetensors" and item.name != MARKER_NAME and item.is_file():
+            shutil.copy(item, path / item.name)
+    body = {
+        name.removeprefix("model."): tensor
+        for name, tensor in load_file(causal / "model.safetensors").items()
+        if not name.startswith("lm_head.")
+    }
+    save_file(body, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    if is_matryoshka:
+        config["is_matryoshka"] = True
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    st = "sentence_transformers.models."
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    pooling_config = {
+        "word_embedding_dimension": config["hidden_size"],
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_lasttoken": pooling == "lasttoken",
+    }
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    return path

@@ -1,0 +1,400 @@
+"""A mixture of experts' MLP on the GPU: the twin of ``reference.fused_experts``, in five launches
+(four at decode sizes) whatever the number of experts, with no host synchronisation and every
+buffer's shape fixed by the token count (as a CUDA graph captured per batch size needs).
+
+1. align (two kernels, one at decode sizes): the (token, slot) pairs sorted by expert, each
+   expert's run padded to a multiple of BLOCK_M, and the expert of each block of BLOCK_M rows.
+   Pairs whose id is -1 (an expert on another rank) are left out. The buffers are sized by
+   the bound of ``T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`` rows; blocks past the used
+   ones are marked -1 and their programs exit at once, so padding and skipped pairs cost no
+   FLOPs.
+2. gate/up: one grouped GEMM; a program computes matching gate and up columns of its block's
+   expert and writes act(gate) * up, so the [pairs, 2I] product never reaches memory.
+3. down: one grouped GEMM whose epilogue multiplies each row by its routing weight and writes
+   it to the pair's own row.
+4. combine: each token's top_k rows summed in slot order.
+
+The combine reads the pairs' rows back instead of the down GEMM adding them into the output with
+atomics: a fixed summation order makes the result deterministic (a batch's output does not depend
+on which program finished first). It moves about as many bytes as the atomics would (each pair's
+row written and read in the model dtype, against an fp32 read-modify-write in L2 plus zeroing and
+rounding passes), and one launch.
+
+FP8 (e4m3) weights (W8A16): tiles are converted to the activations' dtype in registers and the
+per-expert, per-output-channel scale multiplies the fp32 accumulator. The tile per token-count
+bucket comes from ``TILES``, swept by ``bench/moe_kernel.py``."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.kernels.launch import kernel
+from kvfleet.kernels.reference import FP8, GATED_ACTIVATIONS
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    block_m: int  # pairs a program (each expert's run is padded to a multiple)
+    block_n: int  # output columns a program
+    block_k: int
+    group_m: int  # row blocks that sweep the column blocks together, sharing weight tiles in L2
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (largest token count, tile), ascending. Decode sizes give each active expert a few rows: the
+# smallest BLOCK_M the tensor cores take, narrow column blocks so that the few active experts
+# still make a program per SM to stream their weights; prefill sizes give each expert hundreds
+# of rows: larger blocks, so that each weight tile is reused more.
+TILES: tuple[tuple[int, MoeTile], ...] = (
+    (32, MoeTile(16, 32, 128, 1, 4, 4)),
+    (128, MoeTile(16, 64, 128, 4, 4, 4)),
+    (512, MoeTile(32, 64, 128, 8, 4, 3)),
+    (2048, MoeTile(64, 64, 64, 8, 4, 3)),
+    (1 << 62, MoeTile(128, 64, 64, 8, 8, 3)),
+)
+
+
+# The align kernels' programs at most: each reads every program's expert counts.
+ALIGN_CHUNKS = 64
+
+
+def tile_for(num_tokens: int, tiles: tuple[tuple[int, MoeTile], ...] = TILES) -> MoeTile:
+    return tiles[bisect.bisect_left([bound for bound, _ in tiles], num_tokens)][1]
+
+
+def max_padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """The rows the sorted pairs can take: each expert that has pairs (at most min(E, pairs))
+    pads its run by fewer than BLOCK_M rows; rounded up to whole blocks."""
+    bound = pairs + min(num_experts, pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+@triton.jit
+def _chunk_counts(ids_ptr, pairs, chunk, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """Per expert, its pairs among the chunk's, SUB at a time (a [SUB, E_PAD] one-hot)."""
+    e = tl.arange(0, E_PAD)
+    count = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(0, chunk_size, SUB):
+        offs = chunk * chunk_size + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
+        count += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    return count
+
+
+@kernel
+def _count_kernel(
+    ids_ptr, counts_ptr, pairs, experts, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr
+):
+    chunk = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    count = _chunk_counts(ids_ptr, pairs, chunk, chunk_size, SUB, E_PAD)
+    tl.store(counts_ptr + chunk * experts + e, count, mask=e < experts)
+
+
+@kernel
+def _place_kernel(
+    ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, pairs, experts, num_chunks, chunk_size,
+    max_blocks, BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+    CHUNKS_AT_ONCE: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
+):  # fmt: skip
+    # Each chunk's pairs go to their expert's run, after the same expert's pairs of earlier
+    # chunks: a stable sort, computed by every program from the counts alone. A single chunk
+    # (decode sizes) counts its own pairs: one launch fewer.
+    chunk = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    if ONE_CHUNK:
+        total = _chunk_counts(ids_ptr, pairs, 0, chunk_size, SUB, E_PAD)
+    else:
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        for c0 in range(0, num_chunks, CHUNKS_AT_ONCE):
+            c = c0 + tl.arange(0, CHUNKS_AT_ONCE)
+            rows = tl.load(
+                counts_ptr + c[:, None] * experts + e[None, :],
+                mask=(c[:, None] < num_chunks) & (e[None, :] < experts),
+                other=0,
+            )
+            total += tl.sum(rows, axis=0)
+            before += tl.sum(tl.where(c[:, None] < chunk, rows, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+
+    # `before` becomes each expert's next free row as the chunk's pairs are placed.
+    before += start
+    for s in range(0, chunk_size, SUB):
+        offs = chunk * chunk_size + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
+        hits = (ids[:, None] == e[None, :]).to(tl.int32)
+        # A pair's rank among its expert's pairs here: the inclusive count, less one.
+        dest = tl.sum(hits * (tl.cumsum(hits, axis=0) - 1 + before[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=(offs < pairs) & (ids >= 0))
+        before += tl.sum(hits, axis=0)
+
+    if chunk == 0:
+        # Padding rows hold the sentinel `pairs`: the GEMMs read zeros and write nothing there.
+        j = tl.arange(0, BLOCK_M)
+        slot = (start + total)[:, None] + j[None, :]
+        sentinel = tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + pairs
+        tl.store(sorted_ptr + slot, sentinel, mask=(slot < end[:, None]) & (e[:, None] < experts))
+        # A block's expert: the first whose padded run ends after the block's first row (runs
+        # of no rows end where they start); -1 past the last run.
+        for b0 in range(0, max_blocks, BLOCKS_AT_ONCE):
+            b = b0 + tl.arange(0, BLOCKS_AT_ONCE)
+            ended = (end[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < experts)
+            owner = tl.sum(ended.to(tl.int32), axis=1)
+            tl.store(
+                block_expert_ptr + b, tl.where(owner < experts, owner, -1), mask=b < max_blocks
+            )
+
+
+@triton.jit
+def _block_of(max_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of this program: GROUP_M row blocks sweep the column blocks
+    together, so an expert's weight tile is read once for its consecutive blocks."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n, BLOCK_N)
+    in_group = GROUP_M * n_blocks
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(max_blocks - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@kernel
+def _gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    pairs, inter, hidden, max_blocks, stride_x, stride_we, stride_wn, stride_se, stride_o,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, FP8_W: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _block_of(max_blocks, inter, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + (pair // TOP_K)[:, None].to(tl.int64) * stride_x + ks[None, :]
+    # The expert's gate rows `cols` and its up rows `inter + cols`, as [BLOCK_K, BLOCK_N] tiles.
+    gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    up = gate + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_rows + k0, mask=valid[:, None], other=0.0)
+            bg = tl.load(gate + k0, mask=col_ok[None, :], other=0.0)
+            bu = tl.load(up + k0, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + ks < hidden
+            a = tl.load(x_rows + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(gate + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            bu = tl.load(up + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8_W:
+            bg = bg.to(a.dtype)
+            bu = bu.to(a.dtype)
+        acc_gate = tl.dot(a, bg, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+    if FP8_W:
+        scales = scale_ptr + expert.to(tl.int64) * stride_se + cols
+        acc_gate *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        acc_up *= tl.load(scales + inter, mask=col_ok, other=0.0)[None, :]
+    # Rounded to the activations' dtype first, as the twin's gate/up GEMM output is.
+    dtype = out_ptr.dtype.element_ty
+    g = acc_gate.to(dtype).to(tl.float32)
+    u = acc_up.to(dtype).to(tl.float32)
+    if ACTIVATION == "silu":  # reference.GATED_ACTIVATIONS' keys, as kernels.activation
+        act = g / (1.0 + tl.exp(-g))
+    else:
+        # tanh GELU: 0.5 g (1 + tanh(v)) = g sigmoid(2v).
+        v = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * v))
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
+    tl.store(out, (act * u).to(dtype), mask=col_ok[None, :])
+
+
+@kernel
+def _down_kernel(
+    h_ptr, w_ptr, scale_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    pairs, hidden, inter, max_blocks, stride_h, stride_we, stride_wn, stride_se, stride_o,
+    FP8_W: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _block_of(max_blocks, hidden, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    # The gate/up kernel's output is in sorted order: its rows are read in place.
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :]
+    w = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(h_rows + k0)
+            b = tl.load(w + k0, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + ks < inter
+            a = tl.load(h_rows + k0, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP8_W:
+            b = b.to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if FP8_W:
+        scales = scale_ptr + expert.to(tl.int64) * stride_se + cols
+        acc *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
+    acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
+    out = out_ptr + pair[:, None].to(tl.int64) * stride_o + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@kernel
+def _combine_kernel(ids_ptr, y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        # A skipped slot's row was never written: none of its columns are read.
+        width = tl.where(tl.load(ids_ptr + pair) >= 0, hidden, 0)
+        y = tl.load(y_ptr + pair * hidden + cols, mask=cols < width, other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < hidden)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted pairs int32 [max_padded_rows], block experts int32 [blocks]): the pair indices
+    (token * top_k + slot) of ids [tokens, top_k] sorted by expert, stably, each expert's run
+    padded with the sentinel ``tokens * top_k`` to a multiple of ``block_m``; each block's
+    expert, -1 for the blocks past the last run. Ids of -1 are left out."""
+    pairs = ids.numel()
+    rows = max_padded_rows(pairs, num_experts, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    # A one-hot matrix [SUB, E_PAD] of 4,096 entries stays in registers. Each program (chunk)
+    # takes whole SUBs; at most MAX_CHUNKS of them, since each one reads every chunk's counts.
+    sub = max(16, min(4096 // e_pad, triton.next_power_of_2(pairs)))
+    chunk_size = triton.cdiv(triton.cdiv(pairs, ALIGN_CHUNKS), sub) * sub
+    num_chunks = triton.cdiv(pairs, chunk_size)
+    counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    if num_chunks > 1:
+        _count_kernel[(num_chunks,)](
+            ids, counts, pairs, num_experts, chunk_size, SUB=sub, E_PAD=e_pad
+        )
+    at_once = max(1, 2048 // e_pad)
+    _place_kernel[(num_chunks,)](
+        ids, counts, sorted_pairs, block_expert, pairs, num_experts, num_chunks, chunk_size,
+        block_expert.shape[0], BLOCK_M=block_m, SUB=sub, E_PAD=e_pad,
+        CHUNKS_AT_ONCE=at_once, BLOCKS_AT_ONCE=at_once, ONE_CHUNK=num_chunks == 1,
+    )  # fmt: skip
+    return sorted_pairs, block_expert
+
+
+def _check(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: str,
+    gate_up_scale: torch.Tensor | None,
+    down_scale: torch.Tensor | None,
+) -> None:
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"no fused kernel for {activation!r}; fused: {sorted(GATED_ACTIVATIONS)}")
+    experts, two_inter, hidden = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x {tuple(x.shape)} for experts of hidden size {hidden}")
+    if two_inter % 2 or down.shape != (experts, hidden, two_inter // 2):
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} disagree")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} per token")
+    fp8 = gate_up.dtype == FP8
+    if fp8 != (down.dtype == FP8):
+        raise ValueError(f"gate_up is {gate_up.dtype} but down is {down.dtype}")
+    if not fp8 and gate_up.dtype != x.dtype:
+        raise ValueError(f"x is {x.dtype} but the experts are {gate_up.dtype}")
+    if fp8:
+        if gate_up_scale is None or down_scale is None:
+            raise ValueError("fp8 expert weights need gate_up_scale and down_scale")
+        if gate_up_scale.shape != gate_up.shape[:2] or down_scale.shape != down.shape[:2]:
+            raise ValueError("fp8 scales are per expert and output channel: [E, 2I] and [E, H]")
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: str,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    tile: MoeTile | None = None,
+) -> torch.Tensor:
+    """``reference.fused_experts`` (same arguments and result) in Triton; ``tile`` overrides the
+    bucket's (the benchmark's sweep)."""
+    _check(x, gate_up, down, weights, ids, activation, gate_up_scale, down_scale)
+    num_tokens, top_k = ids.shape
+    experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    tile = tile or tile_for(num_tokens)
+    x = x.contiguous()
+    ids = ids.contiguous()
+    weights = weights.contiguous().float()
+    gate_up_scale = gate_up_scale.contiguous() if gate_up_scale is not None else None
+    down_scale = down_scale.contiguous() if down_scale is not None else None
+    assert gate_up.stride(2) == 1 and down.stride(2) == 1
+    fp8 = gate_up.dtype == FP8
+    pairs = num_tokens * top_k
+    bm = tile.block_m
+    device = x.device
+
+    sorted_pairs, block_expert = align(ids, experts, bm)
+    max_blocks = block_expert.shape[0]
+    rows = max_blocks * bm
+
+    # fp32 models multiply in fp32 (not TF32): their outputs are compared with HF's exactly.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    h = torch.empty((rows, inter), dtype=x.dtype, device=device)
+    gu_scale = gate_up_scale if gate_up_scale is not None else h
+    _gate_up_kernel[(max_blocks * triton.cdiv(inter, tile.block_n),)](
+        x, gate_up, gu_scale, h, sorted_pairs, block_expert, pairs, inter, hidden, max_blocks,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_scale.stride(0), h.stride(0),
+        TOP_K=top_k, ACTIVATION=activation, FP8_W=fp8, EVEN_K=hidden % tile.block_k == 0,
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    y = torch.empty((pairs, hidden), dtype=x.dtype, device=device)
+    d_scale = down_scale if down_scale is not None else h
+    _down_kernel[(max_blocks * triton.cdiv(hidden, tile.block_n),)](
+        h, down, d_scale, weights, y, sorted_pairs, block_expert, pairs, hidden, inter,
+        max_blocks, h.stride(0), down.stride(0), down.stride(1), d_scale.stride(0), y.stride(0),
+        FP8_W=fp8, EVEN_K=inter % tile.block_k == 0, PRECISION=precision, BLOCK_M=bm,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        ids, y, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4
+    )
+    return out

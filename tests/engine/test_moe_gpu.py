@@ -1,0 +1,127 @@
+"""The fused mixture-of-experts kernel on the GPU (kernels.fused_moe): against its twin at
+Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16 (and fp8 weights), from decode to
+prefill token counts, with slots of other ranks' experts; replayed from a captured CUDA graph
+with new routings; and the tiny MoE models served with CUDA graphs, greedy output equal to
+eager and to HF. Skipped where no GPU is visible (CI); run on one with
+`pytest -q tests/engine/test_moe_gpu.py` (bench/gpu_run.sh OUT moe-tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.layers.fp8 import quantize_rows
+from kvfleet.engine.layers.moe import route
+from kvfleet.kernels import fused_moe, reference
+from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
+from tests.support.tiny_model import MOE_ARCHITECTURES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (hidden, moe intermediate, experts, top_k)
+QWEN3_30B_A3B = (2048, 768, 128, 8)
+MIXTRAL_8X7B = (4096, 14336, 8, 2)
+
+
+def _experts(shape: tuple[int, int, int, int], fp8: bool, seed: int) -> tuple:
+    hidden, inter, experts, _ = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
+    if not fp8:
+        return gate_up.to(torch.bfloat16), down.to(torch.bfloat16), None, None
+    (gate_up_q, gate_up_scale), (down_q, down_scale) = (
+        (q.view(w.shape), s.view(w.shape[:2]))
+        for w in (gate_up, down)
+        for q, s in [quantize_rows(w.reshape(-1, w.shape[-1]))]
+    )
+    return gate_up_q, down_q, gate_up_scale, down_scale
+
+
+def _inputs(shape: tuple[int, int, int, int], tokens: int, seed: int, skip: bool) -> tuple:
+    hidden, _, experts, top_k = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, ids = route(logits, top_k, True)
+    if skip:  # an expert-parallel rank holding the first half of the experts
+        ids = ids.masked_fill(ids >= experts // 2, -1)
+    return x, weights, ids
+
+
+def _assert_close_to_twin(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16: the kernel rounds its gate/up product and each pair's output once, the twin rounds
+    after each of its PyTorch ops; 1% of the norm, and no element off by 5% of the largest."""
+    got, want = got.float(), want.float()
+    assert torch.isfinite(got).all()
+    assert float((got - want).norm() / want.norm()) < 1e-2
+    assert float((got - want).abs().max()) < 5e-2 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 256, 4096])
+@pytest.mark.parametrize(
+    ("shape", "fp8", "skip"),
+    [
+        (QWEN3_30B_A3B, False, False),
+        (QWEN3_30B_A3B, True, True),
+        (MIXTRAL_8X7B, False, True),
+        (MIXTRAL_8X7B, True, False),
+    ],
+    ids=["qwen3-bf16", "qwen3-fp8-ep", "mixtral-bf16-ep", "mixtral-fp8"],
+)
+def test_fused_experts_equals_the_twin_at_real_sizes(tokens, shape, fp8, skip):
+    gate_up, down, gate_up_scale, down_scale = _experts(shape, fp8, seed=0)
+    x, weights, ids = _inputs(shape, tokens, seed=tokens, skip=skip)
+    args = (x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale)
+    got = fused_moe.fused_experts(*args)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    _assert_close_to_twin(got, reference.fused_experts(*args))
+    # Deterministic: the combine sums each token's slots in order.
+    assert torch.equal(fused_moe.fused_experts(*args), got)
+
+
+@pytest.mark.parametrize("tokens", [1, 48])
+def test_fused_experts_replayed_from_a_cuda_graph_with_new_routings(tokens):
+    gate_up, down, _, _ = _experts(QWEN3_30B_A3B, False, seed=1)
+    x, weights, ids = _inputs(QWEN3_30B_A3B, tokens, seed=2, skip=False)
+
+    def call() -> torch.Tensor:
+        return fused_moe.fused_experts(x, gate_up, down, weights, ids, "silu")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (3, 4):
+        # Other block counts than the capture's: half the tokens crowded onto experts 0-7 (runs
+        # of several blocks), then a routing with the slots of another rank's experts.
+        new_x, new_weights, new_ids = _inputs(QWEN3_30B_A3B, tokens, seed=seed, skip=seed == 4)
+        if seed == 3:
+            new_ids[: tokens // 2 + 1] = torch.arange(8, device="cuda")
+        x.copy_(new_x)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        want = reference.fused_experts(x, gate_up, down, weights, ids, "silu")
+        _assert_close_to_twin(out, want)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_moe_models_with_cuda_graphs_equal_eager_and_hf(arch, model_dirs, prompts):
+    """fp32 (the kernel multiplies in full fp32, not TF32): greedy output token for token."""
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(str(model_dirs[arch]), dtype="float32", device="cuda", enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        outputs[eager] = [o.outputs[0].token_ids for o in outs]
+        assert_no_leak(llm)
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[False] == outputs[True] == hf_greedy(model_dirs[arch], prompts, MAX_TOKENS)

@@ -1,0 +1,117 @@
+"""The fused mixture-of-experts kernels (kernels.fused_moe) in Triton's interpreter on the CPU,
+against their twin (reference.fused_experts) at tiny sizes, fp32 activations: the alignment of
+the pairs by expert, experts with no tokens, ids of -1, top-k of 1 and more, token counts and
+widths that no block divides, both activations and fp8 weights. Real sizes, bf16 and CUDA graphs
+are in tests/engine/test_moe_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kvfleet.engine.layers.fp8 import quantize_rows
+from kvfleet.engine.layers.moe import route
+from kvfleet.kernels import fused_moe, reference
+
+TILE = fused_moe.MoeTile(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+def _experts(gen: torch.Generator, experts: int, hidden: int, inter: int):
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    return gate_up, down
+
+
+# 128 experts: 32 pairs at a time. 100 pairs: in 4 programs of 32 pairs, or 2 of 64 (32 at a
+# time); 24 pairs: one program that counts them itself.
+@pytest.mark.parametrize(("tokens", "programs"), [(50, 64), (50, 2), (12, 64)])
+def test_align_sorts_each_experts_pairs_into_padded_blocks(tokens, programs, monkeypatch):
+    monkeypatch.setattr(fused_moe, "ALIGN_CHUNKS", programs)
+    gen = torch.Generator().manual_seed(0)
+    experts, top_k, block_m = 128, 2, 16  # most experts idle
+    _, ids = route(torch.randn(tokens, experts, generator=gen) * 3, top_k, True)
+    ids[::7, 1] = -1
+    ids[: tokens // 2, 0] = 5  # one crowded expert (at 50 tokens, more than a block)
+    sorted_pairs, block_expert = fused_moe.align(ids, experts, block_m)
+    pairs = tokens * top_k
+    assert sorted_pairs.shape == (fused_moe.max_padded_rows(pairs, experts, block_m),)
+    assert block_expert.shape == (sorted_pairs.shape[0] // block_m,)
+
+    flat = ids.flatten()
+    counts = torch.bincount(flat[flat >= 0], minlength=experts)
+    used = int(((counts + block_m - 1) // block_m).sum())
+    assert (block_expert[used:] == -1).all()
+    expected_blocks = [e for e in range(experts) for _ in range(-(-int(counts[e]) // block_m))]
+    assert block_expert[:used].tolist() == expected_blocks
+    runs = sorted_pairs[: used * block_m].view(used, block_m)
+    for e in range(experts):
+        run = runs[block_expert[:used] == e].flatten().tolist()
+        # The expert's pairs in order (a stable sort), then the sentinel up to the block's end.
+        mine = (flat == e).nonzero().flatten().tolist()
+        assert run == mine + [pairs] * (len(run) - len(mine))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "activation", "skip"),
+    [
+        (1, 4, 1, 64, 32, "silu", False),  # decode, top-1
+        (5, 8, 2, 64, 32, "gelu_pytorch_tanh", True),  # most experts idle, slots on other ranks
+        (37, 6, 3, 48, 40, "silu", True),  # no dimension a multiple of its block
+    ],
+)
+def test_fused_experts_equals_the_twin(tokens, experts, top_k, hidden, inter, activation, skip):
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, down = _experts(gen, experts, hidden, inter)
+    weights, ids = route(torch.randn(tokens, experts, generator=gen), top_k, True)
+    if skip:
+        ids = ids.masked_fill(ids % 3 == 1, -1)
+    got = fused_moe.fused_experts(x, gate_up, down, weights, ids, activation, tile=TILE)
+    want = reference.fused_experts(x, gate_up, down, weights, ids, activation)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_with_fp8_weights_equals_the_twin():
+    gen = torch.Generator().manual_seed(1)
+    tokens, experts, top_k, hidden, inter = 9, 4, 2, 64, 32
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, down = _experts(gen, experts, hidden, inter)
+    # Channels of very different magnitudes: a scale applied to the wrong column shows.
+    gate_up = gate_up * torch.logspace(-2, 1, 2 * inter)[None, :, None]
+    down = down * torch.logspace(1, -2, experts)[:, None, None]
+    (gate_up_q, gate_up_scale), (down_q, down_scale) = (
+        (q.view(w.shape), s.view(w.shape[:2]))
+        for w in (gate_up, down)
+        for q, s in [quantize_rows(w.reshape(-1, w.shape[-1]))]
+    )
+    weights, ids = route(torch.randn(tokens, experts, generator=gen), top_k, True)
+    args = (x, gate_up_q, down_q, weights, ids, "silu", gate_up_scale, down_scale)
+    got = fused_moe.fused_experts(*args, tile=TILE)
+    want = reference.fused_experts(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_fused_experts_refuses_mismatched_operands():
+    gen = torch.Generator().manual_seed(2)
+    gate_up, down = _experts(gen, 4, 32, 16)
+    weights, ids = route(torch.randn(3, 4, generator=gen), 2, True)
+    with pytest.raises(ValueError, match="hidden size 32"):
+        fused_moe.fused_experts(torch.randn(3, 16), gate_up, down, weights, ids, "silu")
+    with pytest.raises(ValueError, match="need gate_up_scale"):
+        fused_moe.fused_experts(
+            torch.randn(3, 32), gate_up.to(reference.FP8), down.to(reference.FP8), weights, ids,
+            "silu",
+        )  # fmt: skip
+
+
+def test_tile_buckets_cover_every_token_count():
+    bounds = [bound for bound, _ in fused_moe.TILES]
+    assert bounds == sorted(bounds)
+    assert fused_moe.tile_for(1) == fused_moe.TILES[0][1]
+    assert fused_moe.tile_for(bounds[0]) == fused_moe.TILES[0][1]
+    assert fused_moe.tile_for(bounds[0] + 1) == fused_moe.TILES[1][1]
+    assert fused_moe.tile_for(1 << 40) == fused_moe.TILES[-1][1]
