@@ -162,7 +162,7 @@ OTHER_TOOLS_FLAGS = {
     "--api-version", "--recursive",
     # docker's and the hub CLI's (docs/operations.md, "Run the engine image")
     "--rm", "--env-file", "--read-only", "--user", "--cap-drop", "--security-opt", "--tmpfs",
-    "--entrypoint", "--gpus", "--ipc", "--shm-size", "--time", "--local-dir",
+    "--entrypoint", "--gpus", "--ipc", "--shm-size", "--time", "--local-dir", "--detach",
 }  # fmt: skip
 
 
