@@ -6,6 +6,8 @@
 #   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
+#   bash bench/gpu_run.sh OUTDIR moe-placement    # two GPUs: experts split vs placed per rank
+#   bash bench/gpu_run.sh OUTDIR moe-fp8          # Qwen3-30B-A3B bf16 vs fp8 weights and cache
 #   bash bench/gpu_run.sh OUTDIR structured structured-profile   # structured outputs' cost (issue 22)
 #   bash bench/gpu_run.sh OUTDIR async-ab          # async scheduling against the synchronous loop
 #   bash bench/gpu_run.sh OUTDIR fp8-check fp8w-requests fp8w-latency fp8w-llama2-13b  # fp8 weights
@@ -13,6 +15,7 @@
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
+#   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -103,7 +106,8 @@ for step in "$@"; do
         ;;
     fp8-check)
         # FP8 weights at real sizes: the GEMM against its dequantized reference, an 8B-class
-        # stack's first-token logprobs with --quantization fp8 against bf16.
+        # stack's and a Qwen3-30B-A3B stack's (fp8 experts) first-token logprobs with
+        # --quantization fp8 against bf16.
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_fp8_weights_gpu.py 2>&1 |
             tee "$out/fp8_weights_tests.txt"
         ;;
@@ -130,6 +134,17 @@ for step in "$@"; do
         timeout 580 $py bench/moe_kernel.py --out-dir "$out" --sweep --models "${sweep_models[@]}" \
             --dtypes "${sweep_dtypes[@]}" --sweep-tokens "${sweep_tokens[@]}" 2>&1 |
             tee "$out/moe_kernel_sweep.txt"
+        ;;
+    lora-tests)
+        # Issue 40's batched LoRA kernels against their twins at Llama-3.1-8B's sizes, and
+        # replayed from a CUDA graph as the slot map changes.
+        timeout 500 $py -m pytest -q -s -p no:cacheprovider tests/kernels/test_lora_gpu.py 2>&1 |
+            tee "$out/lora_gpu_tests.txt"
+        ;;
+    lora-kernel)
+        # What batched LoRA's shrink + expand add to each Llama-3.1-8B projection's GEMM, 1-2,048
+        # tokens, ranks 16 and 64, 8 and 16 slots (lora_kernel.json).
+        timeout 560 $py bench/lora_kernel.py --out-dir "$out" 2>&1 | tee "$out/lora_kernel.txt"
         ;;
     fp8-linear)
         # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.
@@ -316,6 +331,43 @@ for step in "$@"; do
         for tp in 1 2; do
             timeout 120 $py bench/latency.py --model bench/models/Llama-3.1-8B \
                 --tensor-parallel-size $tp 2>&1 | tee "$out/tp${tp}_llama31_latency.txt"
+        done
+        ;;
+    moe-fp8)
+        # Qwen3-30B-A3B on one GPU in one call: bf16 against --quantization fp8 (every expert
+        # per output channel) with --kv-cache-dtype fp8: throughput of 1000 x 256/256, then
+        # batch-1 TPOT against the floor of the bytes a token reads (its 8 experts a layer).
+        for mode in ${MOE_FP8_MODES:-bf16 fp8}; do
+            q=()
+            [ $mode = fp8 ] && q=(--quantization fp8 --kv-cache-dtype fp8)
+            timeout 300 $py bench/throughput.py --model bench/models/Qwen3-30B-A3B --num-prompts 1000 \
+                --input-len 256 256 --output-len 256 256 "${q[@]}" \
+                --result-json "$out/moe_qwen3_30b_${mode}_throughput.json" 2>&1 |
+                tee "$out/moe_qwen3_30b_${mode}_throughput.txt"
+            q=()
+            [ $mode = fp8 ] && q=(--quantization fp8)
+            timeout 150 $py bench/latency.py --model bench/models/Qwen3-30B-A3B "${q[@]}" 2>&1 |
+                tee "$out/moe_qwen3_30b_${mode}_latency.txt"
+        done
+        ;;
+    moe-placement)
+        # Two GPUs, N=2, in one call: each expert's intermediate dimension split over the ranks
+        # (the default) against the experts placed whole per rank (--enable-expert-parallel),
+        # for Qwen3-30B-A3B (128 narrow experts, top-8) and Mixtral-8x7B (8 wide ones, top-2):
+        # throughput of 1000 x 256/256, then batch-1 TPOT (docs/architecture.md says what to
+        # expect and why). MOE_PLACEMENT_MODELS / MOE_PLACEMENTS pick a part, so that each fits
+        # one device call (a model and both placements take about as long as a call allows).
+        for model in ${MOE_PLACEMENT_MODELS:-Qwen3-30B-A3B Mixtral-8x7B-v0.1}; do
+            for placement in ${MOE_PLACEMENTS:-split experts}; do
+                ep=()
+                [ $placement = experts ] && ep=(--enable-expert-parallel)
+                timeout 280 $py bench/throughput.py --model bench/models/$model --num-prompts 1000 \
+                    --input-len 256 256 --output-len 256 256 --tensor-parallel-size 2 "${ep[@]}" \
+                    --result-json "$out/moe_${model}_${placement}_throughput.json" 2>&1 |
+                    tee "$out/moe_${model}_${placement}_throughput.txt"
+                timeout 150 $py bench/latency.py --model bench/models/$model --tensor-parallel-size 2 \
+                    "${ep[@]}" 2>&1 | tee "$out/moe_${model}_${placement}_latency.txt"
+            done
         done
         ;;
     tp-70b)

@@ -2,7 +2,9 @@
 once, so time per output token cannot beat weight bytes / memory bandwidth. The bandwidth is
 measured in the same run with a device-to-device copy. With --quantization fp8 the linear
 layers' weights count one byte each (their fp32 scales, the bf16 embeddings, LM head and norms
-as they are): the fp8 floor.
+as they are): the fp8 floor. A mixture of experts' token reads only its top-k experts of each
+layer: the experts' bytes count top_k / num_experts of them (this rank's share either way,
+experts split or placed per rank).
 
     python bench/latency.py --model bench/models/Llama-3.1-8B --load-format dummy
 """
@@ -45,6 +47,22 @@ def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def bytes_one_token_reads(model: torch.nn.Module) -> float:
+    """Every weight, but of each layer's experts only the share one token's top-k reads."""
+    from kvfleet.engine.layers.moe import FusedMoE
+
+    total = 0.0
+    experts = set()
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            share = module.top_k / module.num_experts
+            for p in module.parameters():
+                experts.add(id(p))
+                total += p.numel() * p.element_size() * share
+    total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts)
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
@@ -62,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine's loop: the next step launched before the last one's tokens are read",
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts' experts placed whole per rank, not each one split",
+    )
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
     p.add_argument("--profile", action="store_true", help="cProfile one timed run (host time)")
     args = p.parse_args(argv)
@@ -78,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=False,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
         async_scheduling=args.async_scheduling,
     )
-    weight_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.model.parameters())
+    weight_bytes = bytes_one_token_reads(llm.engine.runner.model)
     vocab = llm.engine.vocab_size
     prompt = {
         "prompt_token_ids": random_workload(1, (args.input_len,) * 2, (1, 1), vocab, 0).prompts[0]
@@ -114,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     floor = weight_bytes / bandwidth
     sys.stdout.write(
         f"device: {device_name()}  commit: {git_commit()}\n"
-        f"weights: {weight_bytes / 2**30:.2f} GiB; copy bandwidth: {bandwidth / 1e9:,.0f} GB/s\n"
+        f"weights one token reads: {weight_bytes / 2**30:.2f} GiB; "
+        f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s\n"
         f"memory floor per token: {floor * 1e3:.3f} ms\n"
         f"batch-1 TPOT: {tpot * 1e3:.3f} ms ({tpot / floor:.2f}x the floor); "
         f"TTFT (prefill {args.input_len} tokens + 1 decode): {prefill * 1e3:.1f} ms\n"

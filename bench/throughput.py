@@ -60,6 +60,7 @@ def run_kvfleet(args: argparse.Namespace, work: Workload) -> Result:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
@@ -226,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine's loop: the next step launched before the last one's tokens are read",
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture of experts' experts placed whole per rank, not each one split",
+    )
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto")
     p.add_argument("--calculate-kv-scales", action="store_true")

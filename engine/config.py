@@ -44,6 +44,9 @@ class ModelConfig(BaseModel):
     # --runner resolved: generate, or pooling (an embedding model) with its pooler.
     runner: Literal["generate", "pooling"] = "generate"
     pooler: PoolerConfig | None = None
+    # Experts placed whole per tensor-parallel rank (a mixture of experts with
+    # --enable-expert-parallel and more than one rank).
+    expert_parallel: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -83,6 +86,7 @@ class ModelConfig(BaseModel):
             pooler = resolve_pooler(model_dir, hf_config, args.pooling_type)
         elif args.pooling_type is not None:
             raise ValueError("--pooling-type applies to --runner pooling only")
+        expert_parallel = _expert_parallel(args, hf_config)
         return cls(
             path=path,
             hf_config=hf_config,
@@ -96,6 +100,7 @@ class ModelConfig(BaseModel):
             quantization=quantization,
             runner=runner,
             pooler=pooler,
+            expert_parallel=expert_parallel,
         )
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
@@ -137,6 +142,21 @@ def _check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int) -> None:
             f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads: one must divide "
             "the other"
         )
+
+
+def _expert_parallel(args: EngineArgs, hf_config: object) -> bool:
+    from kvfleet.engine.models.mixture_of_experts import num_experts
+
+    experts = num_experts(hf_config)
+    tp = args.tensor_parallel_size
+    if not args.enable_expert_parallel or experts == 0 or tp == 1:
+        return False
+    if experts % tp:
+        raise ValueError(
+            f"--enable-expert-parallel: the model's {experts} experts do not divide over "
+            f"tensor_parallel_size={tp} ranks"
+        )
+    return True
 
 
 def _resolve_dtype(

@@ -160,6 +160,13 @@ class EngineArgs(BaseModel):
         ge=1,
         description="split the model over this many GPUs of this machine, one process each",
     )
+    enable_expert_parallel: bool = Field(
+        default=False,
+        description="mixtures of experts with --tensor-parallel-size N: each rank holds 1/N "
+        "of every layer's experts whole (the experts must divide by N) instead of 1/N of "
+        "every expert's intermediate dimension; attention stays split by heads. No effect on "
+        "a dense model",
+    )
     quantization: Literal["fp8"] | None = Field(
         default=None,
         description="fp8: linear-layer weights in fp8 (per-channel scales) with fp8 activations "

@@ -24,6 +24,7 @@ from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
+from kvfleet.engine.layers.moe import expert_parallel_layers
 from kvfleet.engine.models import build_pooling_model, get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.pooling import finish_embedding
@@ -169,6 +170,33 @@ class StepResult:
         }
 
 
+def build_model(mc: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """The model's modules on ``device`` in mc.dtype (weights unloaded), in this rank's share:
+    the generating or the embedding model as mc.runner says, fp8 linears and experts as
+    mc.quantization says, experts placed as mc.expert_parallel says."""
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(mc.dtype)
+    try:
+        with (
+            torch.device(device),
+            fp8_linear_layers(mc.quantization),
+            expert_parallel_layers(mc.expert_parallel),
+        ):
+            if mc.runner == "pooling":
+                return build_pooling_model(mc.hf_config, mc.architecture)
+            return get_model_class(mc.architecture)(mc.hf_config, mc.architecture)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+
+
+def weight_bytes_per_rank(mc: ModelConfig) -> int:
+    """What this rank's weights take, counted on the meta device: every parameter the model
+    builds, so a mixture of experts counts all its experts (or this rank's share of them),
+    not the few a token uses."""
+    model = build_model(mc, torch.device("meta"))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -256,28 +284,17 @@ class ModelRunner:
         self.free_rows = list(range(self.max_num_seqs - 1, -1, -1))
 
     # -- set-up ----------------------------------------------------------------------------
-    def _build_model(self) -> torch.nn.Module:
-        mc = self.model_config
-        if self.pooling:
-            return build_pooling_model(mc.hf_config, mc.architecture)
-        return get_model_class(mc.architecture)(mc.hf_config, mc.architecture)
-
     def _load_model(self) -> LanguageModel:
         mc = self.model_config
-        prev_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            if self.device.type == "cuda":
-                self._check_weights_fit()
-            with torch.device(self.device), fp8_linear_layers(mc.quantization):
-                model = self._build_model()
-        finally:
-            torch.set_default_dtype(prev_dtype)
+        if self.device.type == "cuda":
+            self._check_weights_fit()
+        model = build_model(mc, self.device)
         if self.args.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
             # One bar for the process group: every rank loads the same tensors.
-            load_weights(model, mc.path, progress=tp_rank() == 0)
+            block = mc.quantization.weight_block_size if mc.quantization else None
+            load_weights(model, mc.path, progress=tp_rank() == 0, weight_block_size=block)
         model.eval()
         if not isinstance(model, LanguageModel):
             raise TypeError(f"{type(model).__name__} lacks what the runner calls on a model")
@@ -286,9 +303,7 @@ class ModelRunner:
     def _check_weights_fit(self) -> None:
         """Fail with the numbers, not a CUDA out-of-memory error halfway through loading."""
         mc = self.model_config
-        with torch.device("meta"), fp8_linear_layers(mc.quantization):
-            shapes = self._build_model()
-        need = sum(p.numel() * p.element_size() for p in shapes.parameters())
+        need = weight_bytes_per_rank(mc)
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * self.args.gpu_memory_utilization
         if need > budget:

@@ -57,6 +57,8 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--async-scheduling": 0,
     "--no-async-scheduling": 0,
     "--tensor-parallel-size": None,
+    "--enable-expert-parallel": 0,
+    "--no-enable-expert-parallel": 0,
     "--quantization": None,
     "--host": None,
     "--port": None,

@@ -6,11 +6,20 @@ the CPU, so CPU tests check the real thing).
 
 Per-channel weight scales make fusing exact: q/k/v and gate/up rows keep the scales of the
 matrices they came from, and a checkpoint's per-tensor scale is expanded to every row of its
-shard rather than requantized to a common maximum."""
+shard rather than requantized to a common maximum.
+
+Block-scaled checkpoints (`weight_block_size`, one scale per 128x128 tile, as DeepSeek-V3 and
+Qwen3's *-FP8 ship) are requantized per output channel as they load: each weight is multiplied
+out by its tile scales (exact in fp32) and quantized per row like a bf16 weight. That costs one
+more e4m3 rounding of each entry on its row's grid instead of its tile's: at most 1/16 of an
+entry relatively, and entries of tiles far smaller than their row's largest lose bits to
+subnormals (tests/engine/test_moe_fp8.py measures it on random tiles: ~2% of a matrix's
+norm, as much as quantizing a bf16 weight costs)."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +44,14 @@ _CUBLAS_ALIGN = 16
 class Fp8Config:
     """checkpoint_fp8: the checkpoint holds fp8 weights and their scales; otherwise its
     bf16/fp16/fp32 (or dequantized GGUF) weights are quantized as they load.
-    static_activations: the checkpoint holds one `input_scale` per linear layer."""
+    static_activations: the checkpoint holds one `input_scale` per linear layer.
+    weight_block_size: the checkpoint's fp8 weights are scaled per tile of this many (rows,
+    columns) by a `weight_scale_inv` grid; the loader multiplies them out and the layers
+    quantize them again per channel (see the module docstring)."""
 
     checkpoint_fp8: bool = False
     static_activations: bool = False
+    weight_block_size: tuple[int, int] | None = None
 
 
 def _entry(config: Any, key: str) -> Any:
@@ -47,16 +60,36 @@ def _entry(config: Any, key: str) -> Any:
 
 def _from_fp8_method(qc: Any) -> Fp8Config:
     """vLLM's own format (quant_method "fp8", written by AutoFP8 and llm-compressor's legacy
-    path): per-tensor `weight_scale`, `input_scale` when activation_scheme is static."""
-    if _entry(qc, "weight_block_size"):
-        raise ValueError(
-            "the checkpoint's fp8 weights are block-quantized (weight_block_size); kvfleet "
-            "loads per-tensor and per-channel fp8 scales only"
-        )
+    path): per-tensor `weight_scale`, `input_scale` when activation_scheme is static; or, with
+    `weight_block_size` (DeepSeek-V3's and Qwen3's *-FP8), a `weight_scale_inv` per tile."""
     scheme = _entry(qc, "activation_scheme") or "dynamic"
     if scheme not in ("static", "dynamic"):
         raise ValueError(f"fp8 activation_scheme {scheme!r}: expected 'static' or 'dynamic'")
-    return Fp8Config(checkpoint_fp8=True, static_activations=scheme == "static")
+    block = _entry(qc, "weight_block_size")
+    if block is None:
+        return Fp8Config(checkpoint_fp8=True, static_activations=scheme == "static")
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise ValueError(f"fp8 weight_block_size {block!r}: expected [rows, columns] > 0")
+    if scheme == "static":
+        raise ValueError(
+            "block-quantized fp8 checkpoint with static activation scales: only dynamic "
+            "activations (quantized per token) load with weight_block_size"
+        )
+    return Fp8Config(checkpoint_fp8=True, weight_block_size=(block[0], block[1]))
+
+
+# The layers kvfleet never quantizes, as a checkpoint's ignore list names them: the LM head, and
+# the routers of a mixture of experts (each layer's `mlp.gate`, Mixtral's `block_sparse_moe.gate`),
+# one by one or by a pattern ("re:.*mlp.gate$", as RedHatAI's Qwen3-MoE FP8 models write it).
+_UNQUANTIZED = re.compile(r"^(re:)?(.*[.*])?(lm_head|(mlp|block_sparse_moe)\\?\.gate)\$?$")
+
+
+def _kept_unquantized(name: str) -> bool:
+    return _UNQUANTIZED.match(name) is not None
 
 
 def _from_compressed_tensors(qc: Any) -> Fp8Config:
@@ -90,11 +123,11 @@ def _from_compressed_tensors(qc: Any) -> Fp8Config:
     static = not _entry(acts, "dynamic")
     if static and _entry(acts, "strategy") != "tensor":
         raise ValueError("compressed-tensors static fp8 activations must be per tensor")
-    ignored = [name for name in _entry(qc, "ignore") or [] if name != "lm_head"]
+    ignored = [name for name in _entry(qc, "ignore") or [] if not _kept_unquantized(name)]
     if ignored:
         raise ValueError(
             f"compressed-tensors checkpoint leaves {ignored[:4]} unquantized; kvfleet keeps "
-            "only the LM head out of fp8"
+            "only the LM head and a mixture of experts' routers out of fp8"
         )
     return Fp8Config(checkpoint_fp8=True, static_activations=static)
 
@@ -203,6 +236,28 @@ def quantize_rows(
     scale = (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
     fp8 = (weight / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return fp8, scale
+
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], what: str
+) -> torch.Tensor:
+    """A block-scaled fp8 weight [rows, columns] multiplied out in fp32: each (block[0] x
+    block[1]) tile times its entry of ``scale_inv`` [ceil(rows / block[0]), ceil(columns /
+    block[1])] (the dequantization multiplier, despite its name)."""
+    if weight.dim() != 2:
+        raise ValueError(f"{what}: a block-quantized fp8 weight of shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(
+            f"{what}: weight_scale_inv of shape {tuple(scale_inv.shape)} for a {rows}x{cols} "
+            f"weight in {block[0]}x{block[1]} blocks; expected {grid}"
+        )
+    scale = scale_inv.float()
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError(f"{what}: weight_scale_inv holds negative or non-finite scales")
+    scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
 
 
 def fp8_linear(

@@ -15,7 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kvfleet.engine.checkpoint_path import GGUF_SUFFIX
-from kvfleet.engine.layers.fp8 import FP8
+from kvfleet.engine.layers.fp8 import FP8, dequantize_blocks
 from kvfleet.engine.layers.layernorm import LayerNorm, RMSNorm
 from kvfleet.engine.models import gguf_checkpoint
 
@@ -39,11 +39,15 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    path: Path, *, progress: bool = True, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a checkpoint. progress: a bar on stderr when it is a terminal
-    (tqdm's disable=None); False for none at all (tensor-parallel ranks other than the first)."""
+    (tqdm's disable=None); False for none at all (tensor-parallel ranks other than the first).
+    skip: names whose tensors are left out, unread where the format allows (safetensors)."""
     if path.suffix == GGUF_SUFFIX:
-        yield from gguf_checkpoint.iter_tensors(path, progress=progress)
+        tensors = gguf_checkpoint.iter_tensors(path, progress=progress)
+        yield from (t for t in tensors if skip is None or not skip(t[0]))
         return
     files = safetensors_files(path)
     # Only the headers are read here: the bar counts tensors, which a single-file model has
@@ -61,8 +65,47 @@ def iter_checkpoint(path: Path, *, progress: bool = True) -> Iterator[tuple[str,
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    yield name, f.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, f.get_tensor(name)
                     bar.update()
+
+
+_SCALE_INV = ".weight_scale_inv"
+
+
+def multiply_out_blocks(
+    tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block-scaled fp8 checkpoint's stream with each fp8 ``weight`` and its
+    ``weight_scale_inv`` replaced by the weight multiplied out in fp32 (the layers quantize it
+    per channel as they load). The two arrive in either order, usually one after the other;
+    the first waits for its partner."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(_SCALE_INV):
+            prefix = name.removesuffix(_SCALE_INV)
+            if prefix in weights:
+                yield (
+                    f"{prefix}.weight",
+                    dequantize_blocks(weights.pop(prefix), tensor, block, prefix),
+                )
+            else:
+                scales[prefix] = tensor
+        elif name.endswith(".weight") and tensor.dtype == FP8:
+            prefix = name.removesuffix(".weight")
+            if prefix in scales:
+                yield name, dequantize_blocks(tensor, scales.pop(prefix), block, prefix)
+            else:
+                weights[prefix] = tensor
+        else:
+            yield name, tensor
+    unpaired = sorted(f"{p}.weight" for p in weights) + sorted(p + _SCALE_INV for p in scales)
+    if unpaired:
+        raise ValueError(
+            "block-quantized fp8 checkpoint: weights and weight_scale_inv tensors without their "
+            f"partner: {', '.join(unpaired[:8])}"
+        )
 
 
 def _packed_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
@@ -73,16 +116,25 @@ def _packed_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, 
     return name, None
 
 
-def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None:
+def load_weights(
+    model: nn.Module,
+    path: Path,
+    *,
+    progress: bool = True,
+    weight_block_size: tuple[int, int] | None = None,
+) -> None:
     """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
     Unknown tensors and parameters left unloaded are errors, not silent random weights.
-    progress: as for iter_checkpoint.
+    progress: as for iter_checkpoint. weight_block_size: the checkpoint's fp8 weights are
+    block-scaled (multiply_out_blocks).
 
     A model whose checkpoint layout differs from its parameters (GPT-2: transposed Conv1D
     matrices, q/k/v in one tensor) defines ``checkpoint_tensors`` to rewrite the stream of
     (name, tensor) pairs first. One whose tensors go into stacked parameters (a mixture of
     experts' per-expert matrices) defines ``checkpoint_shard``: a name -> (parameter, shard), or
-    None for the usual placement; such a parameter lists its shards in ``checkpoint_shards``."""
+    None for the usual placement; such a parameter lists its shards in ``checkpoint_shards``.
+    One that holds only some of a checkpoint's tensors (a rank's experts) names the others in
+    ``checkpoint_skip``: they are never read."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
@@ -90,8 +142,12 @@ def load_weights(model: nn.Module, path: Path, *, progress: bool = True) -> None
     rewrite = getattr(model, "checkpoint_tensors", lambda tensors: tensors)
     locate: Callable[[str], tuple[str, str] | None]
     locate = getattr(model, "checkpoint_shard", lambda name: None)
+    skip: Callable[[str], bool] | None = getattr(model, "checkpoint_skip", None)
+    stream = iter_checkpoint(path, progress=progress, skip=skip)
+    if weight_block_size is not None:
+        stream = multiply_out_blocks(stream, weight_block_size)
     loaded: set[str] = set()
-    for name, tensor in rewrite(iter_checkpoint(path, progress=progress)):
+    for name, tensor in rewrite(stream):
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         placed = locate(name)

@@ -13,21 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvfleet.engine.layers.moe import SparseMoeBlock
+from kvfleet.engine.layers.moe import SparseMoeBlock, local_experts
 from kvfleet.engine.models.causal_lm import CausalLM
 from kvfleet.engine.models.llama import LlamaMLP, LlamaModel
 
-# `...layers.N.mlp.experts.E.<projection>.weight` -> the stacked parameter and its shard.
-_EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
-# Per-expert projection name -> (stacked parameter, part of the shard name; "" for down).
-_EXPERT_PROJECTIONS: dict[str, tuple[str, str]] = {
-    "gate_proj": ("gate_up_proj", ".gate"),
-    "up_proj": ("gate_up_proj", ".up"),
-    "down_proj": ("down_proj", ""),
+# `...layers.N.mlp.experts.E.<projection>.<tensor>` -> the stacked parameter and its shard.
+_EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(\w+)$")
+# Per-expert projection name -> (stacked weight, its fp8 scales, part of the shard name; "" for
+# down).
+_EXPERT_PROJECTIONS: dict[str, tuple[str, str, str]] = {
+    "gate_proj": ("gate_up_proj", "gate_up_scale", ".gate"),
+    "up_proj": ("gate_up_proj", "gate_up_scale", ".up"),
+    "down_proj": ("down_proj", "down_scale", ""),
     # Mixtral's names: w1 gate, w3 up, w2 down.
-    "w1": ("gate_up_proj", ".gate"),
-    "w3": ("gate_up_proj", ".up"),
-    "w2": ("down_proj", ""),
+    "w1": ("gate_up_proj", "gate_up_scale", ".gate"),
+    "w3": ("gate_up_proj", "gate_up_scale", ".up"),
+    "w2": ("down_proj", "down_scale", ""),
 }
 
 
@@ -69,6 +70,7 @@ class MoeForCausalLM(CausalLM):
             )
 
         super().__init__(config, LlamaModel(config, arch, make_mlp), tie_by_default=False)
+        self.local_experts = local_experts(num_experts(config))
 
     def checkpoint_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
@@ -78,9 +80,20 @@ class MoeForCausalLM(CausalLM):
         yield from super().checkpoint_tensors(renamed)
 
     def checkpoint_shard(self, name: str) -> tuple[str, str] | None:
-        """An expert's tensor -> its stacked parameter and shard; None for any other tensor."""
+        """An expert's weight or fp8 weight_scale -> its stacked parameter and shard; None for
+        any other tensor."""
         match = _EXPERT_TENSOR.match(name)
         if match is None or match[3] not in _EXPERT_PROJECTIONS:
             return None
-        param, part = _EXPERT_PROJECTIONS[match[3]]
-        return f"{match[1]}.{param}", f"{match[2]}{part}"
+        weight, scale, part = _EXPERT_PROJECTIONS[match[3]]
+        param = {"weight": weight, "weight_scale": scale}.get(match[4])
+        return None if param is None else (f"{match[1]}.{param}", f"{match[2]}{part}")
+
+    def checkpoint_skip(self, name: str) -> bool:
+        """The tensors of experts another rank holds (expert parallelism), never read. And an
+        fp8 checkpoint's static input_scale of an expert: the experts multiply activations of
+        the model dtype by their dequantized weights (W8A16), so the scales have no use."""
+        match = _EXPERT_TENSOR.match(name.replace(".block_sparse_moe.", ".mlp."))
+        if match is None or match[3] not in _EXPERT_PROJECTIONS:
+            return False
+        return match[4] == "input_scale" or int(match[2]) not in self.local_experts

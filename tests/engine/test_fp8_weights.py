@@ -258,6 +258,9 @@ def test_quantization_is_read_from_the_checkpoint(model_dirs, fp8_dirs, tmp_path
     assert _config(fp8_dirs["channel"]).quantization == Fp8Config(checkpoint_fp8=True)
     static = _config(fp8_dirs["tensor-static"], quantization="fp8").quantization
     assert static == Fp8Config(checkpoint_fp8=True, static_activations=True)
+    block = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    block_config = _config(_with_quantization_config(model_dirs["llama"], tmp_path / "b", block))
+    assert block_config.quantization == Fp8Config(checkpoint_fp8=True, weight_block_size=(128, 128))
     # Random weights are quantized at load, whatever the checkpoint was.
     assert _config(fp8_dirs["tensor-static"], load_format="dummy").quantization == Fp8Config()
     with pytest.raises(ValueError, match=r"quantization\n  Input should be 'fp8'"):
@@ -270,7 +273,10 @@ def test_quantization_is_read_from_the_checkpoint(model_dirs, fp8_dirs, tmp_path
         ({"quant_method": "awq", "bits": 4}, "fp8",
          r"quantized with 'awq' .*--quantization fp8 conflicts with it"),
         ({"quant_method": "gptq", "bits": 4}, None, r"quantized with 'gptq' .*it is not supported"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-quantized"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, None,
+         r"weight_block_size \[128\]: expected \[rows, columns\]"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+         None, "block-quantized fp8 checkpoint with static activation scales"),
         ({"quant_method": "fp8", "activation_scheme": "dynamc"}, None, "activation_scheme"),
         ({"quant_method": "compressed-tensors", "config_groups": {"g": {
             "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},

@@ -60,6 +60,25 @@ def test_two_gpus_greedy_equals_one_gpu_and_hf_in_fp32(arch, model_dirs, prompts
     assert outs[2] == outs[1] == hf_reference[arch]
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_two_gpus_moe_both_placements_equal_one_gpu_and_hf_in_fp32(
+    arch, model_dirs, prompts, hf_reference
+):
+    """Each expert split over the two GPUs, and the experts placed whole per GPU
+    (--enable-expert-parallel, the fused kernel skipping the other GPU's experts), CUDA graphs
+    on: both generate what one GPU and HF do."""
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    common = dict(dtype="float32", max_num_seqs=16)
+    runs = {"one": (1, {}), "split": (2, {}), "placed": (2, {"enable_expert_parallel": True})}
+    outs = {
+        name: [o.outputs[0].token_ids for o in _generate(str(model_dirs[arch]), tp, batch, sp,
+                                                         **common, **extra)]
+        for name, (tp, extra) in runs.items()
+    }  # fmt: skip
+    assert outs["split"] == outs["placed"] == outs["one"] == hf_reference[arch]
+
+
 def _first_token_gaps_two_gpus_against_one(**engine_args: Any) -> list[tuple[int, float]]:
     """Qwen3-0.6B architecture, dummy weights (the same model at any TP size): the first token's
     top-20 logprobs with N=2 against N=1 (first_token_logprob_gaps)."""

@@ -1,7 +1,8 @@
 """Tensor-parallel layers on the CPU: a tiny Llama split over 2 gloo ranks (column/row-parallel
 linears, vocabulary-parallel embedding and LM head, each rank holding its KV heads) computes the
 same logits as the unsplit model; the engine over 2 ranks generates what 1 does, also for the
-mixtures of experts (each expert's intermediate dimension split)."""
+mixtures of experts (each expert's intermediate dimension split, or the experts placed per rank
+with --enable-expert-parallel)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from kvfleet.engine.models.loader import load_weights
 from kvfleet.engine.sampling_params import SamplingParams
 from tests.support.engine import assert_no_leak
 from tests.support.net import free_port
+from tests.support.tiny_model import MOE_ARCHITECTURES
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 64, 12, 480, 33, 2, 91, 150, 77, 8, 402, 19]
 
@@ -107,11 +109,15 @@ def _greedy(path: str, tp: int, **engine_args) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "mixtral", "qwen3_moe"])
 def test_engine_with_two_ranks_generates_what_one_rank_does(model_dirs, arch):
     """Chunked prefill (48-token budget) and a 14-block cache that forces preemption: the plan
-    each worker gets must carry every block-table change, across steps and re-admissions."""
+    each worker gets must carry every block-table change, across steps and re-admissions. A
+    mixture of experts both ways: each expert split, and the experts placed whole per rank
+    (--enable-expert-parallel; tests/engine/test_expert_parallel.py: the placement itself)."""
     path = str(model_dirs[arch])
     limits = {"max_num_batched_tokens": 48, "num_gpu_blocks_override": 14, "max_num_seqs": 4}
     one = _greedy(path, 1, **limits)
     assert _greedy(path, 2, **limits) == one
+    if arch in MOE_ARCHITECTURES:
+        assert _greedy(path, 2, enable_expert_parallel=True, **limits) == one
     assert len({tuple(o) for o in one}) == len(one)  # distinct outputs: a real comparison
 
 
