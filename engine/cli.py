@@ -127,6 +127,19 @@ def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
     return settings
 
 
+# What the engine image's entrypoint (`kvfleet-engine serve`) receives from `docker run IMAGE
+# kvfleet-engine serve ...`, the form that worked before the image had one.
+_COMMAND_WORDS = frozenset({"kvfleet-engine", "serve", "generate"})
+
+
+def _command_as_model(word: str) -> str:
+    return (
+        f"MODEL {word!r} is a command, not a model: in the engine image, whose entrypoint is "
+        "already `kvfleet-engine serve`, give serve's arguments alone (docker run IMAGE [MODEL] "
+        "[flags]); another command: docker run --entrypoint kvfleet-engine IMAGE generate ..."
+    )
+
+
 class FlagParser(argparse.ArgumentParser):
     """A parser that refuses an argument it does not know itself, naming the nearest flag. A
     subcommand's parser so answers a mistake with its own usage: argparse hands a subcommand's
@@ -137,6 +150,9 @@ class FlagParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         # A namespace of our own, as argparse would make: its type is then Namespace, not None.
         ns, extras = super().parse_known_args(args, namespace or argparse.Namespace())
+        model = getattr(ns, "model_tag", None)
+        if model in _COMMAND_WORDS and not os.path.exists(model):
+            self.error(_command_as_model(model))
         if extras:
             self.error(self._unrecognized(extras))
         return ns, extras

@@ -7,7 +7,8 @@
 #
 #   images/build.sh operator engine-cpu [engine-gpu]
 #
-# TAG (default dev) tags kvfleet/<image>:TAG; BASE_IMAGE overrides the base; the build time and
+# TAG (default dev) tags kvfleet/<image>:TAG; BASE_IMAGE overrides the base; TORCH_WHEEL_PORT
+# (default 47381) is the loopback port of the CPU wheel's index; the build time and
 # size of each image are printed. The images an earlier build left untagged (the one a tag pointed
 # to before, a multi-stage build's first stage) are removed afterwards: a machine that builds on
 # every commit otherwise fills its disk, 1.7 GB a build.
@@ -37,11 +38,23 @@ serve_cpu_wheel() {
     dir="$(mktemp -d)"
     mkdir "$dir/torch"
     ln -s "$wheel" "$dir/torch/"
-    port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    # One port from build to build where it is free: the index's URL is a build argument, and a
+    # new value misses the layer cache of every RUN after it (all of the image's layers).
+    # SO_REUSEADDR, as the server sets it: the last build's connections may hold the port in
+    # TIME_WAIT for a minute.
+    port="$(python3 -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])' "${TORCH_WHEEL_PORT:-47381}")"
     python3 -m http.server --bind 127.0.0.1 --directory "$dir" "$port" >/dev/null 2>&1 &
     server=$!
     trap 'kill "$server"; rm -rf "$dir"' EXIT
     cpu_index="http://127.0.0.1:$port/"
+    echo "torch's CPU wheel served at $cpu_index"
     sleep 1
 }
 

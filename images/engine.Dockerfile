@@ -69,7 +69,11 @@ ENV PYTHONUNBUFFERED=1 \
 # entry names it: USER answers getpass.getuser() (torch's compile caches) instead.
 USER 1000:1000
 EXPOSE 8000
-CMD ["kvfleet-engine", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# `docker run IMAGE [MODEL] [serve flags]` serves, as vllm/vllm-openai's entrypoint is `vllm serve`:
+# the arguments after the image are serve's (its defaults listen on 0.0.0.0:8000), `--help` lists
+# them. Another command: `docker run --entrypoint kvfleet-engine IMAGE generate ...`. The engine
+# is PID 1, so docker stop's SIGTERM reaches its drain directly. Pods set `command` and `args`.
+ENTRYPOINT ["kvfleet-engine", "serve"]
 
 # Triton compiles its small C launcher at run time: a C compiler and Python's headers (the
 # public base has the headers; Debian's python3 needs libpython3-dev for them).

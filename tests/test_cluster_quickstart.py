@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 
 import pytest
 import yaml
@@ -21,25 +20,12 @@ from kvfleet.operator.resources import (
     router_deployment,
 )
 from kvfleet.operator.spec import parse_spec
+from tests.support.doc_commands import commands, section
 from tests.support.tools import CHART, ROOT, helm
 
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
-SECTION = OPERATIONS.split("\n## From zero to a served model\n", 1)[1].split("\n## ", 1)[0]
+SECTION = section(OPERATIONS, "From zero to a served model")
 DEMO = yaml.safe_load((ROOT / "examples" / "inferenceservice-cpu-demo.yaml").read_text())
-
-
-def commands(text: str) -> list[list[str]]:
-    """The shell commands of the ```sh blocks, continuation lines joined, comments dropped."""
-    found = []
-    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            words = shlex.split(line, comments=True)
-            if words and words[-1] == "&":
-                words.pop()
-            if words:
-                found.append(words)
-    return found
 
 
 def built_images() -> set[str]:

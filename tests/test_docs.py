@@ -160,6 +160,9 @@ OTHER_TOOLS_FLAGS = {
     "--namespace", "--create-namespace", "--reuse-values", "--server-side", "--previous",
     "--as", "--build-arg", "--set", "--dry-run", "--include-crds", "--kube-context", "--no-deps",
     "--api-version", "--recursive",
+    # docker's and the hub CLI's (docs/operations.md, "Run the engine image")
+    "--rm", "--env-file", "--read-only", "--user", "--cap-drop", "--security-opt", "--tmpfs",
+    "--entrypoint", "--gpus", "--ipc", "--shm-size", "--time", "--local-dir", "--detach",
 }  # fmt: skip
 
 
@@ -189,7 +192,9 @@ def test_cited_benchmark_figures_are_in_results():
 def _readme_block(lang: str, after: str) -> str:
     """The first ```lang block of the README after the heading `after`."""
     text = README.read_text().split(after, 1)[1]
-    return re.search(rf"```{lang}\n(.*?)```", text, re.S).group(1)
+    block = re.search(rf"```{lang}\n(.*?)```", text, re.S)
+    assert block, f"no ```{lang} block after {after}"
+    return block.group(1)
 
 
 def test_the_readme_engine_examples_run_as_written(smollm2_gguf: Path, tmp_path: Path) -> None:

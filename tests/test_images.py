@@ -12,6 +12,7 @@ test skips locally and fails under CI=true or KVFLEET_REQUIRE_TOOLS=1 (what `mak
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -273,8 +274,8 @@ def test_operator_and_router_import_nothing_the_operator_image_lacks():
 def test_commands_the_images_and_pods_run_are_console_scripts():
     scripts = PYPROJECT["project"]["scripts"]
     for dockerfile, name in TARGETS:
-        (cmd,) = [rest for word, rest in final_stage(dockerfile, name) if word == "CMD"]
-        assert cmd.strip('[]"').split('"')[0] in scripts
+        (cmd,) = [r for w, r in final_stage(dockerfile, name) if w in ("CMD", "ENTRYPOINT")]
+        assert json.loads(cmd)[0] in scripts
     # The router Deployment runs `kvfleet-router` from the operator image.
     assert {"kvfleet-engine", "kvfleet-operator", "kvfleet-router"} <= set(scripts)
 

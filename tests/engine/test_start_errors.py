@@ -25,7 +25,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list
         try:
             code = main(argv)
         except SystemExit as e:
-            code = e.code  # type: ignore[assignment]
+            assert isinstance(e.code, int), e.code  # argparse's and main's: a status
+            code = e.code
     return code, capsys.readouterr().err.splitlines()
 
 
@@ -133,6 +134,22 @@ def test_a_misspelt_flag_gets_its_subcommands_usage_and_the_nearest_flag(argv, n
 def test_an_unknown_argument_with_nothing_near_is_named(capsys) -> None:
     error = _usage_error(["serve", "--zzzzzz"], capsys)
     assert "unrecognized argument: --zzzzzz;" in error and "did you mean" not in error
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "kvfleet-engine", "serve", "--port", "80"],
+        ["serve", "serve"],
+        ["serve", "generate", "--prompt", "hi"],
+    ],
+)
+def test_a_command_given_as_the_model_says_what_the_image_expects(argv, capsys) -> None:
+    """`docker run IMAGE kvfleet-engine serve ...` hands the image's entrypoint, kvfleet-engine
+    serve, a command where the model goes."""
+    error = _usage_error(argv, capsys)
+    assert f"MODEL {argv[1]!r} is a command, not a model" in error, error
+    assert "docker run --entrypoint kvfleet-engine IMAGE" in error
 
 
 def _size_flags(command: str) -> list[str]:

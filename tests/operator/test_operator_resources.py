@@ -178,6 +178,17 @@ def test_gpu_resources_use_the_configured_resource_name():
     assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
 
 
+@EXAMPLES
+def test_pods_name_their_command_so_no_image_entrypoint_applies(raw):
+    """The engine image's entrypoint is `kvfleet-engine serve` (docker run IMAGE [serve flags]):
+    every container the operator runs from an image names its own command, so the pod's args
+    never follow an entrypoint."""
+    for deploy in ("Deployment/llm-engine", "Deployment/llm-router"):
+        pod = children(raw)[deploy]["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c.get("command"), (deploy, c["name"])
+
+
 def test_cpu_engine_requests_no_gpu():
     deploy = children(DEMO)["Deployment/llm-engine"]
     engine = container(deploy, "engine")
