@@ -148,8 +148,9 @@ ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
 # Adapters one service registers: every engine holds them all on disk, the operator loads each
 # into each engine pod, and their --lora-modules words make the command line.
 MAX_ADAPTERS = 128
-# The largest adapter rank an engine can be asked to hold (its GPU slots are sized by it).
-MAX_LORA_RANK = 512
+# The largest adapter rank an engine can be asked to hold (its GPU slots are sized by it): the
+# engine's own bound (--max-lora-rank, the LoRA kernels' tile height), which a test holds equal.
+MAX_LORA_RANK = 256
 # Kubernetes resource.Quantity, unsigned.
 QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"

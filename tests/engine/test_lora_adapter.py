@@ -103,10 +103,11 @@ def test_lora_modules_are_read_as_vllm_takes_them():
             EngineArgs(model="m", **kwargs)
 
 
-def test_the_rank_bound_is_the_kernels():
+def test_the_rank_bound_is_the_kernels_and_the_operators():
     from kvfleet.engine.engine_args import MAX_LORA_RANK
     from kvfleet.kernels import lora
+    from kvfleet.operator import spec
 
-    assert MAX_LORA_RANK == lora.MAX_RANK
+    assert MAX_LORA_RANK == lora.MAX_RANK == spec.MAX_LORA_RANK
     with pytest.raises(ValueError, match="less than or equal to 256"):
         EngineArgs(model="m", enable_lora=True, max_lora_rank=MAX_LORA_RANK + 1)
