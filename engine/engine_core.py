@@ -257,6 +257,7 @@ class EngineCore:
         if any(r.lora == lora for r in self.scheduler.requests.values()):
             return
         slots.remove(lora)
+        self.runner.drop_adapter(lora.lora_int_id)
         # Its series leave /metrics with it: adapters come and go, the exposition stays bounded.
         self._lora_requests.pop(lora.lora_name, None)
 
@@ -329,6 +330,7 @@ class EngineCore:
         if prev is not None:
             outputs += self._fail(self.scheduler.settle_grammars(prev.out))
             self.runner.sample(prev)
+        outputs += self._host_adapters()
         out = self.scheduler.schedule()
         self.idle = out.empty and prev is None
         # On a GPU this call also waits for the step still on the device; on the CPU that
@@ -358,11 +360,44 @@ class EngineCore:
         self.scheduler.update(step.out, result.new_tokens())
         return self._finish(self.output_processor.process(result))
 
-    def _fail(self, failures: list[tuple[Request, Exception]]) -> list[RequestOutput]:
-        """End the requests whose grammar failed to compile, each with its error output."""
+    def _host_adapters(self) -> list[RequestOutput]:
+        """Read into host memory the adapter of each waiting request that has no copy there,
+        so that the scheduler may start it and the step's slot copies never read the disk. An
+        adapter whose folder went bad since it was checked (a file deleted, truncated, other
+        shapes) fails its waiting requests alone, which never ran: no KV blocks, no slot. When
+        every host copy is in use, the adapters left wait for the requests of one to end."""
+        slots = self.lora_slots
+        if slots is None:
+            return []
+        waiting = self.scheduler.waiting
+        adapters = {r.lora.lora_int_id: r.lora for r in waiting if r.lora is not None}
+        outputs: list[RequestOutput] = []
+        for lora in adapters.values():
+            if slots.is_hosted(lora):
+                continue
+            dropped = slots.make_room()
+            if dropped is None:
+                break
+            for victim in dropped:
+                self.runner.drop_adapter(victim)
+            try:
+                adapter = self.runner.read_adapter(lora)
+            except Exception as e:  # its own files, whatever the error: its requests alone
+                failed = [(r, e) for r in waiting if r.lora == lora]
+                outputs += self._fail(failed, f"reading LoRA adapter {lora.lora_name!r}")
+                continue
+            slots.host(lora)
+            self.runner.host_adapter(lora, adapter)
+        return outputs
+
+    def _fail(
+        self, failures: list[tuple[Request, Exception]], stage: str = "structured_outputs"
+    ) -> list[RequestOutput]:
+        """End these requests (their grammar failed to compile, or their adapter to load),
+        each with its error output."""
         if not failures:
             return []
-        return self._finish(self.output_processor.fail(failures, "structured_outputs"))
+        return self._finish(self.output_processor.fail(failures, stage))
 
     def _finish(self, processed: ProcessedStep) -> list[RequestOutput]:
         """The one place requests end for what the output processor found (stop strings,

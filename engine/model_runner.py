@@ -126,6 +126,10 @@ class StepPlan:
     # no sequence of the step uses an adapter. The adapters every rank copies into slots first.
     lora_slots: np.ndarray | None = None
     lora_changes: SlotChanges | None = None
+    # Tensor parallelism: the adapters rank 0 read into host memory (or dropped, None) since
+    # the last plan, for the workers' copies; rank 0 alone reads the disk. Sent once per
+    # adapter read, not per step.
+    lora_host_changes: dict[int, LoRAAdapter | None] | None = None
     # Embedding requests (a pooling engine): the sequences whose chunk adds to a mean pooling,
     # and those whose prompt ends this step, which rank 0 pools.
     pool_mean: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -252,6 +256,8 @@ class ModelRunner:
         self.lora: LoRALayers | None = None
         self.lora_host: dict[int, LoRAAdapter] = {}
         self.lora_load_seconds: list[tuple[str, float]] = []
+        # Rank 0 of several: lora_host's changes since the last plan, for the workers.
+        self._lora_host_changes: dict[int, LoRAAdapter | None] = {}
         self.model = self._load_model()
         if on_loaded is not None:
             on_loaded()
@@ -672,6 +678,7 @@ class ModelRunner:
             num_prev_sampled=0 if prev is None or prev.sampled is None else len(prev.sampled_rows),
             lora_slots=np.array(lora_slots, dtype=np.int32) if max(lora_slots) >= 0 else None,
             lora_changes=out.lora_changes or None,
+            lora_host_changes=self._take_lora_host_changes(),
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -689,6 +696,9 @@ class ModelRunner:
         pooled hidden states of the embedding requests whose prompt ends here, both by
         sequence index (rank 0 only). `prev_tokens`: rank 0's tokens of the previous step, where
         the plan's pending input ids are."""
+        if plan.lora_host_changes is not None:
+            for key, adapter in plan.lora_host_changes.items():
+                self._set_host_copy(key, adapter)
         if plan.lora_changes is not None:
             self._apply_lora_changes(plan.lora_changes)
         bs = self.block_size
@@ -793,23 +803,49 @@ class ModelRunner:
         config = read_config(lora.lora_path, self.args.max_lora_rank)
         check_weights(lora.lora_path, config, self.lora.targets)
 
-    def _read_adapter(self, lora: LoRARequest) -> LoRAAdapter:
-        assert self.lora is not None  # changes come only to an engine with LoRA
+    def read_adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        """The adapter's tensors from its folder, checked again (the folder may have changed
+        since check_adapter): LoRAAdapterError, or the OSError of the read, when they cannot be
+        served. Outside any step: the engine core fails the adapter's requests alone."""
+        if self.lora is None:
+            raise ValueError("the engine serves no LoRA adapters (enable_lora is off)")
         config = read_config(lora.lora_path, self.args.max_lora_rank)
         return read_lora_weights(lora.lora_path, config, self.lora.targets)
 
-    def _apply_lora_changes(self, changes: SlotChanges) -> None:
-        """Drop the host copies the slot manager let go; copy adapters into their slots, read
-        from disk first when host memory has no copy. Queued on the device's stream behind the
-        step before, which may still read the slot."""
-        for key in changes.dropped:
+    def host_adapter(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Keep a read adapter in host memory, where slot loads copy it from (every rank)."""
+        self._set_host_copy(lora.lora_int_id, adapter)
+        if self.send_plan is not None:
+            self._lora_host_changes[lora.lora_int_id] = adapter
+
+    def drop_adapter(self, lora_int_id: int) -> None:
+        """Let an adapter's host copy go (every rank)."""
+        self._set_host_copy(lora_int_id, None)
+        if self.send_plan is not None:
+            self._lora_host_changes[lora_int_id] = None
+
+    def _set_host_copy(self, key: int, adapter: LoRAAdapter | None) -> None:
+        if adapter is None:
             self.lora_host.pop(key, None)
+        else:
+            self.lora_host[key] = adapter
+
+    def _take_lora_host_changes(self) -> dict[int, LoRAAdapter | None] | None:
+        changes, self._lora_host_changes = self._lora_host_changes, {}
+        return changes or None
+
+    def _apply_lora_changes(self, changes: SlotChanges) -> None:
+        """Copy adapters into their slots from their host copies, which the engine core read
+        before it let their requests be scheduled: a step never reads the disk. Queued on the
+        device's stream behind the step before, which may still read the slot."""
         assert self.lora is not None
         for slot, lora in changes.loads:
             started = time.perf_counter()
             adapter = self.lora_host.get(lora.lora_int_id)
             if adapter is None:
-                adapter = self.lora_host[lora.lora_int_id] = self._read_adapter(lora)
+                raise RuntimeError(
+                    f"LoRA adapter {lora.lora_name!r} was scheduled without its host copy"
+                )
             with torch.inference_mode():
                 load_slot(self.lora, slot, adapter)
             if self.sampler is not None:  # rank 0's metrics; the workers keep no record

@@ -62,7 +62,9 @@ class Scheduler:
         lora_slots: AdapterSlots | None = None,
     ) -> None:
         """`lora_slots`: where the LoRA adapters are (enable_lora): a request of an adapter
-        starts only once its adapter has a GPU slot, pinned until it stops running."""
+        starts only once its adapter is in host memory (the engine core reads it there) and
+        has a GPU slot, pinned until it stops running; the host copy stays while the request
+        is in the engine."""
         self.kv = kv_cache_manager
         self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
@@ -79,6 +81,8 @@ class Scheduler:
         KV cache, so it is queued as it is."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora is not None:
+            self._lora_slots.add_user(req.lora)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -137,8 +141,9 @@ class Scheduler:
             req = self.waiting[w]
             lora = req.lora
             if lora is not None and not self._lora_slots.can_acquire(lora):
-                # Every slot is pinned by other adapters' running requests: this one waits for
-                # one of them to finish; requests of held adapters and of the base model go on.
+                # Its adapter is not read into host memory yet, or every slot is pinned by other
+                # adapters' running requests: this one waits; requests of held adapters and of
+                # the base model go on.
                 w += 1
                 continue
             hits, num_cached = self.kv.get_computed_blocks(req)
@@ -295,6 +300,8 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self._unpin(req)
+        if req.lora is not None:
+            self._lora_slots.drop_user(req.lora)
         self._finished.append(req.request_id)
         del self.requests[req.request_id]
 

@@ -1,16 +1,20 @@
 """LoRA adapters in the engine, against HF transformers + PEFT (fp32, CPU, greedy): adapters of
 different ranks and target modules and the base model mixed in one batch; adapters evicted and
-loaded again through one GPU slot; the prefix cache kept apart per adapter; two
-tensor-parallel ranks generating what one does."""
+loaded again through one GPU slot; the prefix cache kept apart per adapter; an adapter whose
+folder breaks after its check failing its own requests alone; two tensor-parallel ranks
+generating what one does."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from kvfleet.engine import LLM, LoRARequest, SamplingParams
 from kvfleet.engine.llm import TokensPrompt
+from kvfleet.engine.lora_adapter import WEIGHTS_FILE
 from tests.support.engine import assert_no_leak, hf_greedy
 from tests.support.lora_adapters import write_test_adapters
 
@@ -64,6 +68,37 @@ def _want(expected, loras: list[LoRARequest | None]) -> list[list[int]]:
     ]
 
 
+# How an adapter's folder breaks after its check, and what its requests' error then says.
+BREAKS = {"deleted": "it is missing", "truncated": "cannot be read", "reshaped": "has shape"}
+
+
+def _broken(llm: LLM, source: LoRARequest, root: Path, first_id: int) -> list[LoRARequest]:
+    """Copies of `source`, one per BREAKS, each checked by the engine (as an adapter is at
+    registration) and broken after."""
+    broken = []
+    for i, how in enumerate(BREAKS, first_id):
+        lora = LoRARequest(how, i, str(shutil.copytree(source.lora_path, root / how)))
+        llm.engine.check_adapter(lora)
+        weights = root / how / WEIGHTS_FILE
+        if how == "deleted":
+            weights.unlink()
+        elif how == "truncated":
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        else:
+            tensors = load_file(weights)
+            key = next(k for k in tensors if ".lora_A." in k)
+            tensors[key] = tensors[key][:-1]
+            save_file(tensors, weights)
+        broken.append(lora)
+    return broken
+
+
+def _assert_failed(out, lora: LoRARequest) -> None:
+    assert out.outputs[0].finish_reason == "error" and not out.outputs[0].token_ids
+    assert f"reading LoRA adapter {lora.lora_name!r} failed" in out.error, out.error
+    assert BREAKS[lora.lora_name] in out.error, out.error
+
+
 def _llm(model_dirs, **kwargs) -> LLM:
     return LLM(str(model_dirs["llama"]), device="cpu", dtype="float32", enable_lora=True,
                skip_tokenizer_init=True, **kwargs)  # fmt: skip
@@ -110,8 +145,49 @@ def test_the_prefix_cache_is_kept_apart_per_adapter(model_dirs, adapters):
         assert llm.generate(prompt, sp)[0].num_cached_tokens == 32
 
 
-def test_two_ranks_generate_what_one_does(model_dirs, adapters, expected):
-    """Column-parallel layers hold their rows of B, row-parallel ones their columns of A."""
+def test_an_adapter_broken_after_its_check_fails_its_requests_alone(
+    model_dirs, adapters, expected, tmp_path
+):
+    """Its weights are read into host memory before any request of it is scheduled, outside
+    the step: the read fails its requests, which never ran, and the engine serves on."""
+    good = adapters[0]
+    with _llm(model_dirs, max_loras=2, max_cpu_loras=2) as llm:
+        broken = _broken(llm, adapters[1], tmp_path, first_id=10)
+        loras = [broken[0], good, None, broken[1], broken[2], good, broken[0], None]
+        prompts = [TokensPrompt(prompt_token_ids=PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        outs = llm.generate(prompts, sp, lora_request=loras)
+        for i, (out, lora) in enumerate(zip(outs, loras, strict=True)):
+            if lora in broken:
+                _assert_failed(out, lora)
+            else:
+                assert out.error is None
+                name = None if lora is None else lora.lora_name
+                assert out.outputs[0].token_ids == expected[name][i % len(PROMPTS)]
+        assert_no_leak(llm)
+        slots = llm.engine.lora_slots
+        assert slots is not None and not slots.pins and not slots.users
+        assert slots.resident() == {good.lora_name: "gpu"}
+        assert set(llm.engine.runner.lora_host) == {good.lora_int_id}
+        # The engine goes on: the same requests again, the good ones from host memory.
+        again = llm.generate(prompts, sp, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+        assert_no_leak(llm)
+
+
+def test_two_ranks_generate_what_one_does(model_dirs, adapters, expected, tmp_path):
+    """Column-parallel layers hold their rows of B, row-parallel ones their columns of A. Rank
+    0 alone reads an adapter and sends it to the workers: one whose folder broke fails its
+    request on every rank alike."""
     loras = _mixed(adapters)[:4]
     with _llm(model_dirs, max_loras=2, tensor_parallel_size=2) as llm:
         assert _run(llm, loras) == _want(expected, loras)
+        deleted = _broken(llm, adapters[0], tmp_path, first_id=10)[0]
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=PROMPTS[0])] * 2,
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+            lora_request=[deleted, adapters[2]],
+        )
+        _assert_failed(outs[0], deleted)
+        assert outs[1].outputs[0].token_ids == expected[adapters[2].lora_name][0]
+        assert_no_leak(llm)
