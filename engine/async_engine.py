@@ -360,7 +360,13 @@ class AsyncEngine:
         try:
             self.core.add_request(cmd.request_id, cmd.request)
         except ValueError as e:
-            self._post(self._deliver_error, cmd.request_id, e)
+            # Admission checked the request itself: what add_request refuses is the engine's
+            # side, such as an adapter whose folder broke since it was loaded (the error says
+            # which and how). The request alone fails, as a RequestFailedError the server
+            # answers.
+            logger.warning("request %s: queueing failed: %s", cmd.request_id, e)
+            failure = RequestFailedError(f"queueing failed: {e}")
+            self._post(self._deliver_error, cmd.request_id, failure)
         except Exception as e:
             # add_request queues nothing when it raises: the request alone is lost.
             logger.exception("request %s: queueing failed", cmd.request_id)

@@ -1,16 +1,18 @@
 """The server's LoRA surface: adapters named by a request's `model`, listed by /v1/models with
 their parent, loaded and unloaded at run time (vLLM's endpoints, behind
---enable-runtime-lora-updating) with OpenAI error JSON for what it refuses, and the adapters'
-metrics."""
+--enable-runtime-lora-updating) with OpenAI error JSON for what it refuses, an adapter whose
+folder breaks after loading failing its own requests alone, and the adapters' metrics."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
 
 from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.lora_adapter import WEIGHTS_FILE
 from kvfleet.engine.server.settings import ServerSettings
 from tests.support.lora_adapters import write_peft_adapter
 from tests.support.net import http_call
@@ -92,6 +94,54 @@ def test_adapters_load_and_unload_at_run_time(server, adapter_dirs, tmp_path):
         time.sleep(0.05)
     status, raw = _post(server, "/v1/unload_lora_adapter", {"lora_name": "second"})
     assert status == 400 and b"cannot be found" in raw
+
+
+def _load_copy(server, source, root, name: str):
+    """A copy of the adapter folder `source`, loaded under `name`."""
+    path = shutil.copytree(source, root / name)
+    body = {"lora_name": name, "lora_path": str(path)}
+    status, raw = _post(server, "/v1/load_lora_adapter", body)
+    assert status == 200, raw
+    return path
+
+
+def _answers(server) -> dict[str, list]:
+    """The base model's and the adapter "first"'s greedy choices."""
+    answers = {}
+    for model in (BASE, "first"):
+        status, out = _complete(server, model)
+        assert status == 200, out
+        answers[model] = out["choices"]
+    return answers
+
+
+def _assert_failed(status: int, out: dict, *parts: str) -> None:
+    error = out["error"]
+    assert status == 500 and error["type"] == "server_error", out
+    assert error["code"] == "request_failed", out
+    for part in parts:
+        assert part in error["message"], out
+
+
+def test_an_adapter_whose_weights_go_after_loading_fails_its_requests_alone(
+    server, adapter_dirs, tmp_path
+):
+    """One that has served (and left host memory since), and one that has not: the first is
+    read again before its request is scheduled, the second checked as its request is queued;
+    either fails that request alone, and the engine serves the others as before."""
+    served = _load_copy(server, adapter_dirs[1], tmp_path, "served")
+    assert _complete(server, "served")[0] == 200
+    before = _answers(server)  # "served" leaves host memory for "first"
+    fresh = _load_copy(server, adapter_dirs[1], tmp_path, "fresh")
+    for path in (served, fresh):
+        (path / WEIGHTS_FILE).unlink()
+    missing = f"no {WEIGHTS_FILE}: it is missing"
+    _assert_failed(*_complete(server, "served"), "reading LoRA adapter 'served' failed", missing)
+    _assert_failed(*_complete(server, "fresh"), str(fresh), missing)
+    assert _answers(server) == before
+    assert http_call(server.url + "/health")[0] == 200
+    for name in ("served", "fresh"):
+        assert _post(server, "/v1/unload_lora_adapter", {"lora_name": name})[0] == 200
 
 
 def test_the_adapters_metrics(server):
