@@ -132,7 +132,7 @@ class _LoRACollector(Collector):
         families = [CounterMetricFamily(n, doc, labels=[model, name]) for n, doc, _ in counters]
         load_time = HistogramMetricFamily(
             metric_names.LORA_LOAD_SECONDS,
-            "Time to load a LoRA adapter into a GPU slot (from disk without a host copy).",
+            "Time to copy a LoRA adapter into a GPU slot from its host copy.",
             labels=[model],
         )
         if lora is not None:
