@@ -87,14 +87,14 @@ def test_the_mix_has_every_kind_unless_told_otherwise() -> None:
 
 def test_the_bounds_come_from_the_design() -> None:
     # The demo's reconcile: the service, 9 children read and written, the optional download
-    # ConfigMap read, the pod list, the status, an Event.
-    assert soak.reconcile_requests() == 1 + 2 * 9 + 1 + 3
+    # and adapters ConfigMaps read, the pod list, the status, an Event.
+    assert soak.reconcile_requests() == 1 + 2 * 9 + 2 + 3
     # Per minute: 6 autoscaling steps of at most 4 requests, 8 reconciles (the backoff's
     # delays drawn down to half), 3 retries of each of 10 writes failing for the first time.
-    assert soak.service_bound(10.0) == 6 * 4 + 8 * 23 + 3 * 10
-    assert soak.service_bound(2.0) == 30 * 4 + 8 * 23 + 3 * 10
+    assert soak.service_bound(10.0) == 6 * 4 + 8 * 24 + 3 * 10
+    assert soak.service_bound(2.0) == 30 * 4 + 8 * 24 + 3 * 10
     # A user's change: 3 reconciles more.
-    assert soak.change_allowance() == 3 * 23
+    assert soak.change_allowance() == 3 * 24
     # Six retries of a list and a watch, and six probe lists sent up to 3 times each.
     assert soak.collection_bound() == 6 * 2 + 6 * 3
 

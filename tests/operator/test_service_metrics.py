@@ -16,7 +16,6 @@ from aiohttp import web
 import kvfleet.operator.main  # noqa: F401  (registers the operator's metrics)
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.outputs import EngineStats
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.resources import common_labels
 from kvfleet.operator.scaling_policy import (
@@ -26,6 +25,7 @@ from kvfleet.operator.scaling_policy import (
     ScalingPolicy,
     decide,
 )
+from tests.support.engine import idle_stats
 from tests.support.kmock import (
     CONFIG,
     DEMO,
@@ -71,8 +71,7 @@ def test_the_decision_says_what_the_signals_wanted_beyond_the_bound():
 async def engine_metrics(waiting: int) -> AsyncIterator[int]:
     """An engine's /metrics as the engine exports it, with `waiting` requests queued; yields its
     port."""
-    fields = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
-    stats = EngineStats(**(fields | {"num_requests_waiting": waiting}))
+    stats = idle_stats(num_requests_waiting=waiting)
     metrics = EngineMetrics(EngineArgs(model="unused", max_num_seqs=16), "smollm2-135m-instruct")
     metrics.collect_state(lambda: stats)
 

@@ -6,12 +6,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from kvfleet.engine.outputs import EngineStats
 
 # Lengths from 1 to 200 tokens, on and off 16-token block boundaries.
 PROMPT_LENS = (1, 7, 16, 33, 64, 100, 161, 200)
 MAX_TOKENS = 32
+
+
+def idle_stats(**values: Any) -> EngineStats:
+    """The stats of an engine with nothing in it (every count 0, LoRA off), but `values`: what
+    a metrics test exports as an engine would."""
+    zeros = dict.fromkeys(EngineStats.__dataclass_fields__, 0) | {"lora": None}
+    return EngineStats(**(zeros | values))
 
 
 def hf_greedy(

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 import kvfleet.operator.main  # noqa: F401  (registers the operator's metrics)
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.outputs import EngineStats
 from kvfleet.router.breaker import BreakerPolicy, Breakers
 from kvfleet.router.proxy import Balancer, RouterMetrics
+from tests.support.engine import idle_stats
 
 # The series a metric family of each type is queried by.
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
@@ -34,7 +34,7 @@ def _series(registry: CollectorRegistry) -> set[str]:
 
 def registered() -> set[str]:
     """Every series name the engine, the router and the operator register."""
-    stats = EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
+    stats = idle_stats()
     engine = EngineMetrics(EngineArgs(model="unused").for_device(torch.device("cpu")), "m")
     engine.collect_state(lambda: stats)
     router = RouterMetrics(Balancer(), Breakers(BreakerPolicy()), "tokens")

@@ -18,21 +18,30 @@ from kvfleet.operator.latency import LATENCY_METRICS
 from kvfleet.operator.metrics_scraper import Scraper, Target
 from kvfleet.router import engine_load
 from kvfleet.telemetry import metric_names
+from tests.support.lora_adapters import write_peft_adapter
 from tests.support.net import http_call
 from tests.support.servers import engine_server
 
 MODEL = "tiny"
+ADAPTER = "tiny-lora"
 
 
 @pytest.fixture(scope="module")
-def engine(model_dirs) -> Iterator[SimpleNamespace]:
-    """A CPU engine that has finished one request: its latency histograms have series."""
+def engine(model_dirs, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """A CPU engine with a LoRA adapter (whose series the router reads) that has finished one
+    request of the base model and one of the adapter: its latency histograms and its adapters'
+    series have samples."""
+    adapter = write_peft_adapter(
+        model_dirs["llama"], tmp_path_factory.mktemp("contract") / "adapter", rank=4
+    )
     settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
-    args = EngineArgs(model=str(model_dirs["llama"]), dtype="float32", max_num_seqs=8)
+    args = EngineArgs(model=str(model_dirs["llama"]), dtype="float32", max_num_seqs=8,
+                      enable_lora=True, lora_modules=[f"{ADAPTER}={adapter}"])  # fmt: skip
     with engine_server(args, settings) as server:
-        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
-        status, _, answer = http_call(server.url + "/v1/completions", body)
-        assert status == 200, answer
+        for model in (MODEL, ADAPTER):
+            body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
+            status, _, answer = http_call(server.url + "/v1/completions", body)
+            assert status == 200, answer
         yield server
 
 
@@ -65,6 +74,7 @@ async def test_the_router_reads_the_engines_load_whole(engine) -> None:
         lines = await engine_load.read_samples(r, engine_load.MAX_BODY_BYTES)
     report = engine_load.report_of(lines, own_at_scrape=0)
     assert (report.running, report.waiting, report.max_num_seqs) == (0, 0, 8)
+    assert report.adapters is not None and ADAPTER in report.adapters.gpu, report
 
 
 @pytest.mark.asyncio
@@ -77,4 +87,4 @@ async def test_the_operator_reads_every_engine_signal(engine, latency: str) -> N
     assert (pod.running, pod.waiting) == (0, 0)
     assert pod.kv_cache_usage is not None and 0 <= pod.kv_cache_usage <= 1
     assert pod.cached_blocks is not None
-    assert pod.latency is not None and pod.latency[-1][1] == 1  # the one request
+    assert pod.latency is not None and pod.latency[-1][1] == 2  # the two requests
