@@ -861,6 +861,21 @@ async def _mark_sent(_session: aiohttp.ClientSession, ctx: SimpleNamespace, _par
 
 ROUTER = web.AppKey("router", Router)
 
+# The engines' adapter endpoints change what an engine serves for every tenant and read paths of
+# its file system: the operator calls them on each engine directly (spec.adapters), and a client
+# never reaches them through the router, whatever its key.
+ENGINE_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+async def not_routed(request: web.Request) -> web.Response:
+    return openai_error(
+        404,
+        f"{request.path} is not served through the router: an InferenceService's adapters are "
+        "its spec.adapters, which the operator loads into its engines",
+        "invalid_request_error",
+        "not_found",
+    )
+
 
 def build_app(router: Router) -> web.Application:
     # Request bodies are read whole (for the key and for a retry), up to the body limit.
@@ -874,6 +889,8 @@ def build_app(router: Router) -> web.Application:
     app.cleanup_ctx.append(router._start_session)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_handler)
+    for path in ENGINE_ADMIN_PATHS:
+        app.router.add_route("*", path, not_routed)
     for path in ("/v1/{tail:.*}", "/tokenize", "/detokenize"):
         app.router.add_route("*", path, router.proxy, expect_handler=router.expect)
     return app

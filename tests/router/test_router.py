@@ -603,6 +603,27 @@ async def test_embeddings_pass_through_least_loaded() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+async def test_the_engines_adapter_endpoints_are_not_routed(path: str) -> None:
+    """Loading or unloading an engine's adapters (which reads its file system and changes what
+    it serves every tenant) is the operator's, on each engine: a client gets a 404 and no
+    engine sees the request."""
+    engine = FakeEngine("a", chunks=1)
+    app = engine.app()
+    app.router.add_post(path, engine.handle)
+    body = json.dumps({"lora_name": "x", "lora_path": "/etc"}).encode()
+    async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+        addr = await stack.enter_async_context(serving(app))
+        router = Router(RouterSettings(prefix_length=POLICY.prefix_length))
+        router.set_endpoints([addr])
+        url = "http://" + await stack.enter_async_context(serving(build_app(router)))
+        async with s.post(f"{url}{path}", data=body) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "not_found"
+    assert engine.hits == 0
+
+
+@pytest.mark.asyncio
 async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
     a, b = FakeEngine("a", gap=0.1), FakeEngine("b", gap=0.1)
     async with fleet(a, b) as (router, url, addrs), aiohttp.ClientSession() as s:
