@@ -20,9 +20,8 @@ from kvfleet.kernels.reference import FP8, FP8_MAX, GATED_ACTIVATIONS, MIN_SCALE
 
 
 @triton.jit
-def _act_and_mul_row(x_row, cols, mask, d, ACTIVATION: tl.constexpr):
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+def gated(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in fp32, for any kernel that fuses a gated MLP's activation."""
     if ACTIVATION == "silu":  # the names are reference.GATED_ACTIVATIONS' keys
         act = gate / (1.0 + tl.exp(-gate))
     else:
@@ -30,6 +29,13 @@ def _act_and_mul_row(x_row, cols, mask, d, ACTIVATION: tl.constexpr):
         u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = gate / (1.0 + tl.exp(-2.0 * u))
     return act * up
+
+
+@triton.jit
+def _act_and_mul_row(x_row, cols, mask, d, ACTIVATION: tl.constexpr):
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    return gated(gate, up, ACTIVATION)
 
 
 @kernel

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvfleet.kernels.activation import gated
 from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, GATED_ACTIVATIONS
 
@@ -213,14 +214,8 @@ def _gate_up_kernel(
     dtype = out_ptr.dtype.element_ty
     g = acc_gate.to(dtype).to(tl.float32)
     u = acc_up.to(dtype).to(tl.float32)
-    if ACTIVATION == "silu":  # reference.GATED_ACTIVATIONS' keys, as kernels.activation
-        act = g / (1.0 + tl.exp(-g))
-    else:
-        # tanh GELU: 0.5 g (1 + tanh(v)) = g sigmoid(2v).
-        v = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = g / (1.0 + tl.exp(-2.0 * v))
     out = out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :]
-    tl.store(out, (act * u).to(dtype), mask=col_ok[None, :])
+    tl.store(out, gated(g, u, ACTIVATION).to(dtype), mask=col_ok[None, :])
 
 
 @kernel
