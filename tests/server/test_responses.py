@@ -19,6 +19,7 @@ from openai import OpenAI
 from pydantic import BaseModel
 
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
+from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
 from tests.support.servers import (
     assert_engine_idle,
@@ -31,20 +32,8 @@ from tests.support.servers import (
 MODEL = "smollm2"
 INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
 QUESTION = "What is the capital of France?"
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 20},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
+# The chat tool as the Responses API takes it: the function's fields beside "type".
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 FORCED = {"type": "function", "name": "get_weather"}
 
 

@@ -31,27 +31,13 @@ from kvfleet.engine.server.tools import (
 )
 from kvfleet.protocol.chat_template import render_chat_text
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
+from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
 from tests.support.servers import default_model_server, openai_client, runner_in_thread
 from tests.support.tiny_model import tiny_model_path
 
 MODEL = "smollm2"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = WEATHER_TOOL
 TIME = {
     "type": "function",
     "function": {

@@ -260,3 +260,23 @@ def wide_schema(properties: int, tag: str = "p") -> dict[str, Any]:
     big to compile, and each ``tag`` a schema the engine has never seen."""
     kinds = [{"type": "integer"}, {"type": "boolean"}, _str(8), {"enum": ["a", "b", "c"]}]
     return _obj({f"{tag}{i}": kinds[i % len(kinds)] for i in range(properties)}, required=[])
+
+
+# A function tool (chat's shape) whose arguments greedy SmolLM2 fills within bounds; the tool
+# and Responses tests call it.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
