@@ -5,7 +5,7 @@ how it routes, within which bounds (RouterSettings). Its flags are built from th
 from __future__ import annotations
 
 import functools
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -13,6 +13,7 @@ from kvfleet.protocol.byte_size import ByteSize
 from kvfleet.protocol.json_body import JsonLimits
 from kvfleet.router.breaker import BreakerPolicy
 from kvfleet.router.endpoints import parse_static
+from kvfleet.router.kv_index import MAX_BLOCKS
 from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import KeyPolicy
 from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
@@ -94,6 +95,22 @@ class RouterSettings(BaseModel):
         ge=1,
         description="an engine takes at most this times the mean load before keys spill to the "
         "next",
+    )
+    prefix_scoring: Literal["precise", "approximate"] = Field(
+        default="precise",
+        description="precise: score engines by the prompt blocks they hold, from their KV events "
+        "(needs --tokenizer; approximate for an engine whose events are stale); approximate: "
+        "the prefix key on the hash ring alone",
+    )
+    kv_events_stale_after: float = Field(
+        default=3.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds without a line from an engine's KV events (it sends one a second) "
+        "before its view is stale and its stream is opened again",
+    )
+    kv_index_max_blocks: int = Field(
+        default=MAX_BLOCKS, ge=1, description="KV block hashes indexed per engine, at most"
     )
     engine_load_interval: float = Field(
         default=1.0,
