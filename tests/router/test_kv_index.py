@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvfleet.protocol.block_hash import prompt_block_hashes
-from kvfleet.protocol.kv_events import STREAM_LINE, EventBatch, Snapshot
+from kvfleet.protocol.kv_events import EventBatch, Snapshot
 from kvfleet.router.kv_index import CPU_BLOCK_WEIGHT, CachedPrefix, Gap, KvIndex
 from kvfleet.router.prefix_score import EngineState, ranked, score
 
@@ -22,15 +22,11 @@ HEX = [h.hex() for h in HASHES]
 def snapshot(gpu: list[str], cpu: list[str] | None = None, seq: int = 0, engine_id: str = "a"):
     line = {"type": "snapshot", "engine_id": engine_id, "seq": seq, "block_size": 16,
             "blocks": {"gpu": gpu, "cpu": cpu or []}}  # fmt: skip
-    parsed = STREAM_LINE.validate_python(line)
-    assert isinstance(parsed, Snapshot)
-    return parsed
+    return Snapshot.model_validate(line)
 
 
 def batch(seq: int, *events: dict[str, Any]) -> EventBatch:
-    parsed = STREAM_LINE.validate_python({"type": "batch", "seq": seq, "events": list(events)})
-    assert isinstance(parsed, EventBatch)
-    return parsed
+    return EventBatch.model_validate({"seq": seq, "events": list(events)})
 
 
 def stored(hexes: list[str], medium: str = "gpu") -> dict[str, Any]:
