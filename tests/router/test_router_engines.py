@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,6 +19,8 @@ import aiohttp
 import openai
 import pytest
 
+from kvfleet.protocol import kv_events
+from kvfleet.protocol.block_hash import prompt_block_hashes
 from kvfleet.router.prompt_tokenizer import EngineTokenizer
 from kvfleet.router.proxy import Router, RouterSettings, build_app
 from tests.support.scripts import load_bench_script
@@ -49,6 +52,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 async def router_for(
     fleet: dict[str, Any], hosts: list[str], **settings: Any
 ) -> AsyncIterator[tuple[Router, str]]:
+    # The hash ring's own tests route approximately; precise scoring's smoke asks for it.
+    settings.setdefault("prefix_scoring", "approximate")
     router = Router(RouterSettings(**settings), fleet["tokenizer"])
     router.set_endpoints(hosts)
     async with serving(build_app(router)) as addr:
@@ -158,6 +163,55 @@ async def test_the_router_reads_the_engines_own_load(fleet: dict[str, Any]) -> N
         reports = [router.balancer.reports[h] for h in fleet["hosts"]]
         assert {(r.running, r.waiting, r.max_num_seqs) for r in reports} == {(0, 0, 256)}
         assert router.balancer.free() == set(fleet["hosts"])
+
+
+@pytest.mark.asyncio
+async def test_precise_scoring_sends_a_shared_prefix_where_the_events_say_it_is(
+    fleet: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU smoke of KV events and precise prefix scoring: a long prompt served once, the
+    next request sharing its prefix goes to the engine that holds it, by that engine's events,
+    though its session's home on the ring is the other engine."""
+    hosts = fleet["hosts"][:2]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{fleet['urls'][0]}{kv_events.PATH}") as r:
+            if r.status == 404:
+                pytest.skip("the engine does not serve KV events yet (issue 41, kv-events)")
+        async with router_for(fleet, hosts, prefix_scoring="precise") as (router, url):
+            index = router.index
+            assert index is not None
+
+            async def until(check: Callable[[], bool]) -> None:
+                for _ in range(1000):
+                    if check():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("timed out")
+
+            await until(lambda: index.live(router.balancer.clock()) == set(hosts))
+            system = "a long system prompt shared by the turns " * 12
+            first = chat_body(system, "the first turn", max_tokens=1)
+            async with s.post(f"{url}/v1/chat/completions", json=first) as r:
+                assert r.status == 200
+            hashes = prompt_block_hashes(fleet["tokenizer"].chat(first["messages"], True, None))
+
+            def holders() -> list[str]:
+                return [h for h in hosts if index.longest_prefix(h, hashes).gpu == len(hashes)]
+
+            await until(lambda: len(holders()) == 1)
+            holder = holders()[0]
+            ring = router.balancer.ring
+            sid = next(f"s{i}" for i in range(100) if ring.home(f"session:s{i}") != holder)
+            second = chat_body(system, "the second turn", max_tokens=1)
+            with caplog.at_level(logging.DEBUG, "kvfleet.router"):
+                async with s.post(f"{url}/v1/chat/completions", json=second,
+                                  headers={"x-session-id": sid}) as r:  # fmt: skip
+                    assert r.status == 200
+    assert f"precise prefix scoring: cached to {holder}" in caplog.text
+    cached = router.metrics.registry.get_sample_value(
+        "kvfleet_router_prefix_scoring_total", {"decision": "cached"}
+    )
+    assert cached == 1
 
 
 @pytest.mark.asyncio
