@@ -9,8 +9,8 @@ number or comes from a restarted engine (a new engine_id) is opened again after 
 jitter, and starts from a new snapshot; meanwhile the engine's view is gone or stale, and
 requests are scored for it as approximate routing would.
 
-An engine's stream is semi-trusted input: each line is bounded (``max_line_bytes``; a snapshot
-of ``kv_index.MAX_BLOCKS`` hashes in each medium fits), validated against the wire models, and a
+An engine's stream is semi-trusted input: each line is bounded (``max_line_bytes``: a snapshot
+of the index's bound of hashes in each medium fits), validated against the wire models, and a
 line that is not is a broken stream (resync), never a router failure. Large lines are parsed off
 the event loop.
 """
@@ -29,12 +29,17 @@ from pydantic import ValidationError
 from kvfleet.protocol.json_body import OFF_LOOP_BYTES
 from kvfleet.protocol.kv_events import PATH, EventBatch, Heartbeat, Snapshot, parse_line
 from kvfleet.router.endpoints import Backoff
-from kvfleet.router.kv_index import MAX_BLOCKS, Gap, KvIndex, build_view
+from kvfleet.router.kv_index import Gap, KvIndex, build_view
 
 logger = logging.getLogger("kvfleet.router.kv_subscriber")
 
-# A snapshot line: up to MAX_BLOCKS hashes per medium, 35 bytes each ("<32 hex>",).
-MAX_LINE_BYTES = 2 * MAX_BLOCKS * 35 + 4096
+
+def max_line_bytes(max_blocks: int) -> int:
+    """The longest line read: a snapshot of the index's bound in each medium, 35 bytes a hash
+    ("<32 hex>",), and room for the rest (18 MB at the default bound)."""
+    return 2 * max_blocks * 35 + 4096
+
+
 RESYNC_REASONS = ("connect", "closed", "silent", "gap", "new_engine", "invalid")
 
 
@@ -98,7 +103,6 @@ class KvSubscriber:
         *,
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
-        max_line_bytes: int = MAX_LINE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
@@ -106,7 +110,7 @@ class KvSubscriber:
         self.on_resync = on_resync
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
-        self.max_line_bytes = max_line_bytes
+        self.max_line_bytes = max_line_bytes(index.max_blocks)
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None
         self._streams: dict[str, asyncio.Task[None]] = {}

@@ -21,9 +21,9 @@ difference, so requests that share only a little spread by load.
 Only engines within the bounded-load cap (hash_ring.HashRing.capacity, or with a free batch slot)
 are candidates, as with approximate routing; an engine whose view is stale is scored as
 approximate routing sees it (all of the prompt where the request's key has its home on the ring,
-none elsewhere). Equal scores go to the engine met first on the ring from the request's key (its
-session, user or prefix key): session affinity is the tie-breaker, and replicas that see the
-same events and loads choose the same engine.
+none elsewhere). Equal scores go to a known prefix before an assumed one, then to the engine met
+first on the ring from the request's key (its session, user or prefix key): session affinity is
+the tie-breaker, and replicas that see the same events and loads choose the same engine.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class EngineState:
     requests: int
     batch: int
     kv_usage: float = 0.0
+    # cached_blocks assumed as approximate routing would (the engine's view is stale), not known.
+    assumed: bool = False
 
     @property
     def load(self) -> float:
@@ -61,12 +63,16 @@ class Scored:
     endpoint: str
     score: float
     cached_blocks: float
+    assumed: bool
 
 
 def ranked(order: Sequence[str], states: Mapping[str, EngineState], blocks: int) -> list[Scored]:
-    """``order`` (candidates in ring order from the request's key) by score, highest first;
-    equal scores keep ring order (the first met wins)."""
+    """``order`` (candidates in ring order from the request's key) by score, highest first; at
+    equal scores a known prefix before an assumed one, then ring order (the first met wins)."""
     if blocks < 1:
         raise ValueError("scoring needs a prompt of at least one block")
-    scored = [Scored(ep, score(states[ep], blocks), states[ep].cached_blocks) for ep in order]
-    return sorted(scored, key=lambda s: -s.score)  # stable: ties stay in ring order
+    scored = [
+        Scored(ep, score(st, blocks), st.cached_blocks, st.assumed)
+        for ep, st in ((ep, states[ep]) for ep in order)
+    ]
+    return sorted(scored, key=lambda s: (-s.score, s.assumed))  # stable: then ring order

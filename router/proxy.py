@@ -326,6 +326,7 @@ class Balancer:
                 requests=load.get(ep, 0),
                 batch=(report.max_num_seqs if report and report.max_num_seqs else cap),
                 kv_usage=(report.kv_usage or 0.0) if report else 0.0,
+                assumed=ep not in live,
             )
         return ranked(order, states, len(hashes))
 

@@ -96,8 +96,10 @@ def test_an_engine_over_the_bound_is_indexed_up_to_it_with_one_warning(
     assert len([r for r in caplog.records if "over 4 KV blocks" in r.message]) == 2
 
 
-def state(cached: float, requests: int = 0, batch: int = 8, kv: float = 0.0) -> EngineState:
-    return EngineState(cached_blocks=cached, requests=requests, batch=batch, kv_usage=kv)
+def state(
+    cached: float, requests: int = 0, batch: int = 8, kv: float = 0.0, assumed: bool = False
+) -> EngineState:
+    return EngineState(cached, requests, batch, kv, assumed)
 
 
 def test_the_rule_trades_the_cached_prefix_against_load() -> None:
@@ -111,4 +113,6 @@ def test_the_rule_trades_the_cached_prefix_against_load() -> None:
     assert ranked(order, {"cold": state(0), "warm": state(6, kv=0.9)}, 8)[0].endpoint == "cold"
     # Equal scores keep ring order: the first met from the request's key wins.
     assert ranked(order, {"cold": state(0), "warm": state(0)}, 8)[0].endpoint == "cold"
+    # A prefix known from events goes before one assumed for a stale view, at equal scores.
+    assert ranked(order, {"cold": state(8, assumed=True), "warm": state(8)}, 8)[0].endpoint == "warm"
     assert score(state(8, requests=8), 8) == 0.0  # a whole prompt is worth one full engine

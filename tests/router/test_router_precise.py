@@ -84,13 +84,14 @@ class Replica:
 
 
 @asynccontextmanager
-async def replica(fleet: dict[str, FakeKvEngine]) -> AsyncIterator[Replica]:
-    settings = RouterSettings(kv_events_stale_after=1.0, engine_load_interval=0)
-    router = Router(settings, TOKENIZER)
+async def replica(fleet: dict[str, FakeKvEngine], **settings: Any) -> AsyncIterator[Replica]:
+    defaults = {"kv_events_stale_after": 1.0, "engine_load_interval": 0}
+    router = Router(RouterSettings(**{**defaults, **settings}), TOKENIZER)
     router.set_endpoints(fleet)
     async with serving(build_app(router)) as addr:
         r = Replica(router, addr)
-        await until(lambda: r.live() == set(fleet))
+        broken = {ep for ep, e in fleet.items() if e.garbage is not None}
+        await until(lambda: r.live() == set(fleet) - broken)
         yield r
 
 
@@ -137,6 +138,33 @@ async def test_a_gap_resyncs_from_a_snapshot_and_stale_views_fall_back() -> None
             before = r.decisions("fallback") or 0
             assert await r.served_by(found, **{"x-session-id": r.away_from(addr_b)}) == a.name
             assert r.decisions("fallback") == before + 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("garbage", "reason"),
+    [
+        (b"not json\n", "invalid"),
+        (b'{"type": "heartbeat", "seq": 0}\n', "invalid"),  # no snapshot first
+        (b"[" * 6000, "invalid"),  # a line past the bound (5216 bytes at 16 blocks)
+    ],
+)
+async def test_a_hostile_stream_is_dropped_and_its_engine_routed_approximately(
+    garbage: bytes, reason: str
+) -> None:
+    async with engines("a", "b") as fleet:
+        (addr_a, a), (addr_b, b) = fleet.items()
+        a.garbage = garbage
+        b.push(stored(tokens("q")))
+        async with replica(fleet, kv_index_max_blocks=16) as r:
+            await until(
+                lambda: (r.sample("kvfleet_router_kv_resyncs_total", reason=reason) or 0) > 0
+            )
+            assert addr_a not in r.index.engines()
+            assert r.sample("kvfleet_router_kv_stale_engines") == 1
+            # b's events still count, and requests are served.
+            sid = r.away_from(addr_b)
+            assert await r.served_by(messages("q"), **{"x-session-id": sid}) == "b"
 
 
 def test_the_prefix_key_and_the_hashes_come_from_one_tokenization() -> None:

@@ -54,6 +54,8 @@ class FakeKvEngine:
         self.subscribers: list[asyncio.Queue[dict[str, Any] | None]] = []
         self.connections = 0
         self.served = 0
+        # Sent in place of the snapshot when set: a broken or hostile engine's stream.
+        self.garbage: bytes | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -89,6 +91,9 @@ class FakeKvEngine:
         snapshot = {"type": "snapshot", "engine_id": self.engine_id, "seq": self.seq,
                     "block_size": 16, "blocks": {"gpu": self.gpu, "cpu": self.cpu}}  # fmt: skip
         try:
+            if self.garbage is not None:
+                await response.write(self.garbage)
+                return response
             await response.write(json.dumps(snapshot).encode() + b"\n")
             while True:
                 try:
