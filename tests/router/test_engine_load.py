@@ -139,7 +139,7 @@ class Engine:
 
     def __init__(self, name: str, hold: float = 0.0, hostile: str | None = None) -> None:
         self.name, self.hold, self.hostile = name, hold, hostile
-        self.others = (0, 0)
+        self.others: tuple[int, int] = (0, 0)
         self.batch = 8
         self.active = 0
         self.scrapes = 0

@@ -114,5 +114,6 @@ def test_the_rule_trades_the_cached_prefix_against_load() -> None:
     # Equal scores keep ring order: the first met from the request's key wins.
     assert ranked(order, {"cold": state(0), "warm": state(0)}, 8)[0].endpoint == "cold"
     # A prefix known from events goes before one assumed for a stale view, at equal scores.
-    assert ranked(order, {"cold": state(8, assumed=True), "warm": state(8)}, 8)[0].endpoint == "warm"
+    stale_home = {"cold": state(8, assumed=True), "warm": state(8)}
+    assert ranked(order, stale_home, 8)[0].endpoint == "warm"
     assert score(state(8, requests=8), 8) == 0.0  # a whole prompt is worth one full engine
