@@ -32,9 +32,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 W_LOAD = 1.0
-# Blocks of a prompt scored: its first 32k tokens. Hashing costs ~1 us a block, and which engine
-# holds a prompt's blocks past the first 32k tokens hardly changes its fraction.
-MAX_SCORED_BLOCKS = 2048
 
 
 @dataclass(frozen=True)

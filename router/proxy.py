@@ -46,7 +46,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvfleet.protocol.block_hash import BLOCK_SIZE, lora_extra_key, prompt_block_hashes
+from kvfleet.protocol.block_hash import lora_extra_key, prompt_block_hashes
 from kvfleet.protocol.json_body import (
     OFF_LOOP_BYTES,
     RequestRefused,
@@ -72,7 +72,7 @@ from kvfleet.router.engine_load import (
 from kvfleet.router.hash_ring import HashRing
 from kvfleet.router.kv_index import KvIndex
 from kvfleet.router.kv_subscriber import RESYNC_REASONS, KvSubscriber
-from kvfleet.router.prefix_score import MAX_SCORED_BLOCKS, EngineState, Scored, ranked
+from kvfleet.router.prefix_score import EngineState, Scored, ranked
 from kvfleet.router.request_body import (
     check_content_length,
     parse_json_body,
@@ -735,7 +735,8 @@ class Router:
             return rk, []
         extra = lora_extra_key(adapter) if adapter is not None else None
         try:
-            return rk, prompt_block_hashes(tokens[: MAX_SCORED_BLOCKS * BLOCK_SIZE], extra)
+            scored = tokens[: self.settings.prefix_scoring_tokens]
+            return rk, prompt_block_hashes(scored, extra)
         except (TypeError, ValueError, OverflowError):  # a client's token ids that are no ids
             return rk, []
 

@@ -15,7 +15,7 @@ from kvfleet.router.breaker import BreakerPolicy
 from kvfleet.router.endpoints import parse_static
 from kvfleet.router.kv_index import MAX_BLOCKS
 from kvfleet.router.request_body import BodyLimits
-from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.router.routing_key import CHARS_PER_TOKEN, KeyPolicy
 from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 from kvfleet.telemetry.settings_flags import Flag
 
@@ -102,6 +102,12 @@ class RouterSettings(BaseModel):
         "(needs --tokenizer; approximate for an engine whose events are stale); approximate: "
         "the prefix key on the hash ring alone",
     )
+    prefix_scoring_tokens: int = Field(
+        default=1024,
+        ge=16,
+        description="prompt tokens precise scoring tokenizes and scores, at most (a prompt's "
+        "head decides where it goes, and tokenizing is the router's largest cost)",
+    )
     kv_events_stale_after: float = Field(
         default=3.0,
         gt=0,
@@ -184,6 +190,16 @@ class RouterSettings(BaseModel):
         return KeyPolicy(
             self.session_header, self.use_user_field, self.prefix_affinity, self.prefix_length
         )
+
+    @functools.cached_property
+    def tokenized_chars(self) -> int:
+        """The characters of a prompt tokenized: enough for the prefix key's tokens even at 8
+        characters a token (a key must not change with the prompt's length), and for precise
+        scoring's at 4 (fewer at wordier text costs only a shorter score)."""
+        need = 2 * CHARS_PER_TOKEN * self.prefix_length
+        if self.prefix_scoring == "precise":
+            need = max(need, CHARS_PER_TOKEN * self.prefix_scoring_tokens)
+        return need
 
     @functools.cached_property
     def body(self) -> BodyLimits:

@@ -23,6 +23,7 @@ from kvfleet.protocol import kv_events
 from kvfleet.protocol.block_hash import prompt_block_hashes
 from kvfleet.router.prompt_tokenizer import EngineTokenizer
 from kvfleet.router.proxy import Router, RouterSettings, build_app
+from kvfleet.router.routing_key import token_prefix_key
 from tests.support.scripts import load_bench_script
 from tests.support.servers import serving
 
@@ -45,6 +46,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 "urls": [u for _, u in procs],
                 "hosts": [u.removeprefix("http://") for _, u in procs],
                 "tokenizer": EngineTokenizer(str(model)),
+                "model": model,
             }
 
 
@@ -76,6 +78,18 @@ async def test_token_prefix_is_the_engines_tokenization(fleet: dict[str, Any]) -
         r = await s.post(f"{fleet['urls'][0]}/tokenize", json={"messages": messages})
         engine_ids = (await r.json())["tokens"]
     assert fleet["tokenizer"].chat(messages, True, None) == engine_ids
+
+
+def test_a_cut_prompt_tokenizes_as_the_head_of_the_whole(fleet: dict[str, Any]) -> None:
+    """The router tokenizes a long prompt's head only: what it keeps are the whole prompt's
+    first tokens, and the prefix key of a long prompt is the one of its short first turn."""
+    cut = EngineTokenizer(str(fleet["model"]), max_chars=RouterSettings().tokenized_chars)
+    turn = chat_body("a system prompt that runs long " * 200, "hi")["messages"]
+    whole = fleet["tokenizer"].chat(turn, True, None)
+    head = cut.chat(turn, True, None)
+    assert 256 <= len(head) < len(whole) and whole[: len(head)] == head
+    longer = [*turn, {"role": "assistant", "content": "hello " * 2000}]
+    assert token_prefix_key(cut.chat(longer, True, None), 256) == token_prefix_key(whole, 256)
 
 
 _ID = re.compile(rb'"id":"[^"]*"|"created":\d+')
