@@ -308,9 +308,10 @@ class Balancer:
         block hashes, best first; None where the rule does not apply: a prompt without a full
         block, or no endpoint with a live view of its cache (``live``: approximate routing
         decides)."""
-        order = self.ring.walk(key if key is not None else hashes[0].hex() if hashes else "",
-                               exclude)  # fmt: skip
-        if not hashes or not live.intersection(order):
+        if not hashes:
+            return None
+        order = self.ring.walk(key if key is not None else hashes[0].hex(), exclude)
+        if not live.intersection(order):
             return None
         load = self.load()
         cap = self.ring.capacity(load, exclude)
