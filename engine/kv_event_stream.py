@@ -50,8 +50,9 @@ class KVEventSubscriber:
     """One subscription's queue: the snapshot, then encoded lines; None when the stream ends
     (the engine stops, or this subscriber fell behind and is dropped)."""
 
-    def __init__(self) -> None:
-        self._lines: asyncio.Queue[Snapshot | bytes | None] = asyncio.Queue()
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self._lines: asyncio.Queue[SnapshotTaken | bytes | None] = asyncio.Queue()
         self.queued_bytes = 0
         # The seq of the last line queued; None until the snapshot is.
         self.seq: int | None = None
@@ -71,13 +72,21 @@ class KVEventSubscriber:
                 return encode_line(Heartbeat(seq=self.seq))
             if item is None:
                 return None
-            if isinstance(item, Snapshot):
+            if isinstance(item, SnapshotTaken):
                 # Every hash the engine holds: encoded off the event loop.
-                return await asyncio.to_thread(encode_line, item)
+                return await asyncio.to_thread(self._encode_snapshot, item)
             self.queued_bytes -= len(item)
             return item
 
-    def _put(self, item: Snapshot | bytes | None) -> None:
+    def _encode_snapshot(self, taken: SnapshotTaken) -> bytes:
+        # Built from the engine's own hashes: nothing to validate.
+        blocks = SnapshotBlocks.model_construct(
+            gpu=[h.hex() for h in taken.gpu], cpu=[h.hex() for h in taken.cpu]
+        )
+        snapshot = Snapshot.model_construct(engine_id=self.engine_id, seq=taken.seq, blocks=blocks)
+        return encode_line(snapshot)
+
+    def _put(self, item: SnapshotTaken | bytes | None) -> None:
         self._lines.put_nowait(item)
 
 
@@ -107,7 +116,7 @@ class KVEventStreams:
             raise TooManySubscribers(
                 f"this engine serves {self.max_subscribers} KV-event subscribers already"
             )
-        sub = KVEventSubscriber()
+        sub = KVEventSubscriber(self.engine_id)
         self.subscribers.add(sub)
         return sub
 
@@ -116,13 +125,8 @@ class KVEventStreams:
         before it was taken and before any published after."""
         if sub.ended:
             return
-        blocks = SnapshotBlocks(
-            gpu=[h.hex() for h in snapshot.gpu], cpu=[h.hex() for h in snapshot.cpu]
-        )
         sub.seq = snapshot.seq
-        sub._put(
-            Snapshot.model_construct(engine_id=self.engine_id, seq=snapshot.seq, blocks=blocks)
-        )
+        sub._put(snapshot)
 
     def publish(self, seq: int, events: list[KVEvent]) -> None:
         """One engine step's events, to every subscriber whose snapshot came before them."""

@@ -137,6 +137,24 @@ def test_reset_prefix_cache_is_published_as_cleared(server):
         reader.close()
 
 
+def test_a_subscriber_that_falls_behind_is_disconnected(server):
+    """Here every subscriber falls behind (a 1-byte bound): it is cut off at the first batch, and
+    the request goes on."""
+    streams = server.srv.engine.kv_events
+    bound = streams.max_queued_bytes
+    reader = KVEventsReader(server.url)
+    try:
+        reader.wait_for(lambda r: r.snapshot is not None)
+        streams.max_queued_bytes = 1
+        _complete(server, list(range(100, 150)))
+        reader.wait_for(lambda r: r.error is not None or r.ended.is_set())
+        assert reader.kinds["batch"] == 0
+        assert metric(server, "kvfleet_engine_kv_event_subscribers_dropped_total") == 1
+    finally:
+        streams.max_queued_bytes = bound
+        reader.close()
+
+
 def test_subscribers_are_bounded(server):
     streams = server.srv.engine.kv_events
     reader = KVEventsReader(server.url)

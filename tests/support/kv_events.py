@@ -5,6 +5,7 @@ line validated against the wire format, its seq checked, and the picture a route
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 import time
 from collections import Counter
@@ -90,4 +91,9 @@ class KVEventsReader:
             time.sleep(0.02)
 
     def close(self) -> None:
+        # Shut the socket first: the reading thread holds the response's buffer until a line
+        # (up to a heartbeat) comes, and closing it would wait for that.
+        sock = self._conn.sock
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
         self._conn.close()
