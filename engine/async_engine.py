@@ -382,7 +382,7 @@ class AsyncEngine:
             elif isinstance(cmd, UnsubscribeKVEvents):
                 self._kv_subscribed -= 1
                 if not self._kv_subscribed:
-                    self.core.kv_events.stop()
+                    self.core.kv_event_log.stop()
             elif isinstance(cmd, ResetPrefixCache):
                 cmd.done.set_result(self.core.reset_prefix_cache())
             else:
@@ -402,12 +402,12 @@ class AsyncEngine:
         assert self.kv_events is not None
         self._publish_kv_events()
         self._kv_subscribed += 1
-        self.core.kv_events.enabled = True
+        self.core.kv_event_log.enabled = True
         gpu, cpu = self.core.cached_block_hashes()
         self._post(self.kv_events.start, sub, SnapshotTaken(self._kv_seq, gpu, cpu))
 
     def _publish_kv_events(self) -> None:
-        log = self.core.kv_events
+        log = self.core.kv_event_log
         if not log.enabled:
             return
         events = log.drain()
@@ -492,6 +492,8 @@ class AsyncEngine:
         """Forget every cached block at the next step boundary (a command), as vLLM's
         reset_prefix_cache: False, changing nothing, while a request holds blocks. On the event
         loop."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine loop is not running")
         done: Future[bool] = Future()
         self._send(ResetPrefixCache(done))
         return await asyncio.wrap_future(done)

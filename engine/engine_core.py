@@ -411,7 +411,7 @@ class EngineCore:
         return list(processed.outputs.values())
 
     @property
-    def kv_events(self) -> KVEventLog:
+    def kv_event_log(self) -> KVEventLog:
         """What the prefix cache gained and lost since the last drain (AsyncEngine publishes
         it as KV events)."""
         return self.kv_cache_manager.pool.events
