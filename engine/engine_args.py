@@ -122,6 +122,12 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV cache of prompt prefixes seen before"
     )
+    kv_events: bool = Field(
+        default=True,
+        description="publish the prefix cache's block hashes as they are stored and evicted "
+        "at GET /kv_events, for routers that score prompts by what each engine holds; "
+        "recorded only while a subscriber is connected",
+    )
     num_gpu_blocks_override: int | None = Field(
         default=None,
         gt=1,

@@ -39,6 +39,8 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--max-num-batched-tokens": None,
     "--enable-prefix-caching": 0,
     "--no-enable-prefix-caching": 0,
+    "--kv-events": 0,
+    "--no-kv-events": 0,
     "--num-gpu-blocks-override": None,
     "--gpu-memory-utilization": None,
     "--kv-cache-memory-bytes": None,
