@@ -226,7 +226,7 @@ class PreciseChoice:
 PRECISE_DECISIONS = ("cached", "uncached", "approximate", "fallback")
 
 
-def decision(chosen: Scored, live: frozenset[str]) -> str:
+def decision_of(chosen: Scored, live: frozenset[str]) -> str:
     if chosen.endpoint not in live:
         return "approximate"
     return "cached" if chosen.cached_blocks > 0 else "uncached"
@@ -340,7 +340,7 @@ class Balancer:
         cap = self.ring.capacity(load, exclude)
         free = self.free()
         top = next(s for s in ranking if s.endpoint in free or load.get(s.endpoint, 0) + 1 <= cap)
-        return PreciseChoice(top.endpoint, decision(top, live))
+        return PreciseChoice(top.endpoint, decision_of(top, live))
 
     def holdings(self) -> dict[str, EngineAdapters]:
         """Per endpoint, the adapters it holds as reported, with those sent there to load in
