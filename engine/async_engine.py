@@ -302,8 +302,11 @@ class AsyncEngine:
                 self._apply_commands()
                 if not self.core.has_unfinished_requests():
                     self.last_progress = time.monotonic()
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
+                    # Idle: the decode graphs left to capture, one per pass, so that a request
+                    # that arrives waits for one capture at most.
+                    if not self.core.capture_next_graph(idle=True):
+                        self._wakeup.wait(timeout=1.0)
+                        self._wakeup.clear()
                     continue
                 while self.fault_stall.is_set() and not self._stopping:
                     time.sleep(0.01)
@@ -316,6 +319,9 @@ class AsyncEngine:
                     self._on_step(outputs)
                 if outputs:
                     self._post(self._deliver, outputs)
+                # Busy: a graph the batches asked for, now and then (graph_schedule).
+                if self.core.graphs_pending:
+                    self.core.capture_next_graph(idle=False)
                 if self.core.idle:
                     # Until a grammar compiles (its job wakes the loop) or a command comes.
                     self._wakeup.wait(timeout=1.0)

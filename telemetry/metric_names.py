@@ -54,8 +54,13 @@ ENGINE_METRICS = (
     E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME,
     REQUEST_INFERENCE_TIME, "vllm:lora_requests_info", "kvfleet_engine_lora_resident",
     "kvfleet_engine_lora_requests", "kvfleet_engine_lora_loads", "kvfleet_engine_lora_evictions",
-    "kvfleet_engine_lora_load_seconds",
+    "kvfleet_engine_lora_load_seconds", "kvfleet_engine_startup_seconds",
 )  # fmt: skip
+
+# The seconds each phase of an engine's start took (process, config, weights, memory_profile,
+# kv_cache, warm_up, graph_capture, http; graph_capture_after_ready while serving), by phase.
+STARTUP_SECONDS = "kvfleet_engine_startup_seconds"
+STARTUP_PHASE = "phase"
 
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
 ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"
