@@ -339,7 +339,15 @@ class ModelRunner:
         else:
             # One bar for the process group: every rank loads the same tensors.
             block = mc.quantization.weight_block_size if mc.quantization else None
-            load_weights(model, mc.path, progress=tp_rank() == 0, weight_block_size=block)
+            # One rank reads straight to its GPU; tensor-parallel ranks read on the host and
+            # send only their slice of each tensor over PCIe.
+            load_weights(
+                model,
+                mc.path,
+                progress=tp_rank() == 0,
+                weight_block_size=block,
+                device=self.device if tp_size() == 1 else None,
+            )
         model.eval()
         if self.args.enable_lora:
             self.lora = attach_lora(
