@@ -94,12 +94,28 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
+    def clear_inputs(self) -> None:
+        """Every row of the input buffers a padded row: no KV write, nothing attended. The
+        warm-up pass before a capture runs eagerly on the buffers as the last replay left them,
+        whose rows beyond its batch may hold an older, larger batch's slots, blocks that now
+        belong to other sequences or to the prefix cache. Queued behind that replay."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.block_tables.zero_()
+        self.prefix_len.zero_()
+        if self.lora_slots is not None:
+            self.lora_slots.fill_(-1)
+
+    @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
         """Capture the graphs of `sizes` (default: every size not captured yet). Between steps
         only: the capture's own forward passes run on the device's stream."""
         sizes = self.schedule.pending if sizes is None else sizes
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        self.clear_inputs()
         # Largest first: later, smaller graphs reuse the memory pool of the largest.
         for key in sorted(self.variants(sizes), reverse=True):
             bs = key[0]

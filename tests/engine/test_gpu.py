@@ -138,8 +138,9 @@ def test_triton_path_embeddings_equal_hf_in_fp32(pooling, tmp_path, prompts):
 def test_graphs_captured_after_ready_equal_hf(model_dirs, prompts, hf_reference, monkeypatch):
     """The server's start: the small sizes and the largest captured up front, the rest between
     steps. Decode batches of 40 rows (n=5 of 8 prompts) replay the 64-row graph padded before
-    their own exists and their own after the idle captures: the output equals HF's both times,
-    and every size ends captured."""
+    their own exists and their own after the idle captures: the output equals HF's both times
+    (the second from the prefix cache, which the captures left intact), and every size ends
+    captured."""
     from kvfleet.engine import model_runner
     from kvfleet.engine.graph_schedule import upfront_sizes
 
@@ -156,6 +157,14 @@ def test_graphs_captured_after_ready_equal_hf(model_dirs, prompts, hf_reference,
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert [[c.token_ids for c in o.outputs] for o in outs] == want
     assert graphs.schedule.demand[40] > 0
+    # The input rows beyond the last replay's batch as an older, larger batch may leave them:
+    # slots in a block the prefix cache holds, which the next run of the same prompts reads
+    # (the second block cached: the 33-token prompt's first, the 16-token one's coming first).
+    # A capture must not write there.
+    block = list(core.kv_cache_manager.pool.cached.values())[1].block_id
+    graphs.slot_mapping[48:64] = torch.arange(16, device="cuda") + block * 16
+    graphs.seq_lens[48:64] = 1
+    graphs.input_ids[48:64] = 7
     while core.capture_next_graph(idle=True):
         pass
     assert graphs.schedule.done and (40, False) in graphs.graphs
