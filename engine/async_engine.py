@@ -38,6 +38,7 @@ from kvfleet.engine.model_runner import StepInterrupted
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.startup_timing import StartupTimer
 from kvfleet.engine.structured_output import CompiledGrammar, GrammarJob
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,12 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         """The context length, prompt and completion together: any thread."""
         return self.core.model_config.max_model_len
+
+    @property
+    def startup(self) -> StartupTimer:
+        """The seconds of each phase of the engine's start: any thread (the engine thread adds
+        the graphs captured while serving)."""
+        return self.core.startup
 
     @property
     def vocab_size(self) -> int:

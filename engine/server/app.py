@@ -364,10 +364,10 @@ class EngineServer:
         )
         await self._runner.setup()
         await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
-        self.engine.start()
-        startup = self.engine.core.startup
+        startup = self.engine.startup
         startup.record("http", time.perf_counter() - http_started)
         startup.log_ready()
+        self.engine.start()
         logger.info(
             "serving %s on %s", self.app[SERVING].served_model_names, self._runner.addresses
         )
