@@ -181,7 +181,9 @@ def test_a_second_start_reuses_the_kept_memory_profile(model_dirs, tmp_path, mon
 
     from kvfleet.engine import model_runner
 
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    # Restored at the end, whether it was set or not: later tests compile where they did.
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
     kwargs = dict(dtype="float32", device="cuda", compile_cache_dir=str(tmp_path),
                   skip_tokenizer_init=True, max_num_seqs=16)  # fmt: skip
     first = LLM(str(model_dirs["llama"]), **kwargs)
@@ -190,9 +192,7 @@ def test_a_second_start_reuses_the_kept_memory_profile(model_dirs, tmp_path, mon
     assert folder is not None and folder.parent == tmp_path
     assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
     assert list((folder / "memory-profiles").iterdir())
-    del first
-    gc.collect()
-    torch.cuda.empty_cache()
+    first.shutdown()
 
     runs: list[int] = []
     profile_run = model_runner.ModelRunner._profile_run
@@ -201,10 +201,8 @@ def test_a_second_start_reuses_the_kept_memory_profile(model_dirs, tmp_path, mon
     second = LLM(str(model_dirs["llama"]), **kwargs)
     assert runs == [] and second.engine.runner.num_blocks == blocks
     assert second.engine.startup.seconds["memory_profile"] < 1.0
-    del second
-    gc.collect()
-    torch.cuda.empty_cache()
+    second.shutdown()
     # Weights of other bytes under the same key (a checkpoint changed in place, say).
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12345)
-    LLM(str(model_dirs["llama"]), **kwargs)
+    LLM(str(model_dirs["llama"]), **kwargs).shutdown()
     assert runs == [1]

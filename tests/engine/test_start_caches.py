@@ -53,8 +53,14 @@ def test_driver_version_from_the_kernel_module():
     assert driver_version("no driver here") is None
 
 
-def test_the_cache_points_triton_into_its_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+@pytest.fixture
+def triton_cache_env(monkeypatch):
+    """TRITON_CACHE_DIR unset for the test and as it was after it, set or not."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+
+
+def test_the_cache_points_triton_into_its_folder(tmp_path, monkeypatch, triton_cache_env):
     monkeypatch.setenv("KVFLEET_COMPILE_CACHE_DIR", str(tmp_path / "env"))
     assert cache_root(None) == tmp_path / "env"
     assert cache_root(str(tmp_path / "flag")) == tmp_path / "flag"
@@ -64,8 +70,7 @@ def test_the_cache_points_triton_into_its_folder(tmp_path, monkeypatch):
     assert (folder / "triton").is_dir()
 
 
-def test_an_unusable_root_leaves_the_cache_off(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+def test_an_unusable_root_leaves_the_cache_off(tmp_path, triton_cache_env):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert open_compile_cache(blocker, FACTS) is None
