@@ -74,6 +74,11 @@ def load_profile(folder: Path, key: str, weight_bytes: int) -> int | None:
         return None
     if kept.key != key:
         return None
+    if kept.peak_bytes < kept.weight_bytes:
+        # Not a profile this engine wrote (the peak includes the weights): a KV cache sized by
+        # it would run the device out of memory mid-serving.
+        logger.warning("memory profile cache %s: a peak below the weights; profiling again", path)
+        return None
     if kept.weight_bytes != weight_bytes:
         logger.info(
             "memory profile cache %s: the device holds %d bytes of weights, not the %d it was "

@@ -105,6 +105,8 @@ def test_a_kept_profile_is_used_only_for_its_key_and_weights(tmp_path, caplog):
     assert "profiling again" in caplog.text
     # Another key whose name shares the file's prefix is not this one.
     assert load_profile(tmp_path, "k" * 63 + "x", 1000) is None
+    store_profile(tmp_path, MemoryProfile(key=profile.key, weight_bytes=1000, peak_bytes=999))
+    assert load_profile(tmp_path, profile.key, 1000) is None  # a peak below the weights
     profile_path(tmp_path, profile.key).write_text("{not json")
     assert load_profile(tmp_path, profile.key, 1000) is None
     assert list(profile_path(tmp_path, profile.key).parent.iterdir()) == [
