@@ -215,6 +215,13 @@ class EngineArgs(BaseModel):
         description="adapters kept in host memory (those in GPU slots included), loaded from "
         "disk when needed; default: --max-loras",
     )
+    max_lora_wait_steps: int = Field(
+        default=64,
+        ge=1,
+        description="fairness between adapters: a request whose adapter finds no GPU slot (or no "
+        "room in host memory) is passed over by at most this many steps; then no request of "
+        "another adapter starts until it has one (the base model's go on)",
+    )
     enable_expert_parallel: bool = Field(
         default=False,
         description="mixtures of experts with --tensor-parallel-size N: each rank holds 1/N "

@@ -155,6 +155,7 @@ class EngineCore:
             max_num_seqs=self.runner.max_num_seqs,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             lora_slots=self.lora_slots,
+            max_lora_wait_steps=args.max_lora_wait_steps,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async scheduling: the step the last call launched, which the next call samples.
@@ -365,17 +366,21 @@ class EngineCore:
         so that the scheduler may start it and the step's slot copies never read the disk. An
         adapter whose folder went bad since it was checked (a file deleted, truncated, other
         shapes) fails its waiting requests alone, which never ran: no KV blocks, no slot. When
-        every host copy is in use, the adapters left wait for the requests of one to end."""
+        every host copy is in use, the adapters left wait for the requests of one to end;
+        the scheduler's starved adapter goes first and may take the copy of one whose requests
+        only wait."""
         slots = self.lora_slots
         if slots is None:
             return []
         waiting = self.scheduler.waiting
-        adapters = {r.lora.lora_int_id: r.lora for r in waiting if r.lora is not None}
+        starved = self.scheduler.starved_lora()
+        adapters: dict[int, LoRARequest] = {} if starved is None else {starved.lora_int_id: starved}
+        adapters.update((r.lora.lora_int_id, r.lora) for r in waiting if r.lora is not None)
         outputs: list[RequestOutput] = []
         for lora in adapters.values():
             if slots.is_hosted(lora):
                 continue
-            dropped = slots.make_room()
+            dropped = slots.make_room(starved=lora == starved)
             if dropped is None:
                 break
             for victim in dropped:

@@ -63,6 +63,7 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--max-loras": None,
     "--max-lora-rank": None,
     "--max-cpu-loras": None,
+    "--max-lora-wait-steps": None,
     "--enable-expert-parallel": 0,
     "--no-enable-expert-parallel": 0,
     "--quantization": None,
