@@ -150,7 +150,12 @@ def test_each_runner_refuses_the_other_s_requests(last_llm, model_dirs):
     assert_no_leak(last_llm)
 
 
-def test_runner_choice(model_dirs, last_dir):
+def test_runner_choice(model_dirs, last_dir, tmp_path):
+    # An architecture the engine does not serve, refused before any weight is read.
+    config = json.loads((model_dirs["llama"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["BertModel"]}))
+    with pytest.raises(ValueError, match=r"--runner pooling supports GPT2LMHeadModel, .*BertModel"):
+        LLM(str(tmp_path), runner="pooling", device="cpu")
     with pytest.raises(ValueError, match="--pooling-type applies to --runner pooling"):
         LLM(str(model_dirs["llama"]), pooling_type="MEAN", device="cpu")
     # A causal LM's checkpoint served for its hidden states: the LM head is left out; MEAN
