@@ -118,21 +118,32 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization():
     assert torch.cuda.memory_allocated() < 0.55 * total
 
 
-@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
-def test_triton_path_embeddings_equal_hf_in_fp32(pooling, tmp_path, prompts):
-    """The pooling runner on the GPU (Triton attention, no CUDA graphs), a long prompt in
-    chunks: each vector HF transformers' pooled final hidden states."""
+@pytest.mark.parametrize(
+    ("arch", "pooling"),
+    [
+        ("qwen3", "lasttoken"),
+        ("qwen3", "mean"),
+        ("gpt2", "mean"),
+        ("gemma2", "lasttoken"),
+        ("mixtral", "lasttoken"),
+        ("qwen3_moe", "mean"),
+    ],
+)
+def test_triton_path_embeddings_equal_hf_in_fp32(arch, pooling, tmp_path, prompts):
+    """The pooling runner on the GPU (Triton attention, the fused experts, no CUDA graphs), a
+    long prompt in chunks, for each family: each vector HF transformers' pooled final hidden
+    states."""
     from tests.support.engine import hf_embeddings
     from tests.support.tiny_model import build_tiny_embedding_model
 
-    model = build_tiny_embedding_model(tmp_path / "embed", pooling)
-    llm = LLM(str(model), dtype="float32", device="cuda", max_num_batched_tokens=48)
-    assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is None
-    outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
-    for out, ref in zip(outs, hf_embeddings(model, prompts, pooling), strict=True):
-        got = torch.tensor(out.outputs.embedding)
-        assert (got - ref).abs().max().item() < 1e-4
-    assert_no_leak(llm)
+    model = build_tiny_embedding_model(tmp_path / "embed", pooling, arch=arch)
+    with LLM(str(model), dtype="float32", device="cuda", max_num_batched_tokens=48) as llm:
+        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is None
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+        for out, ref in zip(outs, hf_embeddings(model, prompts, pooling), strict=True):
+            got = torch.tensor(out.outputs.embedding)
+            assert (got - ref).abs().max().item() < 1e-4
+        assert_no_leak(llm)
 
 
 def test_graphs_captured_after_ready_equal_hf(model_dirs, prompts, hf_reference, monkeypatch):
