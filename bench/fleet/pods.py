@@ -144,6 +144,47 @@ def deletion_order(pods: Iterable[tuple[Pod, dict[str, Any]]]) -> list[Pod]:
     return [pod for pod, _ in sorted(pods, key=key)]
 
 
+async def register_router(
+    k: Emulator, namespace: str, deployment: dict[str, Any], port: int
+) -> str:
+    """A Ready Pod of the router Deployment for the router process the harness runs on
+    127.0.0.1:``port``, as the kubelet would report it: the operator finds its routers among the
+    service's pods and scrapes their held requests there, the signal that scales from zero. The
+    pod's name."""
+    template = deployment["spec"]["template"]
+    spec = dict(template["spec"])
+    spec["containers"] = [
+        {**c, "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
+        if c["name"] == "router"
+        else c
+        for c in spec["containers"]
+    ]
+    name = f"{deployment['metadata']['name']}-{uuid.uuid4().hex[:10]}"
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": dict((template.get("metadata") or {}).get("labels") or {})},
+        "spec": spec,
+    }  # fmt: skip
+    await call(k, "post", resource_url(PODS, namespace), body)
+    since = {"lastTransitionTime": datetime.datetime.now(datetime.UTC).isoformat()}
+    status = {
+        "phase": "Running",
+        "podIP": "127.0.0.1",
+        "podIPs": [{"ip": "127.0.0.1"}],
+        "hostIP": "127.0.0.1",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "ContainersReady", "status": "True", **since},
+            {"type": "Ready", "status": "True", **since},
+        ],
+    }
+    url = resource_url(PODS, namespace, name) + "/status"
+    await call(k, "patch", url, {"status": status}, merge=True)
+    return name
+
+
 class PodRunner:
     def __init__(
         self,
