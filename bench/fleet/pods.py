@@ -28,6 +28,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,6 +131,15 @@ def engine_shim(folder: Path) -> Path:
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvfleet.engine.cli "$@"\n')
     shim.chmod(0o755)
     return folder
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return False
+    return True
 
 
 def deletion_order(pods: Iterable[tuple[Pod, dict[str, Any]]]) -> list[Pod]:
@@ -257,13 +267,16 @@ class PodRunner:
         self.events.append(Event(time.monotonic(), what, pod, detail))
         logger.info("%s %s %s", what, pod, detail)
 
-    def _ip(self) -> str:
+    def _ip(self, port: int) -> str:
+        """The next loopback address no pod of this runner has and where ``port`` is free: another
+        fleet on the same machine (a second harness run) may serve on the same addresses."""
         used = {p.ip for p in self.pods.values()}
-        while True:
+        for _ in range(254 - self._first_ip + 1):
             ip = f"127.0.0.{self._next_ip}"
             self._next_ip = self._next_ip + 1 if self._next_ip < 254 else self._first_ip
-            if ip not in used:
+            if ip not in used and _port_free(ip, port):
                 return ip
+        raise RuntimeError(f"no loopback address with port {port} free")
 
     # -- pods --------------------------------------------------------------------------------
 
@@ -285,7 +298,8 @@ class PodRunner:
             "status": {"phase": "Pending"},
         }  # fmt: skip
         await call(self.k, "post", resource_url(PODS, self.namespace), body)
-        pod = Pod(name, self._ip(), container_port(container), time.monotonic(), template["spec"],
+        port = container_port(container)
+        pod = Pod(name, self._ip(port), port, time.monotonic(), template["spec"],
                   probe.get("path", "/health"))  # fmt: skip
         self.pods[name] = pod
         self._event("created", name, pod.ip)
