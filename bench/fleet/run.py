@@ -108,8 +108,8 @@ def model_dir(ns: argparse.Namespace) -> str:
     """The model's source: a folder, or empty for the engine's default model."""
     from tests.support.tiny_model import tiny_model_path
 
-    named = {"tiny": str(tiny_model_path()), "default": ""}
-    return named[ns.model] if ns.model in named else ns.model
+    model: str = ns.model
+    return {"tiny": str(tiny_model_path()), "default": ""}.get(model, model)
 
 
 def inference_service(
