@@ -6,7 +6,10 @@ For each replica it creates a Pod (labels and spec from the template) and starts
 (127.0.0.N, the pod IP) and the container port, so the operator's scraper and the router reach
 ``http://<podIP>:<port>`` as in a cluster; one GPU each (CUDA_VISIBLE_DEVICES) when GPUs are
 given, a pod waiting (Pending) while none is free. A pod turns Ready, in its status and in the
-engine Service's EndpointSlice, once the readiness probe's path answers 200. On scale-down pods go
+engine Service's EndpointSlice, once the readiness probe's path answers 200 and the kubelet would
+have seen it: at the first tick of the startup probe's period (from the process's start) after
+the engine came up, the readiness probe running at once after it, as the kubelet triggers it.
+On scale-down pods go
 in the ReplicaSet's order (not ready first, then the lowest pod-deletion-cost, then the newest):
 terminating in the slice, the preStop sleep, SIGTERM, the engine's drain, SIGKILL only past the
 grace period.
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import math
 import os
 import signal
 import socket
@@ -67,10 +71,14 @@ class Pod:
     created: float
     spec: dict[str, Any]
     ready_path: str
+    # The startup probe's period: the kubelet sees the engine up at its next tick (0: no startup
+    # probe, the readiness probe's first success counts at once).
+    startup_period: float = 0.0
     gpu: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     started: float | None = None
-    ready: float | None = None
+    up: float | None = None  # the readiness path first answered 200
+    ready: float | None = None  # the kubelet's Ready
     terminating: float | None = None
     exited: float | None = None
     # The engine's last counters, read just before SIGTERM: they outlive the process.
@@ -131,6 +139,14 @@ def engine_shim(folder: Path) -> Path:
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvfleet.engine.cli "$@"\n')
     shim.chmod(0o755)
     return folder
+
+
+def kubelet_sees(started: float, up: float, period: float) -> float:
+    """When the kubelet's startup probe, ticking every ``period`` seconds from the container's
+    start, first finds an engine that came up at ``up``; ``up`` itself with no period."""
+    if period <= 0:
+        return up
+    return started + math.ceil((up - started) / period - 1e-9) * period
 
 
 def _port_free(ip: str, port: int) -> bool:
@@ -299,8 +315,9 @@ class PodRunner:
         }  # fmt: skip
         await call(self.k, "post", resource_url(PODS, self.namespace), body)
         port = container_port(container)
+        startup_period = float((container.get("startupProbe") or {}).get("periodSeconds", 0))
         pod = Pod(name, self._ip(port), port, time.monotonic(), template["spec"],
-                  probe.get("path", "/health"))  # fmt: skip
+                  probe.get("path", "/health"), startup_period)  # fmt: skip
         self.pods[name] = pod
         self._event("created", name, pod.ip)
 
@@ -346,8 +363,15 @@ class PodRunner:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with self._session.get(pod.url + pod.ready_path) as resp:
                     if resp.status == 200:
+                        pod.up = time.monotonic()
+                        await asyncio.sleep(
+                            kubelet_sees(pod.started or pod.up, pod.up, pod.startup_period) - pod.up
+                        )
+                        if pod.terminating is not None or pod.proc.poll() is not None:
+                            return
                         pod.ready = time.monotonic()
-                        self._event("ready", pod.name, f"{pod.ready - pod.created:.1f}s")
+                        self._event("ready", pod.name, f"{pod.ready - pod.created:.1f}s, "
+                                    f"up {pod.up - pod.created:.1f}s")  # fmt: skip
                         await self._pod_status(pod)
                         await self._write_slice()
                         return

@@ -317,7 +317,8 @@ async def sample_replicas(
 
 def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dict[str, Any]]:
     """Each change of the Deployment's replicas within [t0, t1]: for a scale-up, when its new
-    pods were created and served, and the decision delay since the last rise of the rate; for a
+    pods were created and served, the decision delay since the last rise of the rate and the
+    time from that rise to the new pods serving; for a
     scale-down, when the removed engines left and exited."""
     events = [e for e in f.runner.events if t0 <= e.t <= t1]
     out = []
@@ -331,6 +332,10 @@ def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dic
             rises = [s for s, (a, b) in _phase_starts(workload) if b > a and s <= at]
             if rises:
                 item["decision_delay_s"] = round(at - rises[-1], 2)
+                # What a scale-up ahead of the trend shortens: the rise to the new capacity.
+                item["serving_after_rise_s"] = [
+                    round(p.ready - t0 - rises[-1], 2) if p.ready else None for p in pods
+                ]
             item["engine_start_s"] = [
                 round(p.ready - p.created, 2) if p.ready else None for p in pods
             ]

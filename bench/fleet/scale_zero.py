@@ -10,9 +10,10 @@ The time from the request's arrival to its first token is split where each compo
 * reconcile: decision -> the engine Deployment's replicas 0 -> 1 (the reconciler);
 * pod start: Deployment -> the engine process started (here a local process: a cluster adds
   scheduling and the image pull);
-* engine start: process started -> its readiness probe answers (imports, weights, memory
+* engine start: process started -> its readiness path answers (imports, weights, memory
   profile, graph capture);
-* first token: ready -> the first token (the router sees the EndpointSlice, forwards the held
+* probe: -> the kubelet's startup probe, ticking at its period, finds it up (the pod Ready);
+* first token: Ready -> the first token (the router sees the EndpointSlice, forwards the held
   request, the engine prefills).
 """
 
@@ -32,7 +33,7 @@ from fleet.workload import VOCABULARY, Record, chat
 
 POLL_S = 0.05
 # The phases of the split, in order: each is the time from the previous hand-over to its own.
-PHASES = ("decision", "reconcile", "pod_start", "engine_start", "first_token")
+PHASES = ("decision", "reconcile", "pod_start", "engine_start", "probe", "first_token")
 
 
 class Fleet(Protocol):
@@ -55,6 +56,7 @@ class Trial:
     reconcile: float
     pod_start: float
     engine_start: float
+    probe: float
     first_token: float
     total: float  # arrival -> first token: the request's TTFT
     signal: str
@@ -66,13 +68,14 @@ def split(
     decided: float,
     scaled: float,
     started: float,
+    up: float,
     ready: float,
     first_token: float,
     decision: dict[str, Any],
 ) -> Trial:
     """A trial from the monotonic times of its hand-overs and status.lastScaleDecision. A time
     out of order is a broken measurement, not a phase of negative length."""
-    times = (arrival, decided, scaled, started, ready, first_token)
+    times = (arrival, decided, scaled, started, up, ready, first_token)
     if any(b < a for a, b in itertools.pairwise(times)):
         raise ValueError(f"hand-overs out of order: {times}")
     spans = [round(b - a, 3) for a, b in itertools.pairwise(times)]
@@ -132,8 +135,10 @@ async def first_request(
         e.t for e in runner.events if e.what == "replicas" and e.t >= arrival
     )  # the runner's "replicas" event: the Deployment's count as the reconciler wrote it
     pod = next(runner.pods[e.pod] for e in runner.events if e.what == "created" and e.t >= arrival)
-    assert pod.started is not None and pod.ready is not None  # it answered the request
-    trial = split(arrival, decided[0], scaled, pod.started, pod.ready, arrival + record.ttft,
+    # It answered the request: started, up and Ready.
+    assert pod.started is not None and pod.up is not None and pod.ready is not None
+    first_token = arrival + record.ttft
+    trial = split(arrival, decided[0], scaled, pod.started, pod.up, pod.ready, first_token,
                   f.status().get("lastScaleDecision") or {})  # fmt: skip
     return trial, record
 
@@ -170,9 +175,9 @@ async def measure(f: Fleet, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print("| trial | decision s | reconcile s | pod start s | engine start s | ready to first "
-          "token s | first token s | signal |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| trial | decision s | reconcile s | pod start s | engine start s | startup probe s "
+          "| Ready to first token s | first token s | signal |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = [(str(i + 1), t) for i, t in enumerate(result["trials"])]
     if result["median"]:
         rows.append(("median", {**result["median"], "signal": ""}))
