@@ -235,15 +235,20 @@ def status_update(
     if previous.get("desiredReplicas") != decision.replicas:
         patch["desiredReplicas"] = decision.replicas
     if decision.replicas != deployment_replicas:
+        metrics: dict[str, float | None] = {
+            SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
+        }
+        # The patch merges this object into the last decision's: a reading this decision lacks
+        # (no latency in an idle interval, no forecast) is removed, not left as the last one's.
+        last = (previous.get("lastScaleDecision") or {}).get("metrics") or {}
+        metrics |= {name: None for name in last if name not in metrics}
         patch["lastScaleDecision"] = {
             "time": _rfc3339(now),
             "from": deployment_replicas,
             "to": decision.replicas,
             "reason": decision.reason[:MAX_REASON],
             "signal": decision.signal,
-            "metrics": {
-                SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
-            },
+            "metrics": metrics,
         }
     state = memory_state(decision, unreachable, starts)
     old = previous.get("autoscaling") or {}

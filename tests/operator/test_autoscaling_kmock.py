@@ -89,6 +89,20 @@ def test_a_change_is_recorded_with_its_metrics_and_the_memory():
     assert load_memory(patch) == ScalingMemory((Recommendation(T0, 3),), T0)
 
 
+def test_a_reading_the_new_decision_lacks_leaves_the_last_decisions_metrics():
+    # The status is merge-patched, which merges the metrics object into the last decision's: a
+    # latency reading of the scale-up (none in an idle interval) read as the scale-down's.
+    last = {"time": "2025-06-15T15:00:00Z", "from": 1, "to": 2, "reason": "p90 TTFT 0.912s",
+            "signal": "latency", "metrics": {"current": 1.0, "latencySeconds": 0.9125}}  # fmt: skip
+    previous = {"desiredReplicas": 2, "lastScaleDecision": last}
+    patch = status_update(previous, 2, decision(3, [(T0, 3)], T0), {}, T0)
+    assert patch["lastScaleDecision"]["metrics"] == {
+        "current": 2.0,
+        "inFlight": 9.0,
+        "latencySeconds": None,  # removed by the merge patch
+    }
+
+
 def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
     status = {"desiredReplicas": 2}
     status |= status_update(status, 2, decision(2, [(T0, 2)], T0), {}, T0)
