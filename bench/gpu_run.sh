@@ -465,7 +465,7 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         ;;
     fleet-scale-zero)
         # A service of minReplicas 0 on one GPU, idle at zero; one request at a time through the
-        # router, held until the engine the operator scales up serves it; FLEET_REPEATS (5)
+        # router, held until the engine the operator scales up serves it; FLEET_REPEATS (4)
         # trials, back to zero between them (10 s idle, 10 s window). The operator at its own
         # default interval (10 s). Each first token split into decision, reconcile, pod start,
         # engine start and ready to first token (goal: first token within 15 s plus the weight
@@ -474,7 +474,7 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         timeout 580 $py bench/fleet/run.py --scenario scale-from-zero --model /tmp/llama8b \
             --gpus 0 --engine-arg=--load-format=dummy --max-model-len 8192 \
             --min-replicas 0 --max-replicas 1 --scale-to-zero-delay 10 --scale-down-window 10 \
-            --autoscale-interval 10 --repeats "${FLEET_REPEATS:-5}" --user-words 60 \
+            --autoscale-interval 10 --repeats "${FLEET_REPEATS:-4}" --user-words 60 \
             --max-tokens 16 --log-dir "$out/fleet-scale-zero-logs" \
             --result-json "$out/fleet_scale_zero.json" 2>&1 | tee "$out/fleet_scale_zero.txt"
         ;;
