@@ -469,9 +469,12 @@ def engine_deployment(
         "env": _engine_env(spec),
         "resources": _engine_resources(spec),
         # The HTTP server starts once the weights are loaded: until then /health refuses
-        # connections, and the startup probe waits up to startupTimeoutSeconds for it.
+        # connections, and the startup probe waits up to startupTimeoutSeconds for it. Every
+        # second: the pod is Ready (the kubelet runs the readiness probe at once) within a second
+        # of the engine serving, where a request held at zero waits for it; the probe stops once
+        # it succeeds.
         "startupProbe": _http_probe(
-            "/health", period=10, timeout=5, failures=-(-e.startup_timeout_seconds // 10)
+            "/health", period=1, timeout=1, failures=e.startup_timeout_seconds
         ),
         # /health turns 503 when the engine loop stops making progress: restart it.
         "livenessProbe": _http_probe("/health", period=10, timeout=5, failures=3),

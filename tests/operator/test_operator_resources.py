@@ -153,8 +153,10 @@ def test_engine_probes_drain_and_grace_period():
     engine = container(deploy, "engine")
     startup, live, ready = (engine[p] for p in ("startupProbe", "livenessProbe", "readinessProbe"))
     assert startup["httpGet"] == {"path": "/health", "port": "http"}
-    # The startup probe covers the whole loading time before liveness takes over.
+    # The startup probe covers the whole loading time before liveness takes over, and sees the
+    # engine serving within a second (a request held at zero waits for it).
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
+    assert startup["periodSeconds"] == 1
     assert live["httpGet"]["path"] == "/health"
     assert ready["httpGet"]["path"] == "/ready"
     prestop = engine["lifecycle"]["preStop"]["exec"]["command"]
