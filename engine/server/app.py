@@ -41,6 +41,11 @@ from kvfleet.engine.server.openai_responses import (
 from kvfleet.engine.server.responses import create_response, stored_response
 from kvfleet.engine.server.serving import SERVING, ServingContext
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
+from kvfleet.engine.server.tokenizer_bundle import (
+    TOKENIZER_BUNDLE,
+    TokenizerBundleCache,
+    serve_tokenizer,
+)
 from kvfleet.engine.server.tool_parsers import parser_for_template
 from kvfleet.engine.server.tools import TOOL_SETTINGS, ToolSettings, plan_prompt
 from kvfleet.engine.server.validation import (
@@ -52,6 +57,7 @@ from kvfleet.engine.server.validation import (
 )
 from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused, check_content_encoding
 from kvfleet.protocol.kv_events import PATH as KV_EVENTS_PATH
+from kvfleet.protocol.tokenizer_bundle import PATH as TOKENIZER_PATH
 from kvfleet.telemetry.http import JsonErrorsRunner, echo_request_id, observe_requests
 from kvfleet.telemetry.tracing import Tracing
 
@@ -258,6 +264,7 @@ def build_app(
         engine, names, settings.max_waiting_requests, adapters=registry.by_name
     )
     app[METRICS] = metrics
+    app[TOKENIZER_BUNDLE] = TokenizerBundleCache(tokenizer)
     app[STARTED] = now()
     app[BODY_TIMEOUT] = settings.body_timeout
     app[BODY_LIMIT] = settings.max_request_body_bytes
@@ -273,6 +280,7 @@ def build_app(
     app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    app.router.add_get(TOKENIZER_PATH, serve_tokenizer)
     if engine.kv_events is not None:
         app.router.add_get(KV_EVENTS_PATH, stream_kv_events)
     if settings.enable_runtime_lora_updating:

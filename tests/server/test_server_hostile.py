@@ -30,6 +30,7 @@ from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.engine.server.settings import API_KEY_ENV, ServerSettings
 from kvfleet.engine.server.tools import StreamedChoices
 from kvfleet.engine.server.validation import MAX_JSON_ITEMS
+from kvfleet.router.fetched_tokenizer import load_bundle
 from tests.support.net import free_port, http_call
 from tests.support.servers import EngineProcess, engine_server, sse_data_lines
 
@@ -272,6 +273,24 @@ def test_api_key_headers(server):
         assert_openai_error(status, raw, 401)
         assert headers["WWW-Authenticate"] == "Bearer"
     assert_still_serving(server)
+
+
+def test_the_tokenizer_bundle_is_the_engines_and_behind_the_key(server):
+    """GET /tokenizer: 401 without the key; with it, a bundle that a router loads and that
+    tokenizes a chat prompt to the ids the engine's /tokenize gives (its chat template included),
+    the same bytes on each call."""
+    status, _, raw = http_call(server.url + "/tokenizer", method="GET")
+    assert assert_openai_error(status, raw, 401)["code"] == "invalid_api_key"
+    status, headers, raw = http(server.url + "/tokenizer", method="GET")
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert "tokenizer.json" in json.loads(raw)["files"]
+    tokenizer = load_bundle(raw, None)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, héllo!"}]
+    status, _, tokenized = http(server.url + "/tokenize", {"model": MODEL, "messages": msgs})
+    assert status == 200
+    assert tokenizer.chat(msgs, True, None) == json.loads(tokenized)["tokens"]
+    assert tokenizer.text("plain text") == server.srv.engine.tokenizer("plain text").input_ids
+    assert http(server.url + "/tokenizer", method="GET")[2] == raw
 
 
 def test_models_do_not_show_the_model_path(server, model_dirs):
@@ -761,6 +780,8 @@ def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
     port = free_port()
     server = _serve_process(model_dirs, port, ["--shutdown-timeout", "2"])
     with server as url:
+        proc = server.proc
+        assert proc is not None and proc.stdout is not None
 
         async def stream(session: aiohttp.ClientSession, started: asyncio.Event) -> list[str]:
             body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -772,7 +793,7 @@ def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
                 tasks = [asyncio.create_task(stream(session, e)) for e in started]
                 await asyncio.gather(*(e.wait() for e in started))
                 # The tiny model on CPU would need far longer than 2 s for 1000 tokens x 10.
-                server.proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
                 t = time.monotonic()
                 return t, await asyncio.gather(*tasks)
 
@@ -782,9 +803,9 @@ def test_shutdown_deadline_aborts_streams_and_exits_0(model_dirs):
             assert "error" in events[-1], lines[-3:]
             assert events[-1]["error"]["code"] == "draining"
             assert len(events) < 1000
-        assert server.proc.wait(30) == 0
+        assert proc.wait(30) == 0
         assert time.monotonic() - sent_at < 10
-        log = server.proc.stdout.read().decode()
+        log = proc.stdout.read().decode()
         assert "aborting 10 requests" in log and "Traceback" not in log
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvfleet.router.fetched_tokenizer import load_bundle
 from tests.support.net import http_call
 from tests.support.servers import DEFAULT_SERVED_NAME
 
@@ -109,3 +110,15 @@ def test_tools_need_messages(url: str) -> None:
         status, resp = _post(url, "/tokenize", {"model": MODEL, "prompt": "hi", **extra})
         assert status == 400
         assert "tools and chat_template_kwargs go with messages" in resp["error"]["message"]
+
+
+def test_a_gguf_models_tokenizer_is_served_as_the_engine_built_it(url):
+    """The default model is a GGUF file: the engine builds an HF tokenizer from it, and
+    GET /tokenizer serves that one, chat template included, for a router to tokenize alike."""
+    status, _, raw = http_call(url + "/tokenizer", method="GET")
+    assert status == 200
+    tokenizer = load_bundle(raw, None)
+    chat = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    status, resp = _post(url, "/tokenize", {"model": MODEL, "messages": chat})
+    assert status == 200, resp
+    assert tokenizer.chat(chat, True, None) == resp["tokens"]
