@@ -93,7 +93,7 @@ async def parsed(line: bytes) -> Snapshot | EventBatch | Heartbeat:
 
 class KvSubscriber:
     """Follows every engine's stream into ``index``; ``on_applied(n)``, ``on_resync(reason)``:
-    the router's metrics."""
+    the router's metrics; ``headers``: sent on each request (the engines' API key)."""
 
     def __init__(
         self,
@@ -104,8 +104,10 @@ class KvSubscriber:
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.index = index
+        self.headers = {**(headers or {}), "Accept-Encoding": "identity"}
         self.on_applied = on_applied
         self.on_resync = on_resync
         self.initial_backoff_s = initial_backoff_s
@@ -172,9 +174,7 @@ class KvSubscriber:
     async def _stream(self, endpoint: str, backoff: Backoff) -> None:
         """Follow one connection until it ends or breaks (StreamBroken)."""
         assert self.session is not None
-        async with self.session.get(
-            f"http://{endpoint}{PATH}", headers={"Accept-Encoding": "identity"}
-        ) as response:
+        async with self.session.get(f"http://{endpoint}{PATH}", headers=self.headers) as response:
             if response.status != 200:
                 raise StreamBroken("connect", f"{PATH} answered {response.status}")
             first = True

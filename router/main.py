@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from kvfleet.router.endpoints import EndpointSliceWatcher, in_cluster_namespace, load_configuration
 from kvfleet.router.prompt_tokenizer import load_tokenizer
 from kvfleet.router.proxy import Router, build_runner
-from kvfleet.router.settings import RouterSettings, ServingSettings
+from kvfleet.router.settings import RouterSettings, ServingSettings, engine_api_key
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 from kvfleet.telemetry.settings_flags import add_model_flags, flag_values, one_line
 from kvfleet.telemetry.tracing import Tracing, TracingUnavailable, add_tracing_flag, tracing_from
@@ -58,7 +58,13 @@ async def serve(ns: argparse.Namespace, tracing: Tracing | None = None) -> int:
     serving = serving_from(ns)
     settings = settings_from(ns)
     tokenizer = load_tokenizer(serving.tokenizer, settings.tokenized_chars)
-    router = Router(settings, tokenizer, tracing)
+    router = Router(
+        settings,
+        tokenizer,
+        tracing,
+        fetch_tokenizer=serving.tokenizer is None,
+        engine_api_key=engine_api_key(),
+    )
     watch: asyncio.Task[None] | None = None
     if serving.endpoints is not None:
         router.set_endpoints(serving.endpoints)

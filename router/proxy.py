@@ -69,6 +69,7 @@ from kvfleet.router.engine_load import (
     estimated_load,
     has_free_slots,
 )
+from kvfleet.router.fetched_tokenizer import FETCH_FAILURES, fetch_tokenizer
 from kvfleet.router.hash_ring import HashRing
 from kvfleet.router.kv_index import KvIndex
 from kvfleet.router.kv_subscriber import RESYNC_REASONS, KvSubscriber
@@ -554,12 +555,26 @@ class RouterMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=r,
         )
-        mode = Gauge("kvfleet_router_prefix_key_mode",
-                     "1 for the prefix-key mode in use: tokens, or the characters stand-in.",
-                     ["mode"], registry=r)  # fmt: skip
-        for m in ("tokens", "characters"):
-            mode.labels(m).set(1 if m == prefix_key_mode else 0)
+        self.tokenizer_fetch_failures = Counter(
+            "kvfleet_router_tokenizer_fetch_failures",
+            "Failed fetches of the engines' tokenizer (GET /tokenizer, when the router has no "
+            "--tokenizer), by reason: connect, status (not 200), too_large, invalid (not a "
+            "bundle), load (transformers could not load it). Until one succeeds, prefix scoring "
+            "is approximate.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FETCH_FAILURES:
+            self.tokenizer_fetch_failures.labels(reason)
+        self._mode = Gauge("kvfleet_router_prefix_key_mode",
+                           "1 for the prefix-key mode in use: tokens, or the characters "
+                           "stand-in.", ["mode"], registry=r)  # fmt: skip
+        self.set_prefix_key_mode(prefix_key_mode)
         r.register(_InFlightCollector(balancer, breakers))
+
+    def set_prefix_key_mode(self, prefix_key_mode: str) -> None:
+        for m in ("tokens", "characters"):
+            self._mode.labels(m).set(1 if m == prefix_key_mode else 0)
 
 
 _ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -596,29 +611,45 @@ class Router:
         settings: RouterSettings,
         tokenizer: PromptTokenizer | None = None,
         tracing: Tracing | None = None,
+        *,
+        fetch_tokenizer: bool = False,
+        engine_api_key: str | None = None,
     ) -> None:
+        """``fetch_tokenizer``: without a tokenizer, fetch the engines' own for precise
+        scoring (fetched_tokenizer.py); ``engine_api_key``: the key the router's own requests
+        to the engines carry (KV events, the tokenizer), never a client's."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.tracing = tracing
+        self.engine_headers = (
+            {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
+        )
         self.balancer = Balancer(settings.load_factor)
         self.breakers = Breakers(settings.breaker)
         self.metrics = RouterMetrics(
             self.balancer, self.breakers, "tokens" if tokenizer else "characters"
         )
         # Precise prefix scoring needs the prompt's tokens: without a tokenizer the router keys
-        # on characters and follows no engine's events.
+        # on characters and follows no engine's events, until it has fetched the engines' one.
         self.index: KvIndex | None = None
         self.subscriber: KvSubscriber | None = None
-        if settings.prefix_scoring == "precise" and tokenizer is not None:
+        precise = settings.prefix_scoring == "precise"
+        self.fetch_tokenizer = precise and tokenizer is None and fetch_tokenizer
+        if precise and (tokenizer is not None or self.fetch_tokenizer):
             self.index = KvIndex(settings.kv_events_stale_after, settings.kv_index_max_blocks)
             self.subscriber = KvSubscriber(
                 self.index,
                 self.metrics.kv_events_applied.inc,
                 lambda reason: self.metrics.kv_resyncs.labels(reason).inc(),
+                headers=self.engine_headers,
             )
             self.metrics.registry.register(_KvIndexCollector(self.balancer, self.index))
-        elif settings.prefix_scoring == "precise":
-            logger.info("prefix scoring approximate: precise scoring needs --tokenizer")
+        if precise and tokenizer is None:
+            logger.info(
+                "prefix scoring approximate: %s",
+                "until the engines' tokenizer is fetched" if self.fetch_tokenizer
+                else "precise scoring needs --tokenizer",
+            )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -660,8 +691,10 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
         )
         poll = asyncio.create_task(self.poller.run()) if self.poller is not None else None
-        if self.subscriber is not None:
+        if self.subscriber is not None and self.tokenizer is not None:
             self.subscriber.start()
+        if self.fetch_tokenizer:
+            self._background(self._fetch_tokenizer())
         yield
         if self.subscriber is not None:
             await self.subscriber.close()
@@ -672,6 +705,19 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await poll
         await self.session.close()
+
+    async def _fetch_tokenizer(self) -> None:
+        tokenizer = await fetch_tokenizer(
+            lambda: self.balancer.endpoints,
+            self._ready,
+            self.engine_headers,
+            self.settings.tokenized_chars,
+            lambda reason: self.metrics.tokenizer_fetch_failures.labels(reason).inc(),
+        )
+        self.tokenizer = tokenizer
+        self.metrics.set_prefix_key_mode("tokens")
+        if self.subscriber is not None:
+            self.subscriber.start()
 
     async def _read_body(self, request: web.Request) -> bytes:
         limits = self.settings.body
@@ -717,21 +763,25 @@ class Router:
         if request.path in LEAST_LOADED_PATHS:
             return LEAST_LOADED, []
         policy = self.settings.policy
-        if self.tokenizer is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             return routing_key(request.headers, parsed, policy), []
         # Tokenizing a long conversation takes milliseconds: keep it off the event loop.
-        return await asyncio.to_thread(self._tokenized, request.headers, parsed, adapter)
+        return await asyncio.to_thread(self._tokenized, request.headers, parsed, adapter, tokenizer)
 
     def _tokenized(
-        self, headers: Mapping[str, str], parsed: Any, adapter: str | None
+        self,
+        headers: Mapping[str, str],
+        parsed: Any,
+        adapter: str | None,
+        tokenizer: PromptTokenizer,
     ) -> tuple[RoutingKey, list[bytes]]:
-        assert self.tokenizer is not None
         tokens: list[int] | None = None
         if self.index is not None and isinstance(parsed, dict):
             # One the template or tokenizer rejects is one the engine rejects, with its error.
             with contextlib.suppress(Exception):
-                tokens = prompt_tokens(parsed, self.tokenizer)
-        rk = routing_key(headers, parsed, self.settings.policy, self.tokenizer, tokens)
+                tokens = prompt_tokens(parsed, tokenizer)
+        rk = routing_key(headers, parsed, self.settings.policy, tokenizer, tokens)
         if not tokens:
             return rk, []
         extra = lora_extra_key(adapter) if adapter is not None else None

@@ -5,6 +5,7 @@ how it routes, within which bounds (RouterSettings). Its flags are built from th
 from __future__ import annotations
 
 import functools
+import os
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,6 +19,14 @@ from kvfleet.router.request_body import BodyLimits
 from kvfleet.router.routing_key import CHARS_PER_TOKEN, KeyPolicy
 from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 from kvfleet.telemetry.settings_flags import Flag
+
+# The engines' API key, for the router's own requests to them (KV events, the tokenizer): read
+# from the environment only, never a flag, where the node's process table would show it.
+ENGINE_API_KEY_ENV = "KVFLEET_ENGINE_API_KEY"
+
+
+def engine_api_key() -> str | None:
+    return os.environ.get(ENGINE_API_KEY_ENV, "").strip() or None
 
 
 class _StaticEndpoints:
@@ -58,8 +67,9 @@ class ServingSettings(BaseModel):
     )
     tokenizer: str | None = Field(
         default=None,
-        description="local HF tokenizer directory for token prefix keys; default: prefix keys "
-        "of characters",
+        description="local HF tokenizer directory for token prefix keys; default: the engines' "
+        "own (GET /tokenizer) with --prefix-scoring precise, prefix keys of characters until "
+        "it is fetched",
     )
 
     @model_validator(mode="after")
@@ -99,7 +109,8 @@ class RouterSettings(BaseModel):
     prefix_scoring: Literal["precise", "approximate"] = Field(
         default="precise",
         description="precise: score engines by the prompt blocks they hold, from their KV events "
-        "(needs --tokenizer; approximate for an engine whose events are stale); approximate: "
+        "(needs a tokenizer, --tokenizer or the engines'; approximate for an engine whose events "
+        "are stale); approximate: "
         "the prefix key on the hash ring alone",
     )
     prefix_scoring_tokens: int = Field(

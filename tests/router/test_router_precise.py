@@ -1,7 +1,8 @@
 """Precise prefix scoring in the router against fake engines that serve KV event streams
 (tests/support/kv_event_stream.py): requests go to the engine the events say holds their
 prompt, replicas fed the same events agree (one started late included), a gap resyncs from a
-snapshot, and stale views fall back to approximate routing."""
+snapshot, stale views fall back to approximate routing, and a router without a tokenizer
+fetches the engines' (with their API key) and scores precisely from then on."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvfleet.engine.server.tokenizer_bundle import bundle_bytes
+from kvfleet.router.prompt_tokenizer import EngineTokenizer
 from kvfleet.router.proxy import Router, build_app
 from kvfleet.router.routing_key import token_prefix_key
 from kvfleet.router.settings import RouterSettings
 from tests.support.kv_event_stream import CharTokenizer, FakeKvEngine, stored
 from tests.support.servers import serving
+from tests.support.tiny_model import build_tokenizer
 
 TOKENIZER = CharTokenizer()
 SYSTEM = "You answer questions about the fleet. " * 4
@@ -177,8 +181,66 @@ def test_the_prefix_key_and_the_hashes_come_from_one_tokenization() -> None:
             calls.append(messages)
             return super().chat(messages, add_generation_prompt, template_kwargs)
 
-    router = Router(RouterSettings(engine_load_interval=0), Counting())
-    rk, hashes = router._tokenized({}, {"messages": messages("q")}, None)
+    counting = Counting()
+    router = Router(RouterSettings(engine_load_interval=0), counting)
+    rk, hashes = router._tokenized({}, {"messages": messages("q")}, None, counting)
     assert len(calls) == 1
     assert rk.key == token_prefix_key(tokens("q"), 256)
     assert len(hashes) == len(tokens("q")) // 16 > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, EngineTokenizer]:
+    """The tiny test model's tokenizer as the engine serves it (its GET /tokenizer body), and
+    as a router given --tokenizer loads it."""
+    folder = tmp_path_factory.mktemp("tiny-tokenizer")
+    return bundle_bytes(build_tokenizer(folder)), EngineTokenizer(str(folder))
+
+
+def fetch_failures(r: Router, reason: str) -> float:
+    sample = r.metrics.registry.get_sample_value(
+        "kvfleet_router_tokenizer_fetch_failures_total", {"reason": reason}
+    )
+    return sample or 0
+
+
+@pytest.mark.asyncio
+async def test_without_a_tokenizer_the_router_fetches_the_engines_then_routes_precisely(
+    tiny_tokenizer: tuple[bytes, EngineTokenizer],
+) -> None:
+    bundle, local = tiny_tokenizer
+    async with engines("a", "b") as fleet:
+        (_, a), (addr_b, b) = fleet.items()
+        for engine in (a, b):
+            engine.api_key = "engine-key"
+        settings = RouterSettings(kv_events_stale_after=1.0, engine_load_interval=0)
+        # No key: every fetch is refused, and routing stays approximate.
+        keyless = Router(settings, fetch_tokenizer=True)
+        keyless.set_endpoints(fleet)
+        async with serving(build_app(keyless)):
+            await until(lambda: fetch_failures(keyless, "status") >= 2)
+            assert keyless.tokenizer is None and a.connections == b.connections == 0
+        router = Router(settings, fetch_tokenizer=True, engine_api_key="engine-key")
+        router.set_endpoints(fleet)
+        async with serving(build_app(router)) as addr:
+            r = Replica(router, addr)
+            # No engine serves a tokenizer yet: requests are routed on characters meanwhile.
+            await until(lambda: fetch_failures(router, "status") >= 2)
+            assert await r.served_by(messages("early")) in ("a", "b")
+            assert r.sample("kvfleet_router_prefix_key_mode", mode="characters") == 1
+            assert r.decisions("fallback") == 1
+            b.tokenizer = bundle
+            await until(lambda: router.tokenizer is not None, timeout=10)
+            assert r.sample("kvfleet_router_prefix_key_mode", mode="tokens") == 1
+            await until(lambda: r.live() == set(fleet))
+            # Engine b caches a prompt (tokenized as the engines do); a request sharing its
+            # head goes there, though its session's home on the ring is a.
+            first = messages("Tell me about the fleet's routing.")
+            b.push(stored(local.chat(first, True, None)))
+            await until(lambda: r.index.size(addr_b) > 0)
+            turn = messages("Tell me about the fleet's routing, and its cache.")
+            assert await r.served_by(turn, **{"x-session-id": r.away_from(addr_b)}) == "b"
+            assert r.decisions("cached") == 1
+        # The router's key went to the engines' own endpoints only, never with clients'.
+        assert a.authorizations + b.authorizations
+        assert set(a.authorizations + b.authorizations) == {None}

@@ -1,6 +1,8 @@
 """A fake engine for the router's precise prefix scoring: its GET /kv_events serves the wire format
-of kvfleet.protocol.kv_events (a snapshot, then batches and heartbeats a test pushes), its
-/metrics an idle engine's load, and its /v1 endpoints answer with the engine's name."""
+of kvfleet.protocol.kv_events (a snapshot, then batches and heartbeats a test pushes), its GET
+/tokenizer the bundle a test gives it, its /metrics an idle engine's load, and its /v1 endpoints
+answer with the engine's name. With an API key, /kv_events and /tokenizer answer 401 without it,
+as the engine's do."""
 
 from __future__ import annotations
 
@@ -56,14 +58,27 @@ class FakeKvEngine:
         self.served = 0
         # Sent in place of the snapshot when set: a broken or hostile engine's stream.
         self.garbage: bytes | None = None
+        # GET /tokenizer's body (404 while None), and the key it and /kv_events require.
+        self.tokenizer: bytes | None = None
+        self.api_key: str | None = None
+        # The Authorization header of each /v1 request (None: none).
+        self.authorizations: list[str | None] = []
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._gate])
         app.router.add_get("/kv_events", self.kv_events)
+        app.router.add_get("/tokenizer", self.serve_tokenizer)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/health", self.health)
         app.router.add_route("*", "/v1/{tail:.*}", self.answer)
         return app
+
+    @web.middleware
+    async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        keyed = request.path in ("/kv_events", "/tokenizer") and self.api_key is not None
+        if keyed and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+        return await handler(request)
 
     def push(self, *events: dict[str, Any], seq_skip: int = 0) -> None:
         self.seq += 1 + seq_skip
@@ -115,7 +130,13 @@ class FakeKvEngine:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({})
 
+    async def serve_tokenizer(self, _request: web.Request) -> web.Response:
+        if self.tokenizer is None:
+            return web.json_response({"error": {"code": "no_tokenizer"}}, status=404)
+        return web.Response(body=self.tokenizer, content_type="application/json")
+
     async def answer(self, request: web.Request) -> web.Response:
         await request.read()
+        self.authorizations.append(request.headers.get("Authorization"))
         self.served += 1
         return web.json_response({"engine": self.name})
