@@ -577,6 +577,21 @@ def engine_service(owner: Owner) -> dict[str, Any]:
     )
 
 
+def _router_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    # transformers, which loads the engines' tokenizer, looks for its caches under HOME: the
+    # root filesystem is read-only, and nothing is downloaded.
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    if (ref := spec.api_key_secret_ref) is not None:
+        # The engines' key, for the router's own requests to them (KV events, their
+        # tokenizer): by reference, never on the command line. Clients' requests carry theirs.
+        secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+        env.append({"name": "KVFLEET_ENGINE_API_KEY", "valueFrom": secret})
+    return env
+
+
 def router_deployment(
     owner: Owner, spec: InferenceServiceSpec, config: OperatorConfig
 ) -> dict[str, Any]:
@@ -595,6 +610,7 @@ def router_deployment(
         ),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "env": _router_env(spec),
         "readinessProbe": _http_probe("/health", period=5, timeout=3, failures=2),
         "livenessProbe": _http_probe("/health", period=10, timeout=5, failures=3),
         "lifecycle": _prestop(),

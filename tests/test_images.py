@@ -251,7 +251,35 @@ def test_operator_requirements_are_pyproject_dependencies():
     for line in lines:
         assert line in deps, f"{line!r} is not a pyproject.toml dependency (verbatim)"
     names = {re.split(r"[<>=!~\[; ]", d)[0].lower() for d in lines}
-    assert not names & {"torch", "transformers", "tokenizers", "safetensors", "numpy"}
+    assert not names & {"torch", "safetensors", "numpy"}
+    # The router loads the engines' tokenizer (kvfleet.router.fetched_tokenizer).
+    assert {"transformers", "tokenizers", "jinja2"} <= names
+
+
+def test_the_router_loads_the_engines_tokenizer_without_torch(tmp_path):
+    """The operator image has transformers without torch: a bundle from GET /tokenizer loads
+    there as a fast tokenizer, and tokenizes a chat prompt as the engine's tokenizer does."""
+    from kvfleet.engine.server.tokenizer_bundle import bundle_bytes
+    from tests.support.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    (tmp_path / "bundle.json").write_bytes(bundle_bytes(tokenizer))
+    messages = [{"role": "user", "content": "Where is the cache?"}]
+    code = (
+        "import json, sys\n"
+        "sys.modules['torch'] = None  # as absent as in the operator image\n"
+        "from kvfleet.router.fetched_tokenizer import load_bundle\n"
+        "t = load_bundle(open(sys.argv[1], 'rb').read(), None)\n"
+        "print(json.dumps(t.chat(json.loads(sys.argv[2]), True, None)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "bundle.json"), json.dumps(messages)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert isinstance(text, str)
+    assert json.loads(proc.stdout) == tokenizer(text, add_special_tokens=False).input_ids
 
 
 def test_operator_and_router_import_nothing_the_operator_image_lacks():

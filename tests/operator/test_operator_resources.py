@@ -45,6 +45,7 @@ from kvfleet.operator.spec import (
     served_model_name,
 )
 from kvfleet.operator.status import Observed, compute_status, status_patch, transition_events
+from kvfleet.router.settings import ENGINE_API_KEY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = Owner(name="llm", namespace="team-a", uid="0b8f7c1e-0000-4000-8000-000000000001")
@@ -506,6 +507,23 @@ def test_router_deployment_services_and_rbac():
                     assert allows(OPERATOR_RULES, group, resource, verb)
 
 
+def test_the_router_gets_the_engines_key_by_reference_and_no_tokenizer_flag():
+    """The router deployed fetches the engines' tokenizer (no --tokenizer: it has no model
+    files), and with apiKeySecretRef carries the engines' key in its environment, from the same
+    Secret as the engines, for its own requests to them; never on its command line."""
+    ref = {"name": "keys", "key": "k"}
+    router = container(children({"apiKeySecretRef": ref})["Deployment/llm-router"], "router")
+    command_line = [*router["command"], *router["args"]]
+    assert "--tokenizer" not in command_line
+    assert not [a for a in command_line if "key" in a.lower()]
+    assert env_of(router)[ENGINE_API_KEY_ENV] == {"secretKeyRef": ref}
+    engine = container(children({"apiKeySecretRef": ref})["Deployment/llm-engine"], "engine")
+    assert env_of(engine)["KVFLEET_API_KEY"] == env_of(router)[ENGINE_API_KEY_ENV]
+    assert ENGINE_API_KEY_ENV not in env_of(
+        container(children({})["Deployment/llm-router"], "router")
+    )
+
+
 def test_operator_settings_and_cli():
     standalone = build_settings()
     assert standalone.peering.standalone and standalone.scanning.disabled
@@ -688,7 +706,7 @@ def test_a_term_added_inside_a_desired_affinity_is_excess():
     assert excess(desired, _applied(live, found.patch)) is None
 
 
-def _applied(live: dict[str, Any], patch: Any) -> Any:
+def _applied(live: Any, patch: Any) -> Any:
     """A JSON merge patch (RFC 7386) applied."""
     if not isinstance(patch, dict):
         return patch
