@@ -65,9 +65,8 @@ class EngineTokenizer:
 
 def load_tokenizer(path: str | None, max_chars: int | None = None) -> PromptTokenizer | None:
     """The tokenizer of ``--tokenizer``, tokenizing at most a prompt's first ``max_chars``
-    characters; None (with a warning) where it cannot be loaded."""
+    characters; None where none is given, or (with a warning) it cannot be loaded."""
     if path is None:
-        logger.info("prefix keys from characters (no --tokenizer): about 4 characters a token")
         return None
     try:
         tokenizer = EngineTokenizer(path, max_chars)

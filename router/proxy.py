@@ -644,11 +644,11 @@ class Router:
                 headers=self.engine_headers,
             )
             self.metrics.registry.register(_KvIndexCollector(self.balancer, self.index))
-        if precise and tokenizer is None:
+        if tokenizer is None:
             logger.info(
-                "prefix scoring approximate: %s",
+                "prefix keys from characters (about 4 a token), prefix scoring approximate: %s",
                 "until the engines' tokenizer is fetched" if self.fetch_tokenizer
-                else "precise scoring needs --tokenizer",
+                else "no tokenizer",
             )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Event()

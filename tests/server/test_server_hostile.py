@@ -275,7 +275,7 @@ def test_api_key_headers(server):
     assert_still_serving(server)
 
 
-def test_the_tokenizer_bundle_is_the_engines_and_behind_the_key(server):
+def test_the_tokenizer_bundle_is_the_engines_and_behind_the_key(server, model_dirs):
     """GET /tokenizer: 401 without the key; with it, a bundle that a router loads and that
     tokenizes a chat prompt to the ids the engine's /tokenize gives (its chat template included),
     the same bytes on each call."""
@@ -284,6 +284,7 @@ def test_the_tokenizer_bundle_is_the_engines_and_behind_the_key(server):
     status, headers, raw = http(server.url + "/tokenizer", method="GET")
     assert status == 200 and headers["Content-Type"].startswith("application/json")
     assert "tokenizer.json" in json.loads(raw)["files"]
+    assert str(model_dirs["llama"]) not in raw.decode()
     tokenizer = load_bundle(raw, None)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, héllo!"}]
     status, _, tokenized = http(server.url + "/tokenize", {"model": MODEL, "messages": msgs})
