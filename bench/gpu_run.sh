@@ -17,6 +17,7 @@
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
+#   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -415,30 +416,41 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
             tee "$out/tp2_llama2_70b_throughput.txt"
         ;;
     fleet-routing-*)
-        # One engine per visible GPU, Llama-3.1-8B (dummy weights), behind the real router and
-        # operator (bench/fleet): round robin vs session vs prefix keys on multi-turn chats with
-        # shared system prompts of 2,000 words (~4k tokens with the dummy Llama 3 tokenizer):
+        # One engine per visible GPU, Llama-3.1-8B (dummy weights) at the engine's own defaults
+        # (no --max-num-seqs), behind the real router and operator (bench/fleet): round robin vs
+        # approximate (prefix) vs precise prefix scoring, the same requests each:
         # fleet-routing-RATES[-PROMPTS], RATES one rate or several joined by '_' (a sweep on the
-        # same warm fleet), each for FLEET_SECONDS (60). Each engine's KV cache is capped at
-        # 12 GB (~91k tokens) so that the working set (PROMPTS x ~4k tokens and the histories)
-        # exceeds one engine's cache, as a production fleet's does. FLEET_POLICIES picks the
-        # policies (all three by default).
+        # same warm fleet, from which the harness reads each policy's rate at the p90 TTFT SLO
+        # of 1 s), each for FLEET_SECONDS (60). FLEET_WORKLOAD chat (the default): multi-turn
+        # chats on PROMPTS (48) shared system prompts of 2,000 words (~4k tokens with the dummy
+        # Llama 3 tokenizer); tenants: PROMPTS tenants each with a system prompt of 1,000 words
+        # (~2k tokens), one 20-word question a request, 24 output tokens, Zipf popularity. Each
+        # engine's KV cache is capped at 12 GB (~91k tokens) so that the working set exceeds one
+        # engine's cache, as a production fleet's does. FLEET_POLICIES picks the policies (round
+        # robin, prefix and precise by default); FLEET_ROUTERS the router replicas (1).
         spec=${step#fleet-routing-}
         rates=${spec%%-*}
         prompts=48
         [ "$spec" != "$rates" ] && prompts=${spec#*-}
         phases=""
         for r in ${rates//_/ }; do phases="$phases${phases:+;}${FLEET_SECONDS:-60}x$r"; done
+        workload=${FLEET_WORKLOAD:-chat}
+        if [ "$workload" = tenants ]; then
+            shape=(--workload tenants --tenants "$prompts" --tenant-words 1000 --question-words 20)
+        else
+            shape=(--system-prompts "$prompts" --system-words 2000 --turns 4 --user-words 60
+                   --reply-words 120 --max-tokens 100)
+        fi
         # The device sends back only files named in letters, digits, '.', '_' and '-'.
-        name="fleet_routing_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
+        name="fleet_routing_${workload}_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
+        name="$name${FLEET_ROUTERS:+_routers$FLEET_ROUTERS}"
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \
             --max-model-len 8192 --min-replicas "$ngpus" --max-replicas "$ngpus" --settle 0 \
-            --policies "${FLEET_POLICIES:-round-robin,session,prefix}" \
-            --phases "$phases" --system-prompts "$prompts" --system-words 2000 --turns 4 \
-            --user-words 60 --reply-words 120 --max-tokens 100 --ttft-slo 1.0 \
-            --log-dir "$out/fleet-routing-$spec-logs" \
+            --policies "${FLEET_POLICIES:-round-robin,prefix,precise}" \
+            --router-replicas "${FLEET_ROUTERS:-1}" --phases "$phases" "${shape[@]}" \
+            --ttft-slo 1.0 --log-dir "$out/fleet-routing-$spec-logs" \
             --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
         ;;
     fleet-autoscale)
