@@ -3,35 +3,18 @@ table mapping a chained block hash to the block that holds those tokens."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Sequence
-
-import numpy as np
-
-
-def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes | None = None
-) -> bytes:
-    """Chained content hash of one full block. A cryptographic digest, not Python's hash(), so a
-    collision cannot silently hand one request another prompt's KV. `extra_key` (vLLM's
-    extra_keys: the LoRA adapter) sets apart blocks whose KV differs for the same tokens; the
-    first block's is enough, the chain carries it."""
-    h = hashlib.blake2b(digest_size=16)
-    if parent_hash is not None:
-        h.update(parent_hash)
-    if extra_key is not None:
-        h.update(len(extra_key).to_bytes(4, "little") + extra_key)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.digest()
+from collections.abc import Iterable
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "lora_id", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        # The LoRA adapter (lora_int_id; 0: the base model) whose KV a cached block holds.
+        self.lora_id = 0
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -144,7 +127,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, lora_id: int = 0) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         # Two requests can fill identical blocks in the same step; the first one stays the
@@ -152,6 +135,7 @@ class BlockPool:
         if block_hash in self.cached:
             return
         block.block_hash = block_hash
+        block.lora_id = lora_id
         self.cached[block_hash] = block
 
     def _evict(self, block: KVBlock) -> None:

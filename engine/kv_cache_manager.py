@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvfleet.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvfleet.engine.block_pool import BlockPool, KVBlock
 from kvfleet.engine.request import Request
+from kvfleet.protocol.block_hash import extend_block_hashes, lora_extra_key
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,14 +37,8 @@ class KVCacheManager:
     def _update_block_hashes(self, req: Request) -> None:
         """Extend req.block_hashes to cover every full block of its tokens. Each block is hashed
         once in the request's life, so the work per step does not grow with context length."""
-        bs = self.block_size
-        hashes = req.block_hashes
-        tokens = req.all_token_ids
-        extra = req.lora.cache_key if req.lora is not None else None
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            block = tokens[i * bs : (i + 1) * bs]
-            hashes.append(hash_block_tokens(parent, block, None if i else extra))
+        extra = lora_extra_key(req.lora.lora_name) if req.lora is not None else None
+        extend_block_hashes(req.block_hashes, req.all_token_ids, extra, self.block_size)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of leading full blocks already in the prefix cache, and its length in
@@ -58,10 +53,14 @@ class KVCacheManager:
             return [], 0
         self._update_block_hashes(req)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        lora_id = req.lora.lora_int_id if req.lora is not None else 0
         hits: list[KVBlock] = []
         for block_hash in req.block_hashes[:max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)
-            if block is None:
+            # An adapter's blocks are keyed by its name (all a router knows of it); one
+            # unloaded and loaded again under that name is another adapter (a new id) whose
+            # requests must not read the KV of the one before.
+            if block is None or block.lora_id != lora_id:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
@@ -110,8 +109,9 @@ class KVCacheManager:
             self._update_block_hashes(req)
             num_full = min(total, req.num_tokens) // bs
             start = self._num_cached_blocks.get(req.request_id, 0)
+            lora_id = req.lora.lora_int_id if req.lora is not None else 0
             for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], req.block_hashes[i])
+                self.pool.cache_block(blocks[i], req.block_hashes[i], lora_id)
             self._num_cached_blocks[req.request_id] = max(start, num_full)
         return [b.block_id for b in added]
 

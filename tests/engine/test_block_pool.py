@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
+from kvfleet.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvfleet.protocol.block_hash import hash_block_tokens
 
 
 def free_ids(pool: BlockPool) -> list[int]:
@@ -172,22 +173,6 @@ def test_touch_revives_block_from_middle_of_free_queue() -> None:
 
 
 # -- hashing and the prefix-cache table -------------------------------------------------------
-
-
-def test_hash_is_deterministic_and_content_sensitive() -> None:
-    toks = list(range(16))
-    assert hash_block_tokens(None, toks) == hash_block_tokens(None, list(toks))
-    assert hash_block_tokens(None, toks) != hash_block_tokens(None, [*toks[:-1], 99])
-    assert len(hash_block_tokens(None, toks)) == 16
-
-
-def test_hash_chaining_same_tokens_different_parent() -> None:
-    toks = [7] * 16
-    p1 = hash_block_tokens(None, [1] * 16)
-    p2 = hash_block_tokens(None, [2] * 16)
-    assert hash_block_tokens(p1, toks) != hash_block_tokens(p2, toks)
-    assert hash_block_tokens(p1, toks) != hash_block_tokens(None, toks)
-    assert hash_block_tokens(p1, toks) == hash_block_tokens(p1, toks)
 
 
 def test_cache_block_and_lookup() -> None:

@@ -18,10 +18,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvfleet.engine.block_pool import KVBlock, hash_block_tokens
+from kvfleet.engine.block_pool import KVBlock
 from kvfleet.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.protocol.block_hash import hash_block_tokens
 
 BS = 16
 MAX_MODEL_LEN = 4096
@@ -43,13 +45,14 @@ def chunks(remaining: int) -> st.SearchStrategy[int]:
     return st.one_of(st.just(remaining), st.integers(1, remaining))
 
 
-def make_request(rid: str, prompt: list[int]) -> Request:
+def make_request(rid: str, prompt: list[int], lora: LoRARequest | None = None) -> Request:
     return Request(
         rid,
         prompt,
         SamplingParams(max_tokens=None),
         eos_token_ids=frozenset(),
         max_tokens=MAX_MODEL_LEN - len(prompt),
+        lora=lora,
     )
 
 
@@ -403,6 +406,21 @@ def test_no_hits_when_caching_disabled() -> None:
     assert admit(kv, a) is not None
     assert kv.pool.cached == {}
     assert kv.get_computed_blocks(make_request("b", list(range(40)))) == ([], 0)
+
+
+def test_an_adapter_loaded_again_under_its_name_never_reads_the_old_ones_blocks() -> None:
+    """Blocks are keyed by the adapter's name (what a router can compute); the id tells the
+    adapter unloaded from the one loaded again under its name."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    prompt = list(range(40))
+    old, new = LoRARequest("ad", 1, "/a"), LoRARequest("ad", 2, "/b")
+    a = make_request("a", prompt, old)
+    assert admit(kv, a) is not None
+    a.num_computed_tokens = len(prompt)
+    assert kv.get_computed_blocks(make_request("b", prompt, old))[1] == 32
+    newer = make_request("c", prompt, new)
+    assert kv.get_computed_blocks(newer) == ([], 0)  # not the old one's KV...
+    assert newer.block_hashes == a.block_hashes  # ...under the same keys
 
 
 def test_partial_chunk_publishes_only_full_blocks() -> None:
