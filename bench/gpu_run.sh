@@ -427,7 +427,8 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         # (~2k tokens), one 20-word question a request, 24 output tokens, Zipf popularity. Each
         # engine's KV cache is capped at 12 GB (~91k tokens) so that the working set exceeds one
         # engine's cache, as a production fleet's does. FLEET_POLICIES picks the policies (round
-        # robin, prefix and precise by default); FLEET_ROUTERS the router replicas (1).
+        # robin, prefix and precise by default); FLEET_ROUTERS the router replicas (1; "1,3"
+        # runs each router policy through one and through three, on the same requests).
         spec=${step#fleet-routing-}
         rates=${spec%%-*}
         prompts=48
@@ -443,7 +444,7 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         fi
         # The device sends back only files named in letters, digits, '.', '_' and '-'.
         name="fleet_routing_${workload}_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
-        name="$name${FLEET_ROUTERS:+_routers$FLEET_ROUTERS}"
+        name="$name${FLEET_ROUTERS:+_routers${FLEET_ROUTERS//,/-}}"
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \

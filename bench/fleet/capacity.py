@@ -14,7 +14,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Capacity:
-    policy: str
+    policy: str  # a series_name
     # None: even the lowest swept rate missed the SLO.
     rate: float | None
     # False: every swept rate met the SLO, so ``rate`` (the highest swept) is a lower bound.
@@ -25,6 +25,13 @@ class Capacity:
         if self.rate is None:
             return f"< {min(self.swept):g}"
         return f"{self.rate:.1f}" if self.crossed else f">= {self.rate:g}"
+
+
+def series_name(run: dict[str, Any]) -> str:
+    """A run's policy, with its router replicas where there were more than one (``precise x3``):
+    runs of one policy through different numbers of routers are series of their own."""
+    routers = run.get("routers") or 0
+    return f"{run['policy']} x{routers}" if routers > 1 else run["policy"]
 
 
 def fixed_rate(load: str) -> float | None:
@@ -54,13 +61,13 @@ def rate_at_slo(policy: str, points: Iterable[tuple[float, float]], slo_s: float
 
 def capacities(runs: Sequence[dict[str, Any]], slo_s: float) -> list[Capacity]:
     """The rate at the SLO of each policy in ``runs`` (the harness's result runs, or the rows of
-    its printed table), in the order the policies first appear; ramps are left out."""
+    its printed table), per series_name in the order they first appear; ramps are left out."""
     points: dict[str, list[tuple[float, float]]] = {}
     for r in runs:
         rate = fixed_rate(r["load"])
-        points.setdefault(r["policy"], [])
+        series = points.setdefault(series_name(r), [])
         if rate is not None and (p90 := slo_p90_s(r)) is not None:
-            points[r["policy"]].append((rate, p90))
+            series.append((rate, p90))
     return [rate_at_slo(policy, p, slo_s) for policy, p in points.items() if p]
 
 

@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 # bench/ for the harness's modules, run as a script or loaded by path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.capacity import capacities, fixed_rate
+from fleet.capacity import capacities, fixed_rate, series_name
 
 # The printed table's columns that the routing plot reads, by their heading.
 TABLE_COLUMNS = {
@@ -91,7 +91,7 @@ def plot_routing(runs: list[dict[str, Any]], slo_s: float | None, out: Path) -> 
         rate = fixed_rate(r["load"])
         if rate is not None and r.get("output_tok_s") is not None:
             hit_rate = r.get("prefix_cache_hit_rate")
-            series[r["policy"]].append((rate, r["output_tok_s"], r["ttft_p90_ms"], hit_rate))
+            series[series_name(r)].append((rate, r["output_tok_s"], r["ttft_p90_ms"], hit_rate))
     if not series:
         return False
     at_slo = {c.policy: c.describe() for c in capacities(runs, slo_s)} if slo_s else {}

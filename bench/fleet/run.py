@@ -20,8 +20,10 @@ rates on the same warm fleet, which saves the engines' start on GPUs):
 Each router policy gets its own routers for each run, started as the operator's router
 Deployment says (its arguments, plus ``--prefix-scoring``, the model's tokenizer and any
 ``--router-arg``): ``--router-replicas N`` of them, behind a client-side round robin over
-them that stands for their Service. The engines run at their own defaults (the batch bound
-included: ``--max-num-seqs`` is passed only when given), as in production.
+them that stands for their Service; ``--router-replicas 1,3`` runs each router policy with one
+and with three, on the same requests (its rows named ``precise x3``). The engines run at
+their own defaults (the batch bound included: ``--max-num-seqs`` is passed only when given), as
+in production.
 
 Two workloads (the same requests for every policy of a call, seeded): ``--workload chat``,
 multi-turn sessions sharing a few long system prompts, each turn sending the whole history;
@@ -42,11 +44,12 @@ GPUs, dummy weights (a tokenizer from bench/dummy_tokenizer.py), a fixed fleet o
         --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --phases 120x8 \\
         --system-words 3000 --result-json llama8b-fleet.json
 
-The tenant workload, a rate sweep, three router replicas::
+The tenant workload, a rate sweep, precise scoring through one router and through three::
 
     python bench/fleet/run.py --model /tmp/llama8b --engine-arg=--load-format=dummy \\
         --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --workload tenants --tenants 128 \\
-        --phases "60x20;60x40;60x60" --router-replicas 3 --result-json tenants.json
+        --phases "60x20;60x40;60x60" --policies precise --router-replicas 1,3 \\
+        --result-json tenants.json
 
 LoRA adapters (``--adapters N``): N random rank-``--adapter-rank`` adapters of the model in
 spec.adapters, each session talking to one of them with a Zipf popularity (``--adapter-zipf``),
@@ -94,7 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import device_name, free_port, git_commit, stop
 from fleet.adapters import LoadCounter, gpu_adapters, write_random_adapter
-from fleet.capacity import Capacity, capacities
+from fleet.capacity import Capacity, capacities, series_name
 from fleet.cluster import ISVCS, Emulator, call, emulated_cluster, resource_url
 from fleet.pods import PodRunner
 from fleet.workload import (
@@ -227,15 +230,17 @@ class Fleet:
         return lambda _session: (routers[next(turn) % len(routers)], {})
 
     @contextlib.asynccontextmanager
-    async def routers(self, policy: str, ns: argparse.Namespace) -> AsyncIterator[list[str]]:
-        """``--router-replicas`` router processes for one run of a router policy, each
-        answering; none for round robin."""
+    async def routers(
+        self, policy: str, replicas: int, ns: argparse.Namespace
+    ) -> AsyncIterator[list[str]]:
+        """``replicas`` router processes for one run of a router policy, each answering; none
+        for round robin."""
         if policy == "round-robin":
             yield []
             return
         procs, urls = [], []
         try:
-            for i in range(ns.router_replicas):
+            for i in range(replicas):
                 port = free_port()
                 args = _replace(
                     _replace(self.router_args, "--host", "127.0.0.1"), "--port", str(port)
@@ -440,10 +445,11 @@ async def sample_adapter_loads(f: Fleet, loads: LoadCounter) -> None:
 
 
 async def run_policy(
-    f: Fleet, policy: str, workload: Workload, tag: str, ns: argparse.Namespace
+    f: Fleet, policy: str, replicas: int, workload: Workload, tag: str, ns: argparse.Namespace
 ) -> dict[str, Any]:
-    async with f.routers(policy, ns) as routers:
-        return await _run_policy(f, policy, routers, workload, tag, ns)
+    """One run of ``policy``, through ``replicas`` routers (0 for round robin)."""
+    async with f.routers(policy, replicas, ns) as routers:
+        return {**await _run_policy(f, policy, routers, workload, tag, ns), "routers": replicas}
 
 
 async def _run_policy(
@@ -584,10 +590,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--router-replicas",
-        type=int,
-        default=1,
+        default="1",
         help="router processes of each router policy's run, behind a client-side round robin "
-        "(their Service)" + d,
+        "(their Service); several, comma-separated (1,3), run each router policy once with "
+        "each count, on the same requests" + d,
     )
     p.add_argument(
         "--gpus", default="", help="comma-separated GPU ids, one per replica; none: CPU engines"
@@ -715,8 +721,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
     if "precise" in ns.policies and ns.model == "default":
         p.error("precise scoring needs the model's tokenizer in the router: --model tiny or a path")
-    if not 1 <= ns.router_replicas <= MAX_ROUTER_REPLICAS:
-        p.error(f"--router-replicas is 1 to {MAX_ROUTER_REPLICAS}")
+    try:
+        ns.router_replicas = [int(x) for x in ns.router_replicas.split(",")]
+    except ValueError:
+        ns.router_replicas = []
+    replicas = ns.router_replicas
+    if not replicas or len(set(replicas)) < len(replicas):
+        p.error(f"--router-replicas is a list of distinct counts, e.g. 1,3, got {replicas}")
+    if not all(1 <= n <= MAX_ROUTER_REPLICAS for n in replicas):
+        p.error(f"--router-replicas counts are 1 to {MAX_ROUTER_REPLICAS}")
     if ns.workload == "tenants" and (ns.adapters or ns.tenants < 1):
         p.error("--workload tenants takes --tenants >= 1 and no --adapters")
     if ns.max_tokens is None:
@@ -747,7 +760,7 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         router = r["router"] or {}
-        print(f"| {r['load']} | {r['policy']} | {r['requests']} | {r['failed']} "
+        print(f"| {r['load']} | {series_name(r)} | {r['requests']} | {r['failed']} "
               f"| {f(r['output_tok_s'])} "
               f"| {f(r['ttft_p50_ms'])} | {f(r['ttft_p90_ms'])} | {f(r['latency_p90_ms'])} "
               f"| {f(r['prefix_cache_hit_rate'], '.1%')} | {router.get('spilled', '')} "
@@ -796,7 +809,7 @@ def print_capacities(found: list[Capacity], runs: list[dict[str, Any]], slo_s: f
           "| spilled | failed |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for c in found:
-        mine = [r for r in runs if r["policy"] == c.policy]
+        mine = [r for r in runs if series_name(r) == c.policy]
         hits = [r["prefix_cache_hit_rate"] for r in mine if r["prefix_cache_hit_rate"] is not None]
         spilled = sum((r["router"] or {}).get("spilled", 0) for r in mine)
         print(f"| {c.policy} | {', '.join(f'{x:g}' for x in c.swept)} | {c.describe()} "
@@ -814,12 +827,13 @@ async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
         for j, (phases, workload) in enumerate(zip(ns.phases, workloads, strict=True)):
             load = ",".join(f"{p.seconds:g}x{p.rate:g}" for p in phases)
             for i, policy in enumerate(ns.policies):
-                # A tag per run: no run may hit the blocks an earlier one left.
-                run = await run_policy(f, policy, workload, f"run{j}.{i}-{ns.seed}", ns)
-                logger.info(
-                    "%s at %s: %d requests, %d failed", policy, load, run["requests"], run["failed"]
-                )
-                runs.append({"load": load, "sessions": len(workload.sessions), **run})
+                for n in [0] if policy == "round-robin" else ns.router_replicas:
+                    # A tag per run: no run may hit the blocks an earlier one left.
+                    tag = f"run{j}.{i}.{n}-{ns.seed}"
+                    run = await run_policy(f, policy, n, workload, tag, ns)
+                    logger.info("%s at %s: %d requests, %d failed",
+                                series_name(run), load, run["requests"], run["failed"])  # fmt: skip
+                    runs.append({"load": load, "sessions": len(workload.sessions), **run})
         if f.runner.failures:
             raise RuntimeError("; ".join(f.runner.failures))
     return {

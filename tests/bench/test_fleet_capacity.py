@@ -56,3 +56,12 @@ def test_failed_requests_count_as_over_the_slo() -> None:
     assert (precise.policy, precise.rate, precise.crossed, precise.swept) == (
         "precise", 16, False, (8, 16)
     )  # fmt: skip
+
+
+def test_runs_through_more_routers_are_a_series_of_their_own() -> None:
+    one, three = _run("precise", "60x8", [0.1] * 10), _run("precise", "60x8", [5.0] * 10)
+    one["routers"], three["routers"] = 1, 3
+    assert [capacity.series_name(r) for r in (one, three)] == ["precise", "precise x3"]
+    assert capacity.series_name({"policy": "round-robin", "routers": 0}) == "round-robin"
+    found = capacity.capacities([one, three], 1.0)
+    assert [(c.policy, c.rate) for c in found] == [("precise", 8), ("precise x3", None)]

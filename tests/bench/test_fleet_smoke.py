@@ -76,13 +76,13 @@ def test_phases_name_a_rate_sweep_and_refuse_nonsense() -> None:
 def test_engines_at_their_defaults_and_policies_routers_and_workloads_chosen() -> None:
     ns = fleet.parse_args([])
     assert ns.policies == ["round-robin", "session", "prefix", "precise"]
-    assert (ns.workload, ns.max_tokens, ns.router_replicas) == ("chat", 64, 1)
+    assert (ns.workload, ns.max_tokens, ns.router_replicas) == ("chat", 64, [1])
     # Production settings: no batch bound unless the call gives one.
     assert "maxNumSeqs" not in fleet.inference_service(ns)["spec"]["engine"]
     bounded = fleet.parse_args(["--max-num-seqs", "64"])
     assert fleet.inference_service(bounded)["spec"]["engine"]["maxNumSeqs"] == 64
-    tenants = fleet.parse_args(["--workload", "tenants", "--router-replicas", "3"])
-    assert (tenants.max_tokens, tenants.router_replicas) == (24, 3)
+    tenants = fleet.parse_args(["--workload", "tenants", "--router-replicas", "1,3"])
+    assert (tenants.max_tokens, tenants.router_replicas) == (24, [1, 3])
     workload = fleet.make(tenants, tenants.phases[0], [])
     assert len(workload.systems) == 128 and {len(s.users) for s in workload.sessions} == {1}
     # Prefix and precise routers differ in their scoring alone; both get the model's tokenizer.
@@ -93,7 +93,9 @@ def test_engines_at_their_defaults_and_policies_routers_and_workloads_chosen() -
     for bad in (
         ["--policies", "prefix,exact"],
         ["--router-replicas", "0"],
-        ["--router-replicas", "17"],
+        ["--router-replicas", "1,17"],
+        ["--router-replicas", "3,3"],
+        ["--router-replicas", "three"],
         ["--workload", "tenants", "--tenants", "0"],
         ["--workload", "tenants", "--adapters", "2"],
         ["--model", "default", "--policies", "precise"],
