@@ -422,8 +422,9 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         # fleet-routing-RATES[-PROMPTS], RATES one rate or several joined by '_' (a sweep on the
         # same warm fleet, from which the harness reads each policy's rate at the p90 TTFT SLO
         # of 1 s), each for FLEET_SECONDS (60). FLEET_WORKLOAD chat (the default): multi-turn
-        # chats on PROMPTS (48) shared system prompts of 2,000 words (~4k tokens with the dummy
-        # Llama 3 tokenizer); tenants: PROMPTS tenants each with a system prompt of 1,000 words
+        # chats of FLEET_TURNS (4) on PROMPTS (48) shared system prompts of FLEET_SYSTEM_WORDS
+        # (2,000 words: ~4k tokens with the dummy Llama 3 tokenizer; issue 41's shape is 1,200
+        # words, ~2.4k tokens, 5 turns); tenants: PROMPTS tenants each with a system prompt of 1,000 words
         # (~2k tokens), one 20-word question a request, 24 output tokens, Zipf popularity. Each
         # engine's KV cache is capped at 12 GB (~91k tokens) so that the working set exceeds one
         # engine's cache, as a production fleet's does. FLEET_POLICIES picks the policies (round
@@ -439,8 +440,8 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         if [ "$workload" = tenants ]; then
             shape=(--workload tenants --tenants "$prompts" --tenant-words 1000 --question-words 20)
         else
-            shape=(--system-prompts "$prompts" --system-words 2000 --turns 4 --user-words 60
-                   --reply-words 120 --max-tokens 100)
+            shape=(--system-prompts "$prompts" --system-words "${FLEET_SYSTEM_WORDS:-2000}"
+                   --turns "${FLEET_TURNS:-4}" --user-words 60 --reply-words 120 --max-tokens 100)
         fi
         # The device sends back only files named in letters, digits, '.', '_' and '-'.
         name="fleet_routing_${workload}_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
