@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvfleet.engine.kv_event_log import KVEventLog
+from kvfleet.engine.lora_request import LoRARequest
+
 
 class KVBlock:
     __slots__ = ("block_hash", "block_id", "lora_id", "next_free", "prev_free", "ref_cnt")
@@ -82,6 +85,8 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
+        # What the cache gained and lost, while someone subscribes to the engine's KV events.
+        self.events = KVEventLog()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -127,7 +132,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes, lora_id: int = 0) -> None:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        lora: LoRARequest | None = None,
+    ) -> None:
+        """Enter a full block into the prefix cache under its chained hash (`parent_hash`: the
+        previous block's, None for a prompt's first)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         # Two requests can fill identical blocks in the same step; the first one stays the
@@ -135,14 +148,30 @@ class BlockPool:
         if block_hash in self.cached:
             return
         block.block_hash = block_hash
-        block.lora_id = lora_id
+        block.lora_id = lora.lora_int_id if lora is not None else 0
         self.cached[block_hash] = block
+        if self.events.enabled:
+            name = lora.lora_name if lora is not None else None
+            self.events.stored(block_hash, parent_hash, name, "gpu")
 
     def _evict(self, block: KVBlock) -> None:
+        # A block with a hash is the cache's entry for it: cache_block sets one only then.
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            del self.cached[block.block_hash]
+            if self.events.enabled:
+                self.events.removed(block.block_hash, "gpu")
             block.block_hash = None
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache (a KV-events snapshot)."""
+        return list(self.cached)
+
+    def drop_adapter_blocks(self, lora_int_id: int) -> None:
+        """Take an unloaded adapter's blocks out of the prefix cache: the adapter loaded again
+        under its name (the same keys, another id) caches its own. A block a request still
+        holds stays that request's, uncached."""
+        for block in [b for b in self.cached.values() if b.lora_id == lora_int_id]:
+            self._evict(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no request holds a block."""
@@ -151,4 +180,6 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events.enabled:
+            self.events.cleared()
         return True

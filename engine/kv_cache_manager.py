@@ -109,9 +109,9 @@ class KVCacheManager:
             self._update_block_hashes(req)
             num_full = min(total, req.num_tokens) // bs
             start = self._num_cached_blocks.get(req.request_id, 0)
-            lora_id = req.lora.lora_int_id if req.lora is not None else 0
+            hashes = req.block_hashes
             for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], req.block_hashes[i], lora_id)
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, req.lora)
             self._num_cached_blocks[req.request_id] = max(start, num_full)
         return [b.block_id for b in added]
 

@@ -24,6 +24,7 @@ from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.protocol.block_hash import hash_block_tokens
+from kvfleet.protocol.kv_events import BlockRemoved, BlockStored
 
 BS = 16
 MAX_MODEL_LEN = 4096
@@ -97,6 +98,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         # Token sequences of every request so far, for prompts that share their prefixes.
         self.history: list[list[int]] = []
+        # The cache as a KV-events subscriber sees it: the events applied in order.
+        self.published: set[str] = set()
 
     @initialize(
         num_blocks=st.sampled_from(range(2, 17)),
@@ -104,6 +107,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks: int, caching: bool) -> None:
         self.kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+        self.kv.pool.events.enabled = True
 
     # -- helpers -----------------------------------------------------------------------------
     def _allocate(self, req: Request, num_new: int, hits: list[KVBlock]) -> bool:
@@ -311,6 +315,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             back.append(b.block_id)
             b = b.prev_free
         assert back[::-1] == q
+
+    @invariant()
+    def the_published_events_add_up_to_the_cache(self) -> None:
+        for e in self.kv.pool.events.drain():
+            if isinstance(e, BlockStored):
+                self.published.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.published
+                self.published.difference_update(e.block_hashes)
+        assert self.published == {h.hex() for h in self.kv.pool.cached}
 
     @invariant()
     def cache_table_is_consistent(self) -> None:
