@@ -245,11 +245,11 @@ class Fleet:
                 args = _replace(
                     _replace(self.router_args, "--host", "127.0.0.1"), "--port", str(port)
                 )
-                log = (self.work / f"router-{policy}-{i}.log").open("ab")
-                procs.append(subprocess.Popen(
-                    _command("router", *args, *policy_router_args(policy, ns), *ns.router_arg),
-                    env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                ))  # fmt: skip
+                with (self.work / f"router-{policy}-{replicas}.{i}.log").open("ab") as log:
+                    procs.append(subprocess.Popen(
+                        _command("router", *args, *policy_router_args(policy, ns), *ns.router_arg),
+                        env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                    ))  # fmt: skip
                 urls.append(f"http://127.0.0.1:{port}")
             await _eventually(lambda: all(map(_answers, urls)), f"the {policy} routers", 60, procs)
             yield urls
