@@ -56,6 +56,7 @@ ENGINE_METRICS = (
     "kvfleet_engine_lora_requests", "kvfleet_engine_lora_loads", "kvfleet_engine_lora_evictions",
     "kvfleet_engine_lora_load_seconds", "kvfleet_engine_kv_event_subscribers",
     "kvfleet_engine_kv_events_published", "kvfleet_engine_kv_event_subscribers_dropped",
+    "kvfleet_engine_startup_seconds",
 )  # fmt: skip
 
 # KV events (GET /kv_events): the subscribers connected, the events published to them, and the
@@ -63,6 +64,11 @@ ENGINE_METRICS = (
 KV_EVENT_SUBSCRIBERS = "kvfleet_engine_kv_event_subscribers"
 KV_EVENTS_PUBLISHED = "kvfleet_engine_kv_events_published"
 KV_EVENT_SUBSCRIBERS_DROPPED = "kvfleet_engine_kv_event_subscribers_dropped"
+
+# The seconds each phase of an engine's start took (process, config, weights, memory_profile,
+# kv_cache, warm_up, graph_capture, http; graph_capture_after_ready while serving), by phase.
+STARTUP_SECONDS = "kvfleet_engine_startup_seconds"
+STARTUP_PHASE = "phase"
 
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
 ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"

@@ -98,8 +98,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import device_name, free_port, git_commit, stop
 from fleet.adapters import LoadCounter, gpu_adapters, write_random_adapter
 from fleet.capacity import Capacity, capacities, series_name
-from fleet.cluster import ISVCS, Emulator, call, emulated_cluster, resource_url
-from fleet.pods import PodRunner
+from fleet.cluster import ISVCS, PODS, Emulator, call, emulated_cluster, resource_url
+from fleet.pods import PodRunner, register_router
+from fleet.scale_zero import measure as measure_from_zero
+from fleet.scale_zero import print_table as print_from_zero
 from fleet.workload import (
     Phase,
     Record,
@@ -124,6 +126,7 @@ WORKLOADS = ("chat", "tenants")
 # Answer lengths: the chat's turns carry replies; a tenant's question gets a short answer.
 MAX_TOKENS = {"chat": 64, "tenants": 24}
 MAX_ROUTER_REPLICAS = 16
+SCENARIOS = ("workload", "scale-from-zero")
 PREFIX_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 ROUTER_COUNTERS = {
     "spilled": "kvfleet_router_spilled_total",
@@ -175,6 +178,7 @@ def inference_service(
                 "maxReplicas": ns.max_replicas,
                 "targetQueueDepth": ns.target_queue_depth,
                 "scaleDownStabilizationSeconds": ns.scale_down_window,
+                "scaleToZeroDelaySeconds": ns.scale_to_zero_delay,
                 "scaleAhead": not ns.no_scale_ahead,
             },
             "routing": {"prefixLength": ns.prefix_length, "loadFactor": ns.load_factor},
@@ -202,14 +206,16 @@ class Fleet:
         self,
         k: Emulator,
         runner: PodRunner,
-        router_args: list[str],
+        router_deployment: dict[str, Any],
         model: str,
         env: dict[str, str],
         work: Path,
     ) -> None:
-        """router_args: the operator's router container arguments."""
+        """router_deployment: the operator's, whose arguments the routers run with."""
         self.k, self.runner, self.model = k, runner, model
-        self.router_args, self.env, self.work = router_args, env, work
+        self.router_deployment, self.env, self.work = router_deployment, env, work
+        (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
+        self.router_args: list[str] = container["args"]
 
     def target(self, policy: str, routers: Sequence[str]) -> Target:
         """Where each request goes: the next ready engine (round robin), or the next of the
@@ -229,16 +235,21 @@ class Fleet:
             )
         return lambda _session: (routers[next(turn) % len(routers)], {})
 
+    def status(self) -> dict[str, Any]:
+        """The InferenceService's status as the API holds it now."""
+        return (self.k.live(ISVCS, NAMESPACE, SERVICE) or {}).get("status") or {}
+
     @contextlib.asynccontextmanager
     async def routers(
         self, policy: str, replicas: int, ns: argparse.Namespace
     ) -> AsyncIterator[list[str]]:
-        """``replicas`` router processes for one run of a router policy, each answering; none
-        for round robin."""
+        """``replicas`` router processes for one run of a router policy, each answering and
+        registered as a Ready pod of the router Deployment (the operator scrapes its held
+        requests, the signal that scales from zero) while it runs; none for round robin."""
         if policy == "round-robin":
             yield []
             return
-        procs, urls = [], []
+        procs, urls, pods = [], [], []
         try:
             for i in range(replicas):
                 port = free_port()
@@ -252,8 +263,14 @@ class Fleet:
                     ))  # fmt: skip
                 urls.append(f"http://127.0.0.1:{port}")
             await _eventually(lambda: all(map(_answers, urls)), f"the {policy} routers", 60, procs)
+            for url in urls:
+                port = int(url.rpartition(":")[2])
+                pods.append(await register_router(self.k, NAMESPACE, self.router_deployment, port))
             yield urls
         finally:
+            # The pods first: the operator must not scrape routers that are gone.
+            for pod in pods:
+                await call(self.k, "delete", resource_url(PODS, NAMESPACE, pod))
             stop(procs)
 
     async def router_counters(self, routers: Sequence[str]) -> dict[str, float]:
@@ -342,7 +359,7 @@ async def fleet(
                 lambda: k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-router"),
                 "the operator's router Deployment", 60, procs,
             )  # fmt: skip
-            (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
+            # A service of minReplicas 0 starts at one replica too (the operator's seed).
             await runner.wait_ready(ns.min_replicas or 1, ns.start_timeout)
             engine = k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-engine")
             assert engine is not None
@@ -351,7 +368,7 @@ async def fleet(
             ]
             args = engine_container["args"]
             model = args[args.index("--served-model-name") + 1]
-            yield Fleet(k, runner, container["args"], model, env, work)
+            yield Fleet(k, runner, router_deployment, model, env, work)
         finally:
             # The operator first: the engines going is no scale-down to act on.
             stop(procs)
@@ -393,7 +410,8 @@ async def sample_replicas(
 
 def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dict[str, Any]]:
     """Each change of the Deployment's replicas within [t0, t1]: for a scale-up, when its new
-    pods were created and served, and the decision delay since the last rise of the rate; for a
+    pods were created and served, the decision delay since the last rise of the rate and the
+    time from that rise to the new pods serving; for a
     scale-down, when the removed engines left and exited."""
     events = [e for e in f.runner.events if t0 <= e.t <= t1]
     out = []
@@ -407,6 +425,10 @@ def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dic
             rises = [s for s, (a, b) in _phase_starts(workload) if b > a and s <= at]
             if rises:
                 item["decision_delay_s"] = round(at - rises[-1], 2)
+                # What a scale-up ahead of the trend shortens: the rise to the new capacity.
+                item["serving_after_rise_s"] = [
+                    round(p.ready - t0 - rises[-1], 2) if p.ready else None for p in pods
+                ]
             item["engine_start_s"] = [
                 round(p.ready - p.created, 2) if p.ready else None for p in pods
             ]
@@ -419,6 +441,43 @@ def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dic
             item["drained_s"] = [round(p.exited - p.terminating, 2) if p.exited and
                                  p.terminating else None for p in pods]  # fmt: skip
         out.append(item)
+    return out
+
+
+def with_signals(
+    scaling: list[dict[str, Any]], decisions: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each scale event with the signal and reason of the status.lastScaleDecision that made it:
+    the latest sampled decision of the same from -> to at or before the event (the reconciler
+    applies a decision after its status write; sampled every SAMPLE_S)."""
+    out = []
+    for event in scaling:
+        made = [
+            d["decision"]
+            for d in decisions
+            if (d["decision"].get("from"), d["decision"].get("to")) == (event["from"], event["to"])
+            and d["at_s"] <= event["at_s"] + SAMPLE_S
+        ]
+        if made:
+            event = {**event, "signal": made[-1].get("signal"), "reason": made[-1].get("reason")}
+        out.append(event)
+    return out
+
+
+def phase_ttfts(records: list[Record], workload: Workload, ttft_slo: float) -> list[dict[str, Any]]:
+    """Per phase of the load (by each request's start): requests, failed, TTFT p50/p90 and the
+    share within the SLO, so a ramp's low, rising and peak phases are compared apart."""
+    out = []
+    for i, phase in enumerate(workload.phases):
+        mine = [r for r in records if workload.phase_at(r.start) == i]
+        ttfts = [r.ttft for r in mine if r.error is None and r.ttft is not None]
+        p50, p90 = percentiles_ms(ttfts, 50, 90)
+        out.append({
+            "phase": f"{phase.seconds:g}x{phase.rate:g}", "requests": len(mine),
+            "failed": sum(r.error is not None for r in mine), "ttft_p50_ms": p50,
+            "ttft_p90_ms": p90,
+            "slo_attainment": sum(t <= ttft_slo for t in ttfts) / len(mine) if mine else None,
+        })  # fmt: skip
     return out
 
 
@@ -489,6 +548,7 @@ async def _run_policy(
                         {k: int(r1[k] - r0[k]) for k in r0} if routers else None,
                         replicas, scale_events(f, workload, t0, time.monotonic()),
                         ns.ttft_slo)  # fmt: skip
+    summary["scaling"] = with_signals(summary["scaling"], decisions)
     status = (await call(f.k, "get", resource_url(ISVCS, NAMESPACE, SERVICE))).get("status", {})
     learned = (status.get("autoscaling") or {}).get("engineStartSeconds")
     adapter_loads = (
@@ -496,7 +556,8 @@ async def _run_policy(
         if ns.adapters
         else {}
     )
-    return {**summary, **adapter_loads, "decisions": decisions, "learned_engine_start_s": learned}
+    return {**summary, **adapter_loads, "phases": phase_ttfts(records, workload, ns.ttft_slo),
+            "decisions": decisions, "learned_engine_start_s": learned}  # fmt: skip
 
 
 def summarize(
@@ -615,6 +676,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--scale-down-window", type=int, default=300, help="scaleDownStabilizationSeconds" + d
     )
     p.add_argument(
+        "--scale-to-zero-delay",
+        type=int,
+        default=600,
+        help="scaleToZeroDelaySeconds: idle seconds before --min-replicas 0 scales to zero" + d,
+    )
+    p.add_argument(
         "--latency-target",
         type=_latency_target,
         help="METRIC:QUANTILE:SECONDS, e.g. ttft:0.9:0.5: spec.autoscaling.latencyTarget",
@@ -628,6 +695,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--autoscale-interval", type=float, default=2.0, help="the operator's" + d)
     p.add_argument("--prefix-length", type=int, default=256, help="the router's" + d)
     p.add_argument("--load-factor", type=float, default=1.25, help="the router's" + d)
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="workload",
+        help="workload: the --phases load under each policy; scale-from-zero: one request at a "
+        "time to a service idle at zero (--min-replicas 0), --repeats times" + d,
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="scale-from-zero trials, at zero before each" + d
+    )
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
@@ -736,6 +813,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ns.max_tokens = MAX_TOKENS[ns.workload]
     if not 0 <= ns.min_replicas <= ns.max_replicas or ns.max_replicas < 1:
         p.error("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+    if ns.scenario == "scale-from-zero" and (ns.min_replicas != 0 or ns.repeats < 1):
+        p.error("--scenario scale-from-zero needs --min-replicas 0 and --repeats >= 1")
     gpus = [g for g in ns.gpus.split(",") if g.strip()]
     if gpus and len(gpus) < ns.max_replicas:
         p.error(f"--max-replicas {ns.max_replicas} needs as many --gpus, got {len(gpus)}")
@@ -770,6 +849,15 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         if "adapter_loads" in r:
             print(f"{r['policy']}: {r['adapter_loads']} adapter loads into GPU slots, "
                   f"{r['adapter_loads_per_min']:.1f} a minute")  # fmt: skip
+    if any(len(r["phases"]) > 1 for r in runs):
+        print("| load | policy | phase | requests | failed | TTFT p50 ms | TTFT p90 ms "
+              "| TTFT within SLO |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            for ph in r["phases"]:
+                print(f"| {r['load']} | {r['policy']} | {ph['phase']} | {ph['requests']} "
+                      f"| {ph['failed']} | {f(ph['ttft_p50_ms'])} | {f(ph['ttft_p90_ms'])} "
+                      f"| {f(ph['slo_attainment'], '.1%')} |")  # fmt: skip
     for r in runs:
         for event in r["scaling"]:
             print(f"{r['policy']}: {json.dumps(event)}")
@@ -822,7 +910,17 @@ def print_capacities(found: list[Capacity], runs: list[dict[str, Any]], slo_s: f
 async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     adapters = write_adapters(ns, work) if ns.adapters else {}
     workloads = [make(ns, phases, list(adapters)) for phases in ns.phases]
+    header = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_name() if ns.gpus else "CPU",
+        "commit": git_commit(),
+        "args": {k: str(v) for k, v in vars(ns).items() if k != "phases"},
+        "phases": [[asdict(p) for p in phases] for phases in ns.phases],
+    }
     async with fleet(ns, work, adapters) as f:
+        if ns.scenario == "scale-from-zero":
+            async with f.routers("prefix", 1, ns) as (router,):
+                return {**header, **await measure_from_zero(f, ns, router)}
         runs = []
         for j, (phases, workload) in enumerate(zip(ns.phases, workloads, strict=True)):
             load = ",".join(f"{p.seconds:g}x{p.rate:g}" for p in phases)
@@ -836,15 +934,7 @@ async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
                     runs.append({"load": load, "sessions": len(workload.sessions), **run})
         if f.runner.failures:
             raise RuntimeError("; ".join(f.runner.failures))
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": device_name() if ns.gpus else "CPU",
-        "commit": git_commit(),
-        "args": {k: str(v) for k, v in vars(ns).items() if k != "phases"},
-        "phases": [[asdict(p) for p in phases] for phases in ns.phases],
-        "runs": runs,
-        "capacity": [asdict(c) for c in capacities(runs, ns.ttft_slo)],
-    }
+    return {**header, "runs": runs, "capacity": [asdict(c) for c in capacities(runs, ns.ttft_slo)]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -856,8 +946,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = ns.log_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         report = asyncio.run(measure(ns, work))
-    print_table(report["runs"])
-    print_capacities([Capacity(**c) for c in report["capacity"]], report["runs"], ns.ttft_slo)
+    if ns.scenario == "scale-from-zero":
+        print_from_zero(report)
+    else:
+        print_table(report["runs"])
+        print_capacities([Capacity(**c) for c in report["capacity"]], report["runs"], ns.ttft_slo)
     if ns.result_json:
         ns.result_json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
