@@ -13,17 +13,17 @@ rates on the same warm fleet, which saves the engines' start on GPUs):
 * ``round-robin``: straight to the ready engines in turn (the baseline, no router);
 * ``session``: through the router, each chat session's id in the session header;
 * ``prefix``: through the router, keyed by the prompt's prefix (``--prefix-scoring
-  approximate``: a hash of its first tokens on a ring of the engines);
+  approximate``: a hash of its first characters on a ring of the engines);
 * ``precise``: through the router scoring each engine by the longest prefix of the prompt it
   holds, from the engines' KV events (``--prefix-scoring precise``).
 
 Each router policy gets its own routers for each run, started as the operator's router
-Deployment says (its arguments, plus ``--prefix-scoring``, the model's tokenizer and any
-``--router-arg``): ``--router-replicas N`` of them, behind a client-side round robin over
-them that stands for their Service; ``--router-replicas 1,3`` runs each router policy with one
-and with three, on the same requests (its rows named ``precise x3``). The engines run at
-their own defaults (the batch bound included: ``--max-num-seqs`` is passed only when given), as
-in production.
+Deployment says (its arguments, plus ``--prefix-scoring``, for precise scoring the model's
+tokenizer, and any ``--router-arg``): ``--router-replicas N`` of them, behind a client-side
+round robin over them that stands for their Service; ``--router-replicas 1,3`` runs each router
+policy with one and with three, on the same requests (its rows named ``precise x3``). The
+engines run at their own defaults (the batch bound included: ``--max-num-seqs`` is passed only
+when given), as in production.
 
 Two workloads (the same requests for every policy of a call, seeded): ``--workload chat``,
 multi-turn sessions sharing a few long system prompts, each turn sending the whole history;
@@ -120,7 +120,7 @@ NAMESPACE = "fleet"
 SERVICE = "bench"
 POLICIES = ("round-robin", "session", "prefix", "precise")
 # The router's --prefix-scoring of each router policy: precise scores engines from their KV
-# events; approximate is the hash of the prompt's first tokens (session keys ignore both).
+# events; approximate is the hash of the prompt's head on the ring (session keys ignore both).
 PREFIX_SCORING = {"session": "approximate", "prefix": "approximate", "precise": "precise"}
 WORKLOADS = ("chat", "tenants")
 # Answer lengths: the chat's turns carry replies; a tenant's question gets a short answer.
@@ -289,14 +289,10 @@ class Fleet:
 
 def policy_router_args(policy: str, ns: argparse.Namespace) -> list[str]:
     """What a router policy adds to the operator's router arguments: its prefix scoring, and
-    the model's tokenizer (every router policy gets it, so prefix and precise differ in their
-    scoring alone)."""
-    tokenizer = model_dir(ns)
-    return [
-        "--prefix-scoring",
-        PREFIX_SCORING[policy],
-        *(["--tokenizer", tokenizer] if tokenizer else []),
-    ]
+    for precise scoring the model's tokenizer, which it needs. The others run as the operator
+    deploys the router today, without one (prefix keys of characters)."""
+    args = ["--prefix-scoring", PREFIX_SCORING[policy]]
+    return [*args, "--tokenizer", model_dir(ns)] if policy == "precise" else args
 
 
 def _command(package: str, *args: str) -> list[str]:
