@@ -64,12 +64,14 @@ PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 15
 
 SCRIPT_DIR = "/etc/kvfleet/model-download"
-# The engine's compile cache (Triton's kernels, the memory profile): a folder of the model cache
-# volume shared by replicas and restarts when the spec has one, which the download init
-# container makes (a subPath kubelet made would be root's, not writable by the engine's user),
-# else on the pod's /tmp emptyDir, which a container restart keeps.
+# The engine's compile cache (Triton's kernels, the memory profile): when the spec has a model
+# cache volume, the service's own folder of it, shared by its replicas and restarts, which the
+# download init container makes (a subPath kubelet made would be root's, not writable by the
+# engine's user), else on the pod's /tmp emptyDir, which a container restart keeps. Its own:
+# the folder holds code the engines load (Triton's launchers), and a claim may be shared by
+# several services, so no engine writes where another service's engines read.
 COMPILE_CACHE_MOUNT = "/var/cache/kvfleet-compile"
-COMPILE_CACHE_SUBPATH = ".kvfleet-compile-cache"
+COMPILE_CACHE_ROOT = ".kvfleet-compile-cache"
 COMPILE_CACHE_TMP = "/tmp/kvfleet/compile-cache"
 SCRIPT_FILE = "download.py"
 RUN_AS = 1000
@@ -234,7 +236,7 @@ def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _Mode
         {"name": "MODEL_DIR", "value": model_dir},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        *_compile_cache_folder_env(spec),
+        *_compile_cache_folder_env(owner, spec),
     ]
     if (ref := spec.model.hf_token_secret_ref) is not None:
         env.append(_secret_env("HF_TOKEN", ref))
@@ -277,19 +279,24 @@ def _download_volumes(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str
     return [models, script]
 
 
-def _compile_cache_folder_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _compile_cache_subpath(owner: Owner) -> str:
+    return f"{COMPILE_CACHE_ROOT}/{owner.name}"
+
+
+def _compile_cache_folder_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The download script makes the compile cache's folder on the model cache volume."""
     if spec.model_cache is None:
         return []
-    folder = f"{MODELS_DIR}/{COMPILE_CACHE_SUBPATH}"
+    folder = f"{MODELS_DIR}/{_compile_cache_subpath(owner)}"
     return [{"name": model_download.COMPILE_CACHE_ENV, "value": folder}]
 
 
-def _compile_cache_mounts(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The engine's compile cache on the model cache volume, writable; none without one."""
+def _compile_cache_mounts(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The service's compile cache on the model cache volume, writable; none without one."""
     if spec.model_cache is None:
         return []
-    return [{"name": "models", "mountPath": COMPILE_CACHE_MOUNT, "subPath": COMPILE_CACHE_SUBPATH}]
+    subpath = _compile_cache_subpath(owner)
+    return [{"name": "models", "mountPath": COMPILE_CACHE_MOUNT, "subPath": subpath}]
 
 
 def _download_mounts() -> list[dict[str, Any]]:
@@ -347,7 +354,7 @@ def _adapter_wiring(
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        *_compile_cache_folder_env(spec),
+        *_compile_cache_folder_env(owner, spec),
     ]
     # The model's token is every hf:// adapter's default (huggingface_hub reads HF_TOKEN); an
     # adapter's own is passed by the variable its download item names. Those are optional: a
@@ -441,7 +448,11 @@ def engine_deployment(
     model = _model_wiring(owner, spec, image)
     beside = _adapter_wiring(owner, spec, image, model) if spec.adapters else []
     volumes = [{"name": "tmp", "emptyDir": {}}, *model.volumes]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts, *_compile_cache_mounts(spec)]
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        *model.mounts,
+        *_compile_cache_mounts(owner, spec),
+    ]
     if spec.resources.gpus > 1:
         # The tensor-parallel workers of one pod (one per GPU) talk through NCCL, which falls back
         # to /dev/shm segments where GPUs lack peer access; the runtime's default is 64 MiB. The

@@ -72,6 +72,12 @@ STARTUP_PHASE = "phase"
 
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
 ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"
+# Precise prefix scoring (issue 41): the router's index of the engines' KV events.
+ROUTER_KV_EVENTS_APPLIED = "kvfleet_router_kv_events_applied"
+ROUTER_KV_RESYNCS = "kvfleet_router_kv_resyncs"
+ROUTER_KV_STALE_ENGINES = "kvfleet_router_kv_stale_engines"
+ROUTER_KV_INDEXED_BLOCKS = "kvfleet_router_kv_indexed_blocks"
+ROUTER_PREFIX_SCORING = "kvfleet_router_prefix_scoring"
 
 # LoRA adapters. vllm:lora_requests_info as vLLM exports it: one gauge series whose labels name
 # the adapters of the running and the waiting requests (comma-separated) and the engine's

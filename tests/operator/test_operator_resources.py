@@ -265,9 +265,10 @@ def test_hf_model_wiring():
 
 
 def test_the_compile_cache_is_kept_on_the_model_cache_volume_else_on_tmp(tmp_path, monkeypatch):
-    """With a model cache the engine's compile cache is a folder of that volume (shared by
-    replicas and restarts), mounted writable while the models stay read-only; the download
-    script makes the folder first, as the pod's user. Without one it is on the /tmp emptyDir."""
+    """With a model cache the engine's compile cache is the service's own folder of that volume
+    (shared by its replicas and restarts, never by another service's engines), mounted writable
+    while the models stay read-only; the download script makes the folder first, as the pod's
+    user. Without one it is on the /tmp emptyDir."""
     deploy = children(LLAMA)["Deployment/llm-engine"]
     engine = container(deploy, "engine")
     cache_dir = env_of(engine)["KVFLEET_COMPILE_CACHE_DIR"]
@@ -275,6 +276,7 @@ def test_the_compile_cache_is_kept_on_the_model_cache_volume_else_on_tmp(tmp_pat
     assert mount["name"] == "models" and "readOnly" not in mount
     folder = env_of(container(deploy, "model-download"))[model_download.COMPILE_CACHE_ENV]
     assert folder == f"{MODELS_DIR}/{mount['subPath']}"
+    assert mount["subPath"].endswith("/llm")
     models = next(m for m in engine["volumeMounts"] if m["mountPath"] == MODELS_DIR)
     assert models["readOnly"] is True
 
