@@ -99,6 +99,9 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
+        # (block id, hash) of each cached block evicted to be reused, for a host tier to copy
+        # before the block is written again; None: nobody keeps them.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -158,6 +161,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block.block_hash))
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

@@ -1,11 +1,15 @@
 """Per-request block lists over a shared BlockPool: prefix-cache lookup, slot allocation as a
-sequence grows, and freeing on finish, abort or preemption."""
+sequence grows, and freeing on finish, abort or preemption; with a host tier, the copies of
+evicted blocks into host memory and of host hits back into device blocks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvfleet.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvfleet.engine.host_block_index import HostBlockIndex
+from kvfleet.engine.kv_transfers import KVTransfers
 from kvfleet.engine.request import Request
 
 
@@ -13,14 +17,35 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True, slots=True)
+class HostLoad:
+    """Host blocks being copied back for a request: the device blocks it holds meanwhile (its
+    device hits, then the copies' targets), and the hashes the targets take once filled."""
+
+    request_id: str
+    held: list[KVBlock]
+    targets: list[KVBlock]
+    hashes: list[bytes]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, num_host_blocks: int = 0
+    ) -> None:
+        """`num_host_blocks`: slots of the host tier (0: none; it needs prefix caching)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        self.host: HostBlockIndex | None = None
+        if enable_caching and num_host_blocks > 0:
+            self.host = HostBlockIndex(num_host_blocks)
+            self.pool.evicted = []
+        self.loads: dict[int, HostLoad] = {}
+        self._next_load = 0
+        self._transfers = KVTransfers()
 
     @property
     def usage(self) -> float:
@@ -51,20 +76,111 @@ class KVCacheManager:
         Nor is any token of a request that scores its prompt (prompt_logprobs): each position
         must run to produce its logits, so such a request takes no hit (as in vLLM); nor does
         an embedding request that pools the mean of every position's hidden state."""
-        every_position = req.sampling_params.prompt_logprobs is not None or (
-            req.pooling is not None and req.pooling.pooling_type == "MEAN"
-        )
-        if not self.enable_caching or every_position:
+        if not self._takes_hits(req):
             return [], 0
         self._update_block_hashes(req)
-        max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in req.block_hashes[:max_hit_blocks]:
+        for block_hash in req.block_hashes[: self._max_hit_blocks(req)]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _takes_hits(self, req: Request) -> bool:
+        every_position = req.sampling_params.prompt_logprobs is not None or (
+            req.pooling is not None and req.pooling.pooling_type == "MEAN"
+        )
+        return self.enable_caching and not every_position
+
+    def _max_hit_blocks(self, req: Request) -> int:
+        return (req.num_tokens - 1) // self.block_size
+
+    # -- the host tier ---------------------------------------------------------------------
+    def get_host_blocks(self, req: Request, num_device_hits: int) -> list[bytes]:
+        """The hashes of the blocks that continue the request's device hits in the host tier
+        (copies complete), up to where get_computed_blocks would stop."""
+        host = self.host
+        if host is None or not self._takes_hits(req):
+            return []
+        found: list[bytes] = []
+        for block_hash in req.block_hashes[num_device_hits : self._max_hit_blocks(req)]:
+            if host.lookup(block_hash) is None:
+                break
+            found.append(block_hash)
+        return found
+
+    def start_load(self, req: Request, device_hits: Sequence[KVBlock], hashes: list[bytes]) -> bool:
+        """Hold the request's device hits and new device blocks for its host hits, and queue
+        the copies into them. False, changing nothing, when the pool cannot hold them."""
+        host = self.host
+        assert host is not None
+        num_revived = sum(1 for b in device_hits if b.ref_cnt == 0)
+        if len(hashes) + num_revived > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(device_hits)
+        # Pinned before any eviction below can place a block into their slots.
+        slots = [host.pin(h) for h in hashes]
+        targets = self.pool.get_new_blocks(len(hashes))
+        self._place_evicted()
+        load_id = self._next_load
+        self._next_load += 1
+        self.loads[load_id] = HostLoad(req.request_id, [*device_hits, *targets], targets, hashes)
+        self._transfers.loads.append((load_id, slots, [b.block_id for b in targets]))
+        return True
+
+    def finish_load(self, load_id: int, ok: bool) -> str:
+        """A load's copies completed (or failed: the blocks are dropped, the tokens computed
+        again). Its blocks join the prefix cache and are released: the request finds them as
+        device hits when it is scheduled. Returns the request's id."""
+        load = self.loads.pop(load_id)
+        host = self.host
+        assert host is not None
+        for block_hash in load.hashes:
+            host.unpin(block_hash, drop=not ok)
+        if ok:
+            for block, block_hash in zip(load.targets, load.hashes, strict=True):
+                self.pool.cache_block(block, block_hash)
+        self.pool.free_blocks(reversed(load.held))
+        # The step that may first use them waits for their copies on every rank.
+        self._transfers.loads_ready.append(load_id)
+        return load.request_id
+
+    def host_stored(self, tickets: list[int]) -> None:
+        """These store copies completed: their blocks can be served from the host tier."""
+        if self.host is not None:
+            for ticket in tickets:
+                self.host.stored(ticket)
+
+    def _place_evicted(self) -> None:
+        """A host slot for each cached block the pool just evicted; the copy goes ahead of the
+        step that reuses the block."""
+        evicted, host = self.pool.evicted, self.host
+        if not evicted or host is None:
+            return
+        for block_id, block_hash in evicted:
+            placement = host.place(block_hash)
+            if placement is not None:
+                self._transfers.stores.append((block_id, placement.slot, placement.ticket))
+        evicted.clear()
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies decided since the last call, for the step about to run."""
+        transfers, self._transfers = self._transfers, KVTransfers()
+        return transfers
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self.host) if self.host is not None else 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, on the device and in host memory; only possible when no
+        request holds a block."""
+        if self.loads or not self.pool.reset_prefix_cache():
+            return False
+        if self.host is not None:
+            self.host.clear()
+        return True
 
     def allocate_slots(
         self,
@@ -98,6 +214,7 @@ class KVCacheManager:
 
         self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        self._place_evicted()
         added = [*new_computed_blocks, *new_blocks]
         if added:
             blocks = self.req_blocks.setdefault(req.request_id, blocks)

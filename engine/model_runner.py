@@ -21,8 +21,10 @@ from kvfleet.engine.attention_metadata import AttentionMetadata, attention_conte
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
+from kvfleet.engine.host_kv_cache import HostKVCache
 from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
+from kvfleet.engine.kv_transfers import KVTransfers, TransfersDone
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.layers.lora import LoRALayers, attach_lora, load_slot, lora_context
@@ -134,6 +136,26 @@ class StepPlan:
     # and those whose prompt ends this step, which rank 0 pools.
     pool_mean: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pool_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # KV blocks copied to and from the host tier before the forward pass.
+    kv_transfers: KVTransfers | None = None
+
+
+def transfers_plan(transfers: KVTransfers) -> StepPlan:
+    """A plan that runs no sequence, only the host tier's copies (a step whose only request
+    started a load)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return StepPlan(
+        rows=empty,
+        num_new=empty,
+        computed=empty,
+        input_ids=empty,
+        table_writes=[],
+        sampling=empty,
+        pending_ids=empty,
+        pending_src=empty,
+        num_prev_sampled=0,
+        kv_transfers=transfers,
+    )
 
 
 # A sequence's prompt tokens scored in one step: the position in the prompt of the first, and
@@ -264,6 +286,23 @@ class ModelRunner:
         self.backend = get_attention_backend(args.resolved_backend(), model_config.max_model_len)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # The host tier's slots hold whole blocks of every rank's heads: the flag is the
+        # engine's host memory, each rank pinning its share.
+        self.num_host_blocks = args.cpu_kv_cache_bytes // (self.block_bytes * tp_size())
+        self.host_kv: HostKVCache | None = None
+        if self.num_host_blocks and args.enable_prefix_caching and not self.pooling:
+            self.host_kv = HostKVCache(
+                self.kv_caches, self.num_host_blocks, device, track=tp_rank() == 0
+            )
+            if tp_rank() == 0:
+                logger.info(
+                    "host KV tier: %d blocks (%.2f GiB of host memory%s)",
+                    self.num_host_blocks,
+                    self.num_host_blocks * self.block_bytes * tp_size() / 2**30,
+                    ", pinned" if device.type == "cuda" else "",
+                )
+        else:
+            self.num_host_blocks = 0
         # Only rank 0 samples; the workers' logits are computed (the LM head is a collective)
         # and dropped.
         vocab = model_config.vocab_size
@@ -473,6 +512,7 @@ class ModelRunner:
             return
         self._bind_kv_cache([])
         self.kv_caches = []
+        self.host_kv = None
         self.graphs = None
         del self.model
         self.released = True
@@ -529,6 +569,11 @@ class ModelRunner:
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
+            if out.kv_transfers:
+                plan = transfers_plan(out.kv_transfers)
+                if self.send_plan is not None:
+                    self.send_plan(plan)
+                self.forward(plan)
             return Step(out, [], None, {})
         plan = self.plan(out, prev)
         if self.send_plan is not None:
@@ -679,6 +724,7 @@ class ModelRunner:
             lora_slots=np.array(lora_slots, dtype=np.int32) if max(lora_slots) >= 0 else None,
             lora_changes=out.lora_changes or None,
             lora_host_changes=self._take_lora_host_changes(),
+            kv_transfers=out.kv_transfers or None,
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -701,6 +747,12 @@ class ModelRunner:
                 self._set_host_copy(key, adapter)
         if plan.lora_changes is not None:
             self._apply_lora_changes(plan.lora_changes)
+        if plan.kv_transfers is not None:
+            if self.host_kv is None:
+                raise RuntimeError("host KV copies were planned for a runner without a host tier")
+            self.host_kv.apply(plan.kv_transfers)
+        if not len(plan.rows):
+            return None, {}, {}
         bs = self.block_size
         table = self.block_table
         for row, start, blocks in plan.table_writes:
@@ -850,6 +902,10 @@ class ModelRunner:
                 load_slot(self.lora, slot, adapter)
             if self.sampler is not None:  # rank 0's metrics; the workers keep no record
                 self.lora_load_seconds.append((lora.lora_name, time.perf_counter() - started))
+
+    def take_kv_transfers_done(self) -> TransfersDone:
+        """The host tier's copies (rank 0's) complete since the last call."""
+        return TransfersDone() if self.host_kv is None else self.host_kv.take_done()
 
     def take_lora_load_seconds(self) -> list[tuple[str, float]]:
         """(adapter name, seconds) of each slot load since the last call."""
