@@ -147,8 +147,8 @@ class EngineArgs(BaseModel):
         ge=0,
         description="host memory for a second tier of the prefix cache (0: none): full blocks "
         "evicted from the device cache are copied there (pinned memory on a GPU) and a prefix "
-        "found there is copied back instead of computed again; like vLLM's --kv-offloading-size "
-        "(its CPU offloading, formerly --swap-space); needs prefix caching",
+        "found there is copied back instead of computed again; like vLLM's kv_offloading_size "
+        "(its CPU offloading, formerly its swap space); needs prefix caching",
     )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto",

@@ -53,7 +53,7 @@ class HostKVCache:
         self.stream = torch.cuda.Stream(device) if cuda else None
         # Rank 0's copies not yet seen complete, with the event recorded after them (None on
         # the CPU: complete at once).
-        self._stores: list[tuple[list[int], torch.cuda.Event | None]] = []
+        self._stores: list[tuple[list[int], torch.cuda.Event | None, bool]] = []
         self._loads: list[tuple[int, torch.cuda.Event | None, bool]] = []
         # Every rank: load id -> the event the compute stream waits for before using its blocks.
         self._load_events: dict[int, torch.cuda.Event] = {}
@@ -71,6 +71,23 @@ class HostKVCache:
             self._load(load_id, slots, block_ids)
 
     def _store(self, stores: list[tuple[int, int, int]]) -> None:
+        tickets = [t for _, _, t in stores]
+        try:
+            self._copy_out(stores)
+        except RuntimeError:
+            # Those blocks are not kept; the requests that want them compute them again.
+            self._failed("storing", len(stores))
+            if self.track:
+                self._stores.append((tickets, None, False))
+            return
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        if self.track:
+            self._stores.append((tickets, event, True))
+
+    def _copy_out(self, stores: list[tuple[int, int, int]]) -> None:
         stage = self._store_stage
         with torch.inference_mode():
             for start in range(0, len(stores), self.chunk):
@@ -81,37 +98,39 @@ class HostKVCache:
                     stage[:n, layer] = cache[:, blocks].transpose(0, 1)
                 for i, (_, slot, _) in enumerate(part):
                     self.host[slot].copy_(stage[i], non_blocking=True)
-        event = None
-        if self.stream is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        if self.track:
-            self._stores.append(([t for _, _, t in stores], event))
 
     def _load(self, load_id: int, slots: list[int], block_ids: list[int]) -> None:
         stream = self.stream
-        try:
-            if stream is None:
+        ok = True
+        event = None
+        if stream is None:
+            try:
                 self._copy_in(slots, block_ids)
-                self._done_load(load_id, None, ok=True)
-                return
+            except RuntimeError:
+                self._failed("loading", len(slots))
+                ok = False
+        else:
             # Behind everything queued so far: the blocks' last readers, this step's stores.
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._copy_in(slots, block_ids)
+                try:
+                    self._copy_in(slots, block_ids)
+                except RuntimeError:
+                    self._failed("loading", len(slots))
+                    ok = False
+                # Also after a failure: the blocks are reused only once what was queued is done.
                 event = torch.cuda.Event()
                 event.record(stream)
-        except RuntimeError:
-            # The request computes these tokens again; its blocks are not cached.
-            logger.exception("copying %d KV blocks back from host memory failed", len(slots))
-            self._done_load(load_id, None, ok=False)
-            return
-        self._load_events[load_id] = event
-        self._done_load(load_id, event, ok=True)
-
-    def _done_load(self, load_id: int, event: torch.cuda.Event | None, ok: bool) -> None:
+            self._load_events[load_id] = event
         if self.track:
             self._loads.append((load_id, event, ok))
+
+    def _failed(self, what: str, num_blocks: int) -> None:
+        """A copy failed. Rank 0 falls back to computing the blocks; another rank cannot tell
+        rank 0, whose KV would then differ from its own: it fails, and the engine with it."""
+        if not self.track:
+            raise
+        logger.exception("%s %d KV blocks in host memory failed", what, num_blocks)
 
     def _copy_in(self, slots: list[int], block_ids: list[int]) -> None:
         stage = self._load_stage
@@ -129,7 +148,8 @@ class HostKVCache:
         """The copies (rank 0's) complete since the last call, each in the order queued."""
         done = TransfersDone()
         while self._stores and _complete(self._stores[0][1]):
-            done.stored += self._stores.pop(0)[0]
+            tickets, _, ok = self._stores.pop(0)
+            (done.stored if ok else done.store_failed).extend(tickets)
         while self._loads and _complete(self._loads[0][1]):
             load_id, _, ok = self._loads.pop(0)
             done.loaded.append((load_id, ok))

@@ -146,11 +146,14 @@ class KVCacheManager:
         self._transfers.loads_ready.append(load_id)
         return load.request_id
 
-    def host_stored(self, tickets: list[int]) -> None:
-        """These store copies completed: their blocks can be served from the host tier."""
+    def host_stored(self, tickets: list[int], failed: list[int]) -> None:
+        """These store copies completed: their blocks can be served from the host tier; those
+        that failed are forgotten."""
         if self.host is not None:
             for ticket in tickets:
                 self.host.stored(ticket)
+            for ticket in failed:
+                self.host.store_failed(ticket)
 
     def _place_evicted(self) -> None:
         """A host slot for each cached block the pool just evicted; the copy goes ahead of the

@@ -23,8 +23,9 @@ class KVTransfers:
 
 @dataclass(slots=True)
 class TransfersDone:
-    """What rank 0 found complete since the last call: store tickets, and loads with whether
-    each succeeded."""
+    """What rank 0 found complete since the last call: store tickets (of copies done, and of
+    copies that failed), and loads with whether each succeeded."""
 
     stored: list[int] = field(default_factory=list)
+    store_failed: list[int] = field(default_factory=list)
     loaded: list[tuple[int, bool]] = field(default_factory=list)

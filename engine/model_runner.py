@@ -291,6 +291,7 @@ class ModelRunner:
         self.num_host_blocks = args.cpu_kv_cache_bytes // (self.block_bytes * tp_size())
         self.host_kv: HostKVCache | None = None
         if self.num_host_blocks and args.enable_prefix_caching and not self.pooling:
+            self._check_host_tier_fits()
             self.host_kv = HostKVCache(
                 self.kv_caches, self.num_host_blocks, device, track=tp_rank() == 0
             )
@@ -383,6 +384,18 @@ class ModelRunner:
                 f"tensor_parallel_size={tp_size()}, more than gpu_memory_utilization="
                 f"{self.args.gpu_memory_utilization} of this GPU's {total / 2**30:.1f} GiB: "
                 "raise tensor_parallel_size (or gpu_memory_utilization)"
+            )
+
+    def _check_host_tier_fits(self) -> None:
+        """The host tier is allocated (and pinned) whole at start: one larger than the memory
+        available, the container's limit included, is refused now rather than killed later."""
+        need = self.num_host_blocks * self.block_bytes * tp_size()
+        available = available_memory()
+        if need > available.bytes:
+            where = "under the container's memory limit" if available.under_limit else "on the host"
+            raise ValueError(
+                f"cpu_kv_cache_bytes asks for {need / 2**30:.1f} GiB of host memory but "
+                f"{available.bytes / 2**30:.1f} GiB are available {where}: lower it"
             )
 
     @property

@@ -108,7 +108,7 @@ class Scheduler:
         """Copies to and from the host tier completed: stored blocks become servable, and each
         request whose prefix came back waits at the front, in the order of its load, to find
         it in the device cache."""
-        self.kv.host_stored(done.stored)
+        self.kv.host_stored(done.stored, done.store_failed)
         returned = []
         for load_id, ok in done.loaded:
             req = self.loading.pop(self.kv.finish_load(load_id, ok), None)

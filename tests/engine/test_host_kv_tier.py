@@ -87,7 +87,9 @@ def working_set(prompts: list[list[int]]) -> list[list[int]]:
     return [base[i * PROMPT_LEN : (i + 1) * PROMPT_LEN] for i in range(7)]
 
 
-def test_prefixes_evicted_from_the_device_come_back_from_host_memory(model_dirs, working_set):
+def test_prefixes_evicted_from_the_device_come_back_from_host_memory(
+    model_dirs, working_set, monkeypatch
+):
     path = str(model_dirs["llama"])
     args = {"dtype": "float32", "num_gpu_blocks_override": DEVICE_BLOCKS}
     plain = LLM(path, **args)
@@ -120,3 +122,23 @@ def test_prefixes_evicted_from_the_device_come_back_from_host_memory(model_dirs,
         stats.prefix_cache_hits,
         stats.host_cache_hits,
     )
+
+    # Copies back that fail: those tokens are computed instead, with the same result.
+    host_kv = core.runner.host_kv
+    assert host_kv is not None
+    failed: list[int] = []
+
+    def broken(slots: list[int], block_ids: list[int]) -> None:
+        failed.append(len(slots))
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(host_kv, "_copy_in", broken)
+    assert _two_passes(tiered, working_set) == want
+    assert failed
+    assert_no_leak(tiered)
+    assert not core.scheduler.loading and not core.kv_cache_manager.loads
+
+
+def test_a_host_tier_larger_than_the_memory_available_is_refused(model_dirs):
+    with pytest.raises(ValueError, match=r"cpu_kv_cache_bytes asks for .* GiB of host memory"):
+        LLM(str(model_dirs["llama"]), dtype="float32", cpu_kv_cache_bytes="1000Ti")
