@@ -519,6 +519,13 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
         M.MSG_ADAPTER_RANK,
     ),
     ("cpu-loras", "llm", {"engine": {"maxLoras": 8, "maxCpuLoras": 4}}, M.MSG_CPU_LORAS),
+    (
+        "cpu-kv-cache-without-prefix-caching",
+        "llm",
+        {"engine": {"cpuKvCacheBytes": "1Gi", "enablePrefixCaching": False}},
+        M.MSG_CPU_KV_CACHE,
+    ),
+    ("cpu-kv-cache-size", "llm", {"engine": {"cpuKvCacheBytes": "lots"}}, None),
     ("managed-lora-flag", "llm", {"engine": {"extraArgs": ["--max-lora"]}}, M.MSG_MANAGED_FLAGS),
     ("name-format", "Llama_8B", {}, M.MSG_NAME_FORMAT),
     ("name-length", "l" * 57, {}, M.MSG_NAME_LENGTH),
