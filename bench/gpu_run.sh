@@ -79,12 +79,14 @@ for step in "$@"; do
     check)
         timeout 420 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py \
+            tests/engine/test_host_kv_tier_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     gputests)
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py \
+            tests/engine/test_host_kv_tier_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     qwen3)
