@@ -46,7 +46,7 @@ class HostKVCache:
             (num_slots, num_layers, 2, *block_shape), dtype=first.dtype, pin_memory=cuda
         )
         slot_bytes = self.host[0].numel() * self.host.element_size()
-        self.chunk = max(1, STAGING_BYTES // slot_bytes)
+        self.chunk = max(1, min(num_slots, STAGING_BYTES // slot_bytes))
         stage_shape = (self.chunk, num_layers, 2, *block_shape)
         self._store_stage = torch.empty(stage_shape, dtype=first.dtype, device=device)
         self._load_stage = torch.empty(stage_shape, dtype=first.dtype, device=device)
@@ -93,7 +93,7 @@ class HostKVCache:
             for start in range(0, len(stores), self.chunk):
                 part = stores[start : start + self.chunk]
                 n = len(part)
-                blocks = torch.tensor([b for b, _, _ in part], device=self.device)
+                blocks = self._indices([b for b, _, _ in part])
                 for layer, cache in enumerate(self.caches):
                     stage[:n, layer] = cache[:, blocks].transpose(0, 1)
                 for i, (_, slot, _) in enumerate(part):
@@ -140,9 +140,17 @@ class HostKVCache:
                 n = len(part)
                 for i, slot in enumerate(part):
                     stage[i].copy_(self.host[slot], non_blocking=True)
-                blocks = torch.tensor(block_ids[start : start + n], device=self.device)
+                blocks = self._indices(block_ids[start : start + n])
                 for layer, cache in enumerate(self.caches):
                     cache[:, blocks] = stage[:n, layer].transpose(0, 1)
+
+    def _indices(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, through pinned memory: a copy from pageable memory may make
+        the host wait for the stream, which is behind the step still running."""
+        indices = torch.tensor(ids, dtype=torch.long)
+        if self.stream is None:
+            return indices
+        return indices.pin_memory().to(self.device, non_blocking=True)
 
     def take_done(self) -> TransfersDone:
         """The copies (rank 0's) complete since the last call, each in the order queued."""
