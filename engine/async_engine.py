@@ -25,6 +25,7 @@ from typing import Any
 
 from kvfleet.engine.config import ModelConfig
 from kvfleet.engine.engine_core import EngineCore
+from kvfleet.engine.kv_event_stream import KVEventStreams, KVEventSubscriber, SnapshotTaken
 from kvfleet.engine.liveness import (
     RunningStep,
     StepRate,
@@ -83,7 +84,30 @@ class RemoveAdapter:
     lora: LoRARequest
 
 
-Command = AddRequest | Abort | AbortAll | RemoveAdapter
+@dataclass(frozen=True, slots=True)
+class SubscribeKVEvents:
+    subscriber: KVEventSubscriber
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeKVEvents:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    done: Future[bool]
+
+
+Command = (
+    AddRequest
+    | Abort
+    | AbortAll
+    | RemoveAdapter
+    | SubscribeKVEvents
+    | UnsubscribeKVEvents
+    | ResetPrefixCache
+)
 
 
 class AsyncEngine:
@@ -123,6 +147,11 @@ class AsyncEngine:
         self._rate = StepRate()
         # Test-only fault hook: while set, the loop wedges before its next step.
         self.fault_stall = threading.Event()
+        # KV events (--kv-events): the subscribers, on the event loop; on the engine thread,
+        # how many have subscribed and the seq of the last batch published.
+        self.kv_events = KVEventStreams() if core.args.kv_events else None
+        self._kv_subscribed = 0
+        self._kv_seq = 0
 
     # -- fixed at construction: any thread -------------------------------------------------
     @property
@@ -214,6 +243,7 @@ class AsyncEngine:
         pass, and wait for it as long as it is busy, not stuck (liveness). False if it was stuck
         and is left running: the engine cannot be closed under it, and the process has to exit
         without finalizing (cli._serve). On the event loop."""
+        self.end_kv_events()
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None and not await asyncio.to_thread(self._await_end):
@@ -316,6 +346,7 @@ class AsyncEngine:
                     self._on_step(outputs)
                 if outputs:
                     self._post(self._deliver, outputs)
+                self._publish_kv_events()
                 if self.core.idle:
                     # Until a grammar compiles (its job wakes the loop) or a command comes.
                     self._wakeup.wait(timeout=1.0)
@@ -346,15 +377,43 @@ class AsyncEngine:
                 self._abort(cmd.request_id)
             elif isinstance(cmd, RemoveAdapter):
                 self.core.remove_adapter(cmd.lora)
+            elif isinstance(cmd, SubscribeKVEvents):
+                self._subscribe_kv_events(cmd.subscriber)
+            elif isinstance(cmd, UnsubscribeKVEvents):
+                self._kv_subscribed -= 1
+                if not self._kv_subscribed:
+                    self.core.kv_event_log.stop()
+            elif isinstance(cmd, ResetPrefixCache):
+                cmd.done.set_result(self.core.reset_prefix_cache())
             else:
                 for request_id in cmd.request_ids:
                     self._abort(request_id)
+        self._publish_kv_events()
         self._stats = self.core.stats()
         # Only now that the scheduler's count is published: a sequence may be counted twice for
         # an instant, never missed.
         if received:
             with self._pending_lock:
                 self._pending_sequences -= received
+
+    def _subscribe_kv_events(self, sub: KVEventSubscriber) -> None:
+        """Take the subscriber's snapshot after publishing what came before it, so that it and
+        the batches after it add up to the cache exactly."""
+        assert self.kv_events is not None
+        self._publish_kv_events()
+        self._kv_subscribed += 1
+        self.core.kv_event_log.enabled = True
+        gpu, cpu = self.core.cached_block_hashes()
+        self._post(self.kv_events.start, sub, SnapshotTaken(self._kv_seq, gpu, cpu))
+
+    def _publish_kv_events(self) -> None:
+        log = self.core.kv_event_log
+        if not log.enabled:
+            return
+        events = log.drain()
+        if events and self.kv_events is not None:
+            self._kv_seq += 1
+            self._post(self.kv_events.publish, self._kv_seq, events)
 
     def _add(self, cmd: AddRequest) -> None:
         try:
@@ -398,10 +457,46 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
+        self.end_kv_events()
 
     def _send(self, cmd: Command) -> None:
         self._commands.put(cmd)
         self._wakeup.set()
+
+    def subscribe_kv_events(self) -> KVEventSubscriber:
+        """A new subscriber to the engine's KV events (--kv-events), its snapshot to come: on
+        the event loop. Raises TooManySubscribers, or RuntimeError when events are off or the
+        engine is not running. Every subscriber is given back with unsubscribe_kv_events."""
+        if self.kv_events is None:
+            raise RuntimeError("KV events are off (--no-kv-events)")
+        if not self.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        sub = self.kv_events.open()
+        self._send(SubscribeKVEvents(sub))
+        return sub
+
+    def unsubscribe_kv_events(self, sub: KVEventSubscriber) -> None:
+        """End a subscription; the engine stops recording events when none is left: on the
+        event loop."""
+        assert self.kv_events is not None
+        self.kv_events.end(sub)
+        self._send(UnsubscribeKVEvents())
+
+    def end_kv_events(self) -> None:
+        """End every KV-event stream and take no new subscriber (the server drains, the engine
+        stops or died): on the event loop."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block at the next step boundary (a command), as vLLM's
+        reset_prefix_cache: False, changing nothing, while a request holds blocks. On the event
+        loop."""
+        if not self.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        done: Future[bool] = Future()
+        self._send(ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the engine's next step boundary (a command): any thread."""

@@ -3,40 +3,49 @@ table mapping a chained block hash to the block that holds those tokens."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from typing import NamedTuple
 
-import numpy as np
-
-
-def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes | None = None
-) -> bytes:
-    """Chained content hash of one full block. A cryptographic digest, not Python's hash(), so a
-    collision cannot silently hand one request another prompt's KV. `extra_key` (vLLM's
-    extra_keys: the LoRA adapter) sets apart blocks whose KV differs for the same tokens; the
-    first block's is enough, the chain carries it."""
-    h = hashlib.blake2b(digest_size=16)
-    if parent_hash is not None:
-        h.update(parent_hash)
-    if extra_key is not None:
-        h.update(len(extra_key).to_bytes(4, "little") + extra_key)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.digest()
+from kvfleet.engine.kv_event_log import KVEventLog
+from kvfleet.engine.lora_request import LoRARequest
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "lora_id",
+        "lora_name",
+        "next_free",
+        "parent_hash",
+        "prev_free",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        # Of a cached block: the previous block's hash, and the LoRA adapter (lora_int_id, 0:
+        # the base model; its name) whose KV it holds.
+        self.parent_hash: bytes | None = None
+        self.lora_id = 0
+        self.lora_name: str | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block evicted to be reused: what a host tier needs to keep a copy of it."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    lora_id: int
+    lora_name: str | None
 
 
 class FreeBlockQueue:
@@ -99,9 +108,11 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # never freed, never handed out
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
-        # (block id, hash) of each cached block evicted to be reused, for a host tier to copy
-        # before the block is written again; None: nobody keeps them.
-        self.evicted: list[tuple[int, bytes]] | None = None
+        # What the cache gained and lost, while someone subscribes to the engine's KV events.
+        self.events = KVEventLog()
+        # The cached blocks get_new_blocks evicted, for a host tier to copy before they are
+        # written again; None: nobody keeps them.
+        self.evicted: list[EvictedBlock] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -125,6 +136,16 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.evicted is not None and block.block_hash is not None:
+                self.evicted.append(
+                    EvictedBlock(
+                        block.block_id,
+                        block.block_hash,
+                        block.parent_hash,
+                        block.lora_id,
+                        block.lora_name,
+                    )
+                )
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -147,7 +168,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        lora: LoRARequest | None = None,
+    ) -> None:
+        """Enter a full block into the prefix cache under its chained hash (`parent_hash`: the
+        previous block's, None for a prompt's first)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         # Two requests can fill identical blocks in the same step; the first one stays the
@@ -155,15 +184,31 @@ class BlockPool:
         if block_hash in self.cached:
             return
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.lora_id = lora.lora_int_id if lora is not None else 0
+        block.lora_name = lora.lora_name if lora is not None else None
         self.cached[block_hash] = block
+        if self.events.enabled:
+            self.events.stored(block_hash, parent_hash, block.lora_name, "gpu")
 
     def _evict(self, block: KVBlock) -> None:
+        # A block with a hash is the cache's entry for it: cache_block sets one only then.
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-                if self.evicted is not None:
-                    self.evicted.append((block.block_id, block.block_hash))
+            del self.cached[block.block_hash]
+            if self.events.enabled:
+                self.events.removed(block.block_hash, "gpu")
             block.block_hash = None
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache (a KV-events snapshot)."""
+        return list(self.cached)
+
+    def drop_adapter_blocks(self, lora_int_id: int) -> None:
+        """Take an unloaded adapter's blocks out of the prefix cache: the adapter loaded again
+        under its name (the same keys, another id) caches its own. A block a request still
+        holds stays that request's, uncached."""
+        for block in [b for b in self.cached.values() if b.lora_id == lora_int_id]:
+            self._evict(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no request holds a block."""
@@ -172,4 +217,6 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events.enabled:
+            self.events.cleared()
         return True

@@ -122,6 +122,12 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = Field(
         default=True, description="reuse the KV cache of prompt prefixes seen before"
     )
+    kv_events: bool = Field(
+        default=True,
+        description="publish the prefix cache's block hashes as they are stored and evicted "
+        "at GET /kv_events, for routers that score prompts by what each engine holds; "
+        "recorded only while a subscriber is connected",
+    )
     num_gpu_blocks_override: int | None = Field(
         default=None,
         gt=1,
@@ -222,6 +228,13 @@ class EngineArgs(BaseModel):
         ge=1,
         description="adapters kept in host memory (those in GPU slots included), loaded from "
         "disk when needed; default: --max-loras",
+    )
+    max_lora_wait_steps: int = Field(
+        default=64,
+        ge=1,
+        description="fairness between adapters: a request whose adapter finds no GPU slot (or no "
+        "room in host memory) is passed over by at most this many steps; then no request of "
+        "another adapter starts until it has one (the base model's go on)",
     )
     enable_expert_parallel: bool = Field(
         default=False,

@@ -19,6 +19,7 @@ from kvfleet.engine.checkpoint_path import find_gguf
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.kv_event_log import KVEventLog
 from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.lora_slots import AdapterSlots
 from kvfleet.engine.model_runner import ModelRunner, Step
@@ -158,6 +159,7 @@ class EngineCore:
             max_num_seqs=self.runner.max_num_seqs,
             max_num_batched_tokens=self.runner.max_num_batched_tokens,
             lora_slots=self.lora_slots,
+            max_lora_wait_steps=args.max_lora_wait_steps,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Async scheduling: the step the last call launched, which the next call samples.
@@ -251,9 +253,11 @@ class EngineCore:
         self._checked_loras[lora.lora_int_id] = lora
 
     def remove_adapter(self, lora: LoRARequest) -> None:
-        """Forget an adapter no request will ask for again (unloaded): its slot and host copy
-        go now if no request of it is in the engine; else they age out as any unused one."""
+        """Forget an adapter no request will ask for again (unloaded): its cached blocks go
+        now; its slot and host copy too if no request of it is in the engine, else they age
+        out as any unused one."""
         self._checked_loras.pop(lora.lora_int_id, None)
+        self.kv_cache_manager.drop_adapter_blocks(lora.lora_int_id)
         slots = self.lora_slots
         if slots is None:
             return
@@ -370,17 +374,21 @@ class EngineCore:
         so that the scheduler may start it and the step's slot copies never read the disk. An
         adapter whose folder went bad since it was checked (a file deleted, truncated, other
         shapes) fails its waiting requests alone, which never ran: no KV blocks, no slot. When
-        every host copy is in use, the adapters left wait for the requests of one to end."""
+        every host copy is in use, the adapters left wait for the requests of one to end;
+        the scheduler's starved adapter goes first and may take the copy of one whose requests
+        only wait."""
         slots = self.lora_slots
         if slots is None:
             return []
         waiting = self.scheduler.waiting
-        adapters = {r.lora.lora_int_id: r.lora for r in waiting if r.lora is not None}
+        starved = self.scheduler.starved_lora()
+        adapters: dict[int, LoRARequest] = {} if starved is None else {starved.lora_int_id: starved}
+        adapters.update((r.lora.lora_int_id, r.lora) for r in waiting if r.lora is not None)
         outputs: list[RequestOutput] = []
         for lora in adapters.values():
             if slots.is_hosted(lora):
                 continue
-            dropped = slots.make_room()
+            dropped = slots.make_room(starved=lora == starved)
             if dropped is None:
                 break
             for victim in dropped:
@@ -411,6 +419,23 @@ class EngineCore:
             self.scheduler.finish_request(req, status)
         self._release_finished()
         return list(processed.outputs.values())
+
+    @property
+    def kv_event_log(self) -> KVEventLog:
+        """What the prefix cache gained and lost since the last drain (AsyncEngine publishes
+        it as KV events)."""
+        return self.kv_cache_manager.pool.events
+
+    def cached_block_hashes(self) -> tuple[list[bytes], list[bytes]]:
+        """Every block hash the engine holds, on the GPU and in host memory (a KV-events
+        snapshot)."""
+        kv = self.kv_cache_manager
+        return kv.pool.cached_hashes(), kv.cached_host_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, on the device and in host memory; False, changing nothing,
+        while a request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvfleet.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvfleet.engine.block_pool import BlockPool, KVBlock
 from kvfleet.engine.host_block_index import HostBlockIndex
 from kvfleet.engine.kv_transfers import KVTransfers
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.request import Request
+from kvfleet.protocol.block_hash import extend_block_hashes, lora_extra_key
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,12 +22,15 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True, slots=True)
 class HostLoad:
     """Host blocks being copied back for a request: the device blocks it holds meanwhile (its
-    device hits, then the copies' targets), and the hashes the targets take once filled."""
+    device hits, then the copies' targets), and the hashes the targets take once filled (with
+    each one's parent, and the request's adapter)."""
 
     request_id: str
     held: list[KVBlock]
     targets: list[KVBlock]
     hashes: list[bytes]
+    parents: list[bytes | None]
+    lora: LoRARequest | None
 
 
 class KVCacheManager:
@@ -61,14 +66,8 @@ class KVCacheManager:
     def _update_block_hashes(self, req: Request) -> None:
         """Extend req.block_hashes to cover every full block of its tokens. Each block is hashed
         once in the request's life, so the work per step does not grow with context length."""
-        bs = self.block_size
-        hashes = req.block_hashes
-        tokens = req.all_token_ids
-        extra = req.lora.cache_key if req.lora is not None else None
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            block = tokens[i * bs : (i + 1) * bs]
-            hashes.append(hash_block_tokens(parent, block, None if i else extra))
+        extra = lora_extra_key(req.lora.lora_name) if req.lora is not None else None
+        extend_block_hashes(req.block_hashes, req.all_token_ids, extra, self.block_size)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """The longest run of leading full blocks already in the prefix cache, and its length in
@@ -79,10 +78,14 @@ class KVCacheManager:
         if not self._takes_hits(req):
             return [], 0
         self._update_block_hashes(req)
+        lora_id = req.lora.lora_int_id if req.lora is not None else 0
         hits: list[KVBlock] = []
         for block_hash in req.block_hashes[: self._max_hit_blocks(req)]:
             block = self.pool.get_cached_block(block_hash)
-            if block is None:
+            # An adapter's blocks are keyed by its name (all a router knows of it); one
+            # unloaded and loaded again under that name is another adapter (a new id) whose
+            # requests must not read the KV of the one before.
+            if block is None or block.lora_id != lora_id:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
@@ -103,9 +106,10 @@ class KVCacheManager:
         host = self.host
         if host is None or not self._takes_hits(req):
             return []
+        lora_id = req.lora.lora_int_id if req.lora is not None else 0
         found: list[bytes] = []
         for block_hash in req.block_hashes[num_device_hits : self._max_hit_blocks(req)]:
-            if host.lookup(block_hash) is None:
+            if host.lookup(block_hash, lora_id) is None:
                 break
             found.append(block_hash)
         return found
@@ -125,7 +129,12 @@ class KVCacheManager:
         self._place_evicted()
         load_id = self._next_load
         self._next_load += 1
-        self.loads[load_id] = HostLoad(req.request_id, [*device_hits, *targets], targets, hashes)
+        first = len(device_hits)
+        chain = req.block_hashes
+        parents = [chain[i - 1] if i else None for i in range(first, first + len(hashes))]
+        self.loads[load_id] = HostLoad(
+            req.request_id, [*device_hits, *targets], targets, hashes, parents, req.lora
+        )
         self._transfers.loads.append((load_id, slots, [b.block_id for b in targets]))
         return True
 
@@ -137,10 +146,13 @@ class KVCacheManager:
         host = self.host
         assert host is not None
         for block_hash in load.hashes:
-            host.unpin(block_hash, drop=not ok)
+            if host.unpin(block_hash, drop=not ok):
+                self._host_removed(block_hash)
         if ok:
-            for block, block_hash in zip(load.targets, load.hashes, strict=True):
-                self.pool.cache_block(block, block_hash)
+            for block, block_hash, parent in zip(
+                load.targets, load.hashes, load.parents, strict=True
+            ):
+                self.pool.cache_block(block, block_hash, parent, load.lora)
         self.pool.free_blocks(reversed(load.held))
         # The step that may first use them waits for their copies on every rank.
         self._transfers.loads_ready.append(load_id)
@@ -149,11 +161,21 @@ class KVCacheManager:
     def host_stored(self, tickets: list[int], failed: list[int]) -> None:
         """These store copies completed: their blocks can be served from the host tier; those
         that failed are forgotten."""
-        if self.host is not None:
-            for ticket in tickets:
-                self.host.stored(ticket)
-            for ticket in failed:
-                self.host.store_failed(ticket)
+        host = self.host
+        if host is None:
+            return
+        events = self.pool.events
+        for ticket in tickets:
+            entry = host.stored(ticket)
+            if entry is not None and events.enabled:
+                events.stored(entry.block_hash, entry.parent_hash, entry.lora_name, "cpu")
+        for ticket in failed:
+            host.store_failed(ticket)  # never servable, never published
+
+    def _host_removed(self, block_hash: bytes) -> None:
+        """A block the host tier served is gone from it."""
+        if self.pool.events.enabled:
+            self.pool.events.removed(block_hash, "cpu")
 
     def _place_evicted(self) -> None:
         """A host slot for each cached block the pool just evicted; the copy goes ahead of the
@@ -161,16 +183,31 @@ class KVCacheManager:
         evicted, host = self.pool.evicted, self.host
         if not evicted or host is None:
             return
-        for block_id, block_hash in evicted:
-            placement = host.place(block_hash)
+        for block in evicted:
+            placement = host.place(
+                block.block_hash, block.parent_hash, block.lora_id, block.lora_name
+            )
             if placement is not None:
-                self._transfers.stores.append((block_id, placement.slot, placement.ticket))
+                self._transfers.stores.append((block.block_id, placement.slot, placement.ticket))
+                for dropped in placement.dropped:
+                    self._host_removed(dropped)
         evicted.clear()
 
     def take_transfers(self) -> KVTransfers:
         """The copies decided since the last call, for the step about to run."""
         transfers, self._transfers = self._transfers, KVTransfers()
         return transfers
+
+    def drop_adapter_blocks(self, lora_int_id: int) -> None:
+        """Take an unloaded adapter's blocks out of both tiers (BlockPool.drop_adapter_blocks)."""
+        self.pool.drop_adapter_blocks(lora_int_id)
+        if self.host is not None:
+            for block_hash in self.host.drop_adapter(lora_int_id):
+                self._host_removed(block_hash)
+
+    def cached_host_hashes(self) -> list[bytes]:
+        """Every block hash the host tier serves (a KV-events snapshot)."""
+        return self.host.ready_hashes() if self.host is not None else []
 
     @property
     def num_host_blocks(self) -> int:
@@ -182,7 +219,7 @@ class KVCacheManager:
         if self.loads or not self.pool.reset_prefix_cache():
             return False
         if self.host is not None:
-            self.host.clear()
+            self.host.clear()  # the pool's `cleared` event covers every medium
         return True
 
     def allocate_slots(
@@ -230,8 +267,9 @@ class KVCacheManager:
             self._update_block_hashes(req)
             num_full = min(total, req.num_tokens) // bs
             start = self._num_cached_blocks.get(req.request_id, 0)
+            hashes = req.block_hashes
             for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], req.block_hashes[i])
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, req.lora)
             self._num_cached_blocks[req.request_id] = max(start, num_full)
         return [b.block_id for b in added]
 

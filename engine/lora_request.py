@@ -21,10 +21,3 @@ class LoRARequest:
             raise ValueError("a LoRA adapter needs a name")
         if self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be >= 1, not {self.lora_int_id}")
-
-    @property
-    def cache_key(self) -> bytes:
-        """What the prefix cache keys this adapter's blocks by (vLLM's extra_keys): its name
-        and id, so an adapter loaded again under the same name after an unload (a new id) never
-        reads the KV of the one before."""
-        return f"lora:{self.lora_int_id}:{self.lora_name}".encode()

@@ -79,14 +79,19 @@ class AdapterSlots:
     def is_hosted(self, lora: LoRARequest) -> bool:
         return lora.lora_int_id in self.cpu
 
-    def make_room(self) -> list[int] | None:
+    def make_room(self, starved: bool = False) -> list[int] | None:
         """Room in host memory for one more adapter: the lora_int_ids of the copies dropped for
         it, least recently used first among those no request in the engine uses (one out of a
         GPU slot last: its slot goes with it). None when every copy is in use: the new adapter
-        waits for the requests of one to end, rather than take a copy a step may need."""
+        waits for the requests of one to end, rather than take a copy a step may need.
+        `starved`: room for the adapter of a request waited past the scheduler's bound; when
+        every copy is in use, one that only waiting requests use goes too (they read it again
+        when they can start), so that a stream of them cannot keep it out."""
         dropped: list[int] = []
         while len(self.cpu) >= self.max_cpu_loras:
             unused = [k for k in self.cpu if not self.users[k]]
+            if not unused and starved:
+                unused = [k for k in self.cpu if not self.pins[k]]
             if not unused:
                 return None
             victim = next((k for k in unused if k not in self.gpu), unused[0])

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.kv_event_stream import KVEventStreams
 from kvfleet.engine.outputs import LORA_LOAD_BUCKETS, EngineStats, LoRAStats, RequestOutput
 from kvfleet.engine.structured_output import GrammarStats
 from kvfleet.telemetry import metric_names
@@ -166,6 +167,27 @@ class _LoRACollector(Collector):
         yield load_time
 
 
+class _KVEventsCollector(Collector):
+    """KV events' subscribers and what they were sent, read at scrape time (zeros when the
+    engine runs with --no-kv-events)."""
+
+    def __init__(self, streams: KVEventStreams | None, model_name: str) -> None:
+        self.streams = streams
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        label = [self.model_name]
+        s = self.streams
+        yield _gauge(metric_names.KV_EVENT_SUBSCRIBERS, "Subscribers to the engine's KV events.",
+                     label, len(s.subscribers) if s is not None else 0)  # fmt: skip
+        yield _counter(metric_names.KV_EVENTS_PUBLISHED,
+                       "KV events (stored, removed, cleared) published to subscribers.", label,
+                       s.events_published if s is not None else 0)  # fmt: skip
+        yield _counter(metric_names.KV_EVENT_SUBSCRIBERS_DROPPED,
+                       "KV-event subscribers disconnected for falling behind.", label,
+                       s.dropped if s is not None else 0)  # fmt: skip
+
+
 class _GrammarCollector(Collector):
     """Structured outputs: whether the engine has them (and why not), and its grammar cache,
     read at scrape time."""
@@ -280,6 +302,10 @@ class EngineMetrics:
     ) -> None:
         """Export structured outputs' availability and, when available, the grammar cache."""
         self.registry.register(_GrammarCollector(stats, unavailable, self.model_name))
+
+    def collect_kv_events(self, streams: KVEventStreams | None) -> None:
+        """Export the KV events' subscribers and counts."""
+        self.registry.register(_KVEventsCollector(streams, self.model_name))
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

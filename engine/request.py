@@ -99,6 +99,9 @@ class Request:
         self.lora = lora
         # Its adapter's GPU slot while the scheduler holds it one (running), else -1.
         self.lora_slot = -1
+        # Scheduling steps that passed it over for want of its adapter's slot since it last
+        # started: the scheduler's bound on an adapter's wait (Scheduler.starved_lora).
+        self.lora_waited_steps = 0
         self.pooling = pooling
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

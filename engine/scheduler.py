@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvfleet.engine.kv_cache_manager import KVCacheManager
 from kvfleet.engine.kv_transfers import KVTransfers, TransfersDone
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.lora_slots import AdapterSlots, SlotChanges
 from kvfleet.engine.request import Request, RequestStatus
 
@@ -65,13 +66,18 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         lora_slots: AdapterSlots | None = None,
+        max_lora_wait_steps: int = 64,
     ) -> None:
         """`lora_slots`: where the LoRA adapters are (enable_lora): a request of an adapter
         starts only once its adapter is in host memory (the engine core reads it there) and
         has a GPU slot, pinned until it stops running; the host copy stays while the request
-        is in the engine."""
+        is in the engine. A request passed over `max_lora_wait_steps` times for want of its
+        adapter's slot is starved: see starved_lora."""
+        if max_lora_wait_steps < 1:
+            raise ValueError(f"max_lora_wait_steps must be >= 1, not {max_lora_wait_steps}")
         self.kv = kv_cache_manager
         self.lora_slots = lora_slots
+        self.max_lora_wait_steps = max_lora_wait_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -150,6 +156,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        starved = self.starved_lora()
         # After a preemption the pool is known to be short: admitting more would only thrash.
         w = 0
         while (
@@ -160,10 +167,16 @@ class Scheduler:
         ):
             req = self.waiting[w]
             lora = req.lora
+            if starved is not None and lora is not None and lora != starved:
+                # Held back while another adapter's request starves, so that the slots' running
+                # requests drain; the base model's go on (they take no slot).
+                w += 1
+                continue
             if lora is not None and not self._lora_slots.can_acquire(lora):
                 # Its adapter is not read into host memory yet, or every slot is pinned by other
                 # adapters' running requests: this one waits; requests of held adapters and of
-                # the base model go on.
+                # the base model go on, until it has waited max_lora_wait_steps.
+                req.lora_waited_steps += 1
                 w += 1
                 continue
             hits, num_cached = self.kv.get_computed_blocks(req)
@@ -188,6 +201,7 @@ class Scheduler:
             del self.waiting[w]
             if lora is not None:
                 req.lora_slot = self._lora_slots.acquire(lora)
+                req.lora_waited_steps = 0
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -213,6 +227,19 @@ class Scheduler:
         if self.kv.host is not None:
             self.stats.host_cache_queries += req.num_tokens - device_hits
             self.stats.host_cache_hits += host_hits
+
+    def starved_lora(self) -> LoRARequest | None:
+        """The adapter of the first waiting request that its adapter's want of a slot (or of
+        host memory) has passed over max_lora_wait_steps times, if any. Until that request
+        starts, no request of another adapter starts: FCFS with skipping alone would let a
+        steady stream of requests of resident adapters keep every slot pinned, and this one
+        waiting for ever. The engine core reads this adapter into host memory first, making
+        room from copies that only waiting requests use."""
+        bound = self.max_lora_wait_steps
+        for req in self.waiting:
+            if req.lora is not None and req.lora_waited_steps >= bound:
+                return req.lora
+        return None
 
     @property
     def _lora_slots(self) -> AdapterSlots:

@@ -7,7 +7,8 @@ pod; kubelet refreshes a mounted ConfigMap in place) lists them, the engine cont
 list when it starts (``--lora-modules``), a downloader beside it fetches hf:// adapters named
 there into the model cache volume, and the operator loads and unloads them in running engines
 through their endpoints (adapter_sync.py). What the template holds depends only on whether the
-spec has adapters at all, and on the claims its pvc:// adapters mount.
+spec has adapters at all, on the claims its pvc:// adapters mount and on the Secrets their
+hfTokenSecretRefs name (the downloader's environment).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from kvfleet.operator.spec import AdapterSpec, InferenceServiceSpec
+from kvfleet.operator.spec import AdapterSpec, HFTokenSecretRef, InferenceServiceSpec
 
 MODELS_DIR = "/models"
 PVC_MOUNT = "/mnt/model"
@@ -77,13 +78,34 @@ def adapter_paths(spec: InferenceServiceSpec) -> dict[str, str]:
     return {a.name: adapter_path(spec, a) for a in spec.adapters}
 
 
+def token_env(ref: HFTokenSecretRef) -> str:
+    """The downloader's environment variable holding an adapter's own hfTokenSecretRef: one per
+    Secret key, named by a hash (Secret names and keys are not all variable names)."""
+    digest = hashlib.sha256(f"{ref.name}/{ref.key}".encode()).hexdigest()[:12]
+    return f"HF_TOKEN_{digest.upper()}"
+
+
+def token_refs(spec: InferenceServiceSpec) -> list[HFTokenSecretRef]:
+    """The adapters' own token Secret keys, each once, in a stable order: the downloader's
+    environment has them all. (The model's, when it has one, is its HF_TOKEN, the default
+    token of every hf:// adapter.)"""
+    refs = {(r.name, r.key): r for a in spec.adapters if (r := a.hf_token_secret_ref) is not None}
+    return [refs[k] for k in sorted(refs)]
+
+
 def downloads(spec: InferenceServiceSpec) -> list[dict[str, str]]:
-    """The hf:// adapters the downloader fetches: repo, revision and target directory."""
-    return [
-        {"repo": src.repo, "revision": src.revision, "dir": adapter_path(spec, a)}
-        for a in spec.adapters
-        if (src := a.parsed_source).kind == "hf"
-    ]
+    """The hf:// adapters the downloader fetches: repo, revision and target directory, and the
+    variable holding the adapter's own token when it has one."""
+    out = []
+    for a in spec.adapters:
+        src = a.parsed_source
+        if src.kind != "hf":
+            continue
+        item = {"repo": src.repo, "revision": src.revision, "dir": adapter_path(spec, a)}
+        if a.hf_token_secret_ref is not None:
+            item["token_env"] = token_env(a.hf_token_secret_ref)
+        out.append(item)
+    return out
 
 
 def config_data(spec: InferenceServiceSpec) -> dict[str, str]:

@@ -45,6 +45,9 @@ def referenced_secrets(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
         found.append(("spec.apiKeySecretRef", spec.api_key_secret_ref.name))
     if spec.model.hf_token_secret_ref is not None:
         found.append(("spec.model.hfTokenSecretRef", spec.model.hf_token_secret_ref.name))
+    for a in spec.adapters:
+        if a.hf_token_secret_ref is not None:
+            found.append((f"spec.adapters[{a.name}].hfTokenSecretRef", a.hf_token_secret_ref.name))
     return found
 
 

@@ -6,7 +6,8 @@ an InferenceService pins an older engine image. The engine itself never download
 
 Environment: MODEL_REPO ("org/name"), MODEL_REVISION, MODEL_DIR, and HF_TOKEN for gated models.
 With ``--adapters FILE`` it downloads the hf:// LoRA adapters FILE lists instead (the adapters
-ConfigMap's JSON list of repo, revision and dir), each on its own: one that fails is logged and
+ConfigMap's JSON list of repo, revision, dir and, for an adapter with a token of its own, the
+environment variable holding it; HF_TOKEN otherwise), each on its own: one that fails is logged and
 the others still come; with ``--watch SECONDS`` it rereads FILE that often and fetches what is
 new, beside the engine (kubelet refreshes a mounted ConfigMap in place).
 Only the files the engine loads are fetched. A directory that is already complete (a model-cache
@@ -36,7 +37,10 @@ COMPLETE_MARKER = ".kvfleet-complete"
 logger = logging.getLogger("kvfleet.model_download")
 
 
-def download(repo: str, revision: str, target: Path, *, adapter: bool = False) -> None:
+def download(
+    repo: str, revision: str, target: Path, *, adapter: bool = False, token: str | None = None
+) -> None:
+    """token: the hub token for this repository; None: huggingface_hub's default (HF_TOKEN)."""
     marker = target / COMPLETE_MARKER
     target.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -53,6 +57,7 @@ def download(repo: str, revision: str, target: Path, *, adapter: bool = False) -
             local_dir=target,
             allow_patterns=ADAPTER_PATTERNS if adapter else ALLOW_PATTERNS,
             ignore_patterns=IGNORE_PATTERNS,
+            token=token,
         )
         if adapter and not (target / "adapter_config.json").is_file():
             raise RuntimeError(f"{repo}@{revision} has no adapter_config.json: not a PEFT adapter")
@@ -70,8 +75,15 @@ def download_adapters(listing: Path) -> int:
         target = Path(item["dir"])
         if (target / COMPLETE_MARKER).exists():
             continue
+        # An adapter's own token, by the variable its item names (its Secret optional: unset
+        # when missing, and the hub's refusal is what the log says).
+        token_env = item.get("token_env")
+        token = os.environ.get(token_env) if token_env else None
+        if token_env and token is None:
+            logger.warning("%s is not set: %s@%s downloads without its token", token_env,
+                           item["repo"], item["revision"])  # fmt: skip
         try:
-            download(item["repo"], item["revision"], target, adapter=True)
+            download(item["repo"], item["revision"], target, adapter=True, token=token)
         except Exception as e:  # the next pass (--watch) or the operator's load retries it
             failed += 1
             logger.error("adapter download of %s@%s failed: %s", item["repo"], item["revision"], e)

@@ -46,6 +46,7 @@ from kvfleet.operator.drift import with_hash
 from kvfleet.operator.rbac import ROUTER_RULES, as_manifest
 from kvfleet.operator.spec import (
     DisruptionBudgetSpec,
+    HFTokenSecretRef,
     InferenceServiceSpec,
     replicas_from_spec,
 )
@@ -228,9 +229,7 @@ def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _Mode
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
     if (ref := spec.model.hf_token_secret_ref) is not None:
-        env.append(
-            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-        )
+        env.append(_secret_env("HF_TOKEN", ref))
     download = {
         "name": "model-download",
         "image": image,
@@ -247,6 +246,13 @@ def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _Mode
         mounts=[{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}],
         init_containers=[download],
     )
+
+
+def _secret_env(name: str, ref: HFTokenSecretRef, *, optional: bool = False) -> dict[str, Any]:
+    key_ref: dict[str, Any] = {"name": ref.name, "key": ref.key}
+    if optional:
+        key_ref["optional"] = True
+    return {"name": name, "valueFrom": {"secretKeyRef": key_ref}}
 
 
 def _download_volumes(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -315,13 +321,20 @@ def _adapter_wiring(
         "--adapters",
         f"{adapters.ADAPTERS_DIR}/{adapters.DOWNLOADS_FILE}",
     ]
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    # The model's token is every hf:// adapter's default (huggingface_hub reads HF_TOKEN); an
+    # adapter's own is passed by the variable its download item names. Those are optional: a
+    # Secret missing fails its adapters' downloads (logged, retried), not the engine pod.
+    if (ref := spec.model.hf_token_secret_ref) is not None:
+        env.append(_secret_env("HF_TOKEN", ref))
+    env += [_secret_env(adapters.token_env(r), r, optional=True) for r in adapters.token_refs(spec)]
     downloader = {
         "image": image,
         **_pull_policy(spec),
-        "env": [
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        ],
+        "env": env,
         "resources": {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "securityContext": _restricted_container_security(),
         "volumeMounts": [*_download_mounts(), config],

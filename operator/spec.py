@@ -398,6 +398,8 @@ class AdapterSpec(_Model):
     source: Annotated[str, StringConstraints(max_length=512, pattern=ADAPTER_SOURCE_PATTERN)]
     # Checked against engine.maxLoraRank; the engine reads the true rank from the adapter.
     rank: int | None = Field(default=None, ge=1, le=MAX_LORA_RANK)
+    # hf:// only; without it the adapter downloader uses spec.model.hfTokenSecretRef's token.
+    hf_token_secret_ref: HFTokenSecretRef | None = None
     _parsed_source: ModelSource = PrivateAttr()
 
     @model_validator(mode="after")
@@ -405,6 +407,8 @@ class AdapterSpec(_Model):
         if DOTDOT_RE.search(self.source):
             raise ValueError(MSG_NO_DOTDOT)
         self._parsed_source = parse_source(self.source)
+        if self.hf_token_secret_ref is not None and self._parsed_source.kind != "hf":
+            raise ValueError(MSG_HF_TOKEN_HF)
         return self
 
     @property

@@ -19,10 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from kvfleet.protocol.block_hash import BLOCK_SIZE
 from kvfleet.protocol.responses_input import chat_messages, parse_input
 
-# The engine's KV block size (EngineArgs.block_size is fixed at 16).
-BLOCK_SIZE = 16
 CHARS_PER_TOKEN = 4
 
 Reason = Literal["session", "user", "prefix", "least_loaded"]

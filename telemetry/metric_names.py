@@ -64,8 +64,15 @@ ENGINE_METRICS = (
     E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME,
     REQUEST_INFERENCE_TIME, "vllm:lora_requests_info", "kvfleet_engine_lora_resident",
     "kvfleet_engine_lora_requests", "kvfleet_engine_lora_loads", "kvfleet_engine_lora_evictions",
-    "kvfleet_engine_lora_load_seconds",
+    "kvfleet_engine_lora_load_seconds", "kvfleet_engine_kv_event_subscribers",
+    "kvfleet_engine_kv_events_published", "kvfleet_engine_kv_event_subscribers_dropped",
 )  # fmt: skip
+
+# KV events (GET /kv_events): the subscribers connected, the events published to them, and the
+# subscribers disconnected for falling behind.
+KV_EVENT_SUBSCRIBERS = "kvfleet_engine_kv_event_subscribers"
+KV_EVENTS_PUBLISHED = "kvfleet_engine_kv_events_published"
+KV_EVENT_SUBSCRIBERS_DROPPED = "kvfleet_engine_kv_event_subscribers_dropped"
 
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
 ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"

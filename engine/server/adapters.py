@@ -27,7 +27,7 @@ class AdapterRegistry:
     def __init__(self, initial: list[LoRARequest]) -> None:
         self.by_name: dict[str, LoRARequest] = {lora.lora_name: lora for lora in initial}
         # Every adapter gets an id never used before: one unloaded and loaded again under the
-        # same name shares no cached KV with the one before (LoRARequest.cache_key).
+        # same name shares no cached KV with the one before (KVCacheManager checks the id).
         self._ids = itertools.count(max((lora.lora_int_id for lora in initial), default=0) + 1)
 
     def get(self, name: str | None) -> LoRARequest | None:

@@ -29,6 +29,7 @@ from kvfleet.engine.server.chat import create_chat_completion, render_chat_serve
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.embeddings import create_embedding
 from kvfleet.engine.server.errors import APIError, error_response
+from kvfleet.engine.server.kv_events import stream_kv_events
 from kvfleet.engine.server.openai_requests import DetokenizeRequest, TokenizeRequest
 from kvfleet.engine.server.openai_responses import (
     Detokenized,
@@ -50,6 +51,7 @@ from kvfleet.engine.server.validation import (
     refused,
 )
 from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused, check_content_encoding
+from kvfleet.protocol.kv_events import PATH as KV_EVENTS_PATH
 from kvfleet.telemetry.http import JsonErrorsRunner, echo_request_id, observe_requests
 from kvfleet.telemetry.tracing import Tracing
 
@@ -271,6 +273,8 @@ def build_app(
     app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    if engine.kv_events is not None:
+        app.router.add_get(KV_EVENTS_PATH, stream_kv_events)
     if settings.enable_runtime_lora_updating:
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
@@ -291,6 +295,7 @@ def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngi
         on_abort=metrics.on_abort,
     )
     metrics.collect_state(engine.stats)
+    metrics.collect_kv_events(engine.kv_events)
     structured = core.structured
     metrics.collect_grammar(
         structured.stats if structured is not None else None, core.structured_unavailable
@@ -381,6 +386,8 @@ class EngineServer:
         loop has stopped (it is not waited for)."""
         assert self.app is not None and self.engine is not None and self._runner is not None
         self.app[SERVING].draining = True
+        # Routers go elsewhere now: their event streams end here, not at the deadline.
+        self.engine.end_kv_events()
         timeout = self.settings.shutdown_timeout
         deadline = time.monotonic() + timeout
         if self.engine.num_unfinished:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.engine.config import EngineArgs
 from tests.support.scripts import load_bench_script
 
 perplexity = load_bench_script("perplexity")
@@ -47,14 +46,6 @@ def test_bad_arguments_are_refused() -> None:
         perplexity.parse_args(["--variants", "baseline,fp4"])
 
 
-FP8_FIELDS = ("kv_cache_dtype", "calculate_kv_scales", "quantization")
-needs_fp8 = pytest.mark.skipif(
-    not all(f in EngineArgs.model_fields for f in FP8_FIELDS),
-    reason="EngineArgs lacks kv_cache_dtype, calculate_kv_scales or quantization (issue 21 "
-    "items 1-2)",
-)
-
-
 @pytest.fixture(scope="module")
 def short_window(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every variant over the text's first 160 tokens (two windows), one short greedy answer."""
@@ -73,7 +64,6 @@ def short_window(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
     return results
 
 
-@needs_fp8
 def test_fp8_kv_cache_within_the_goal(short_window: dict) -> None:
     """Issue 21: fp8 KV within 1% of the baseline. Calibrated k/v scales meet it (measured
     -0.90% here, +0.75% over 2k tokens of the text); scales of 1.0 (a GGUF carries none) stay
@@ -82,7 +72,6 @@ def test_fp8_kv_cache_within_the_goal(short_window: dict) -> None:
     assert abs(short_window["fp8-kv"]["ppl_delta"]) <= 2 * perplexity.GOALS["fp8-kv"]
 
 
-@needs_fp8
 def test_fp8_weights_stay_near_the_baseline(short_window: dict) -> None:
     """A guard against a broken W8A8 path (a wrong scale costs far more than this): measured
     +3.8% alone and +7.2% with an fp8 KV cache on this window."""
@@ -90,7 +79,6 @@ def test_fp8_weights_stay_near_the_baseline(short_window: dict) -> None:
     assert 0 <= short_window["fp8-both"]["ppl_delta"] <= 0.10
 
 
-@needs_fp8
 @pytest.mark.xfail(
     strict=True,
     reason="issue 21's W8A8 goal (3%) is missed on SmolLM2-135M: +3.8% on this window, +5.0% "
@@ -102,7 +90,6 @@ def test_fp8_weights_within_the_goal(short_window: dict) -> None:
         assert short_window[name]["ppl_delta"] <= perplexity.GOALS[name], name
 
 
-@needs_fp8
 def test_the_weights_only_diagnostic_leaves_the_served_path_as_it_was(short_window: dict) -> None:
     """fp8-weights-only (W8A8's weights, activations unquantized) costs perplexity of its own
     and not W8A8's; once it has run, the engine's fp8 linear is the served one again."""

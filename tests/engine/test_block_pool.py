@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
+from kvfleet.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.protocol.block_hash import hash_block_tokens
+from kvfleet.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def free_ids(pool: BlockPool) -> list[int]:
@@ -174,33 +177,17 @@ def test_touch_revives_block_from_middle_of_free_queue() -> None:
 # -- hashing and the prefix-cache table -------------------------------------------------------
 
 
-def test_hash_is_deterministic_and_content_sensitive() -> None:
-    toks = list(range(16))
-    assert hash_block_tokens(None, toks) == hash_block_tokens(None, list(toks))
-    assert hash_block_tokens(None, toks) != hash_block_tokens(None, [*toks[:-1], 99])
-    assert len(hash_block_tokens(None, toks)) == 16
-
-
-def test_hash_chaining_same_tokens_different_parent() -> None:
-    toks = [7] * 16
-    p1 = hash_block_tokens(None, [1] * 16)
-    p2 = hash_block_tokens(None, [2] * 16)
-    assert hash_block_tokens(p1, toks) != hash_block_tokens(p2, toks)
-    assert hash_block_tokens(p1, toks) != hash_block_tokens(None, toks)
-    assert hash_block_tokens(p1, toks) == hash_block_tokens(p1, toks)
-
-
 def test_cache_block_and_lookup() -> None:
     pool = BlockPool(4, enable_caching=True)
     (b,) = pool.get_new_blocks(1)
     h = hash_block_tokens(None, [1] * 16)
     assert pool.get_cached_block(h) is None
-    pool.cache_block(b, h)
+    pool.cache_block(b, h, None)
     assert pool.get_cached_block(h) is b
     assert b.block_hash == h
     # A block already holding a hash keeps it.
     h2 = hash_block_tokens(None, [2] * 16)
-    pool.cache_block(b, h2)
+    pool.cache_block(b, h2, None)
     assert b.block_hash == h
     assert pool.get_cached_block(h2) is None
 
@@ -209,8 +196,8 @@ def test_cache_block_keeps_first_entry_on_duplicate_hash() -> None:
     pool = BlockPool(4, enable_caching=True)
     first, second = pool.get_new_blocks(2)
     h = hash_block_tokens(None, [5] * 16)
-    pool.cache_block(first, h)
-    pool.cache_block(second, h)
+    pool.cache_block(first, h, None)
+    pool.cache_block(second, h, None)
     assert pool.get_cached_block(h) is first
     assert first.block_hash == h
     assert second.block_hash is None  # an uncached private copy
@@ -228,7 +215,7 @@ def test_cache_block_keeps_first_entry_on_duplicate_hash() -> None:
 def test_cache_block_disabled_caching_is_noop() -> None:
     pool = BlockPool(4, enable_caching=False)
     (b,) = pool.get_new_blocks(1)
-    pool.cache_block(b, hash_block_tokens(None, [1] * 16))
+    pool.cache_block(b, hash_block_tokens(None, [1] * 16), None)
     assert pool.cached == {}
     assert b.block_hash is None
 
@@ -238,8 +225,8 @@ def test_cached_block_survives_free_until_reused() -> None:
     a, b = pool.get_new_blocks(2)
     ha = hash_block_tokens(None, [1] * 16)
     hb = hash_block_tokens(ha, [2] * 16)
-    pool.cache_block(a, ha)
-    pool.cache_block(b, hb)
+    pool.cache_block(a, ha, None)
+    pool.cache_block(b, hb, ha)
     pool.free_blocks([b, a])  # queue: b, a
     # Freed but still a hit.
     assert pool.get_cached_block(ha) is a
@@ -264,8 +251,8 @@ def test_reset_prefix_cache() -> None:
     a, b = pool.get_new_blocks(2)
     ha = hash_block_tokens(None, [1] * 16)
     hb = hash_block_tokens(ha, [2] * 16)
-    pool.cache_block(a, ha)
-    pool.cache_block(b, hb)
+    pool.cache_block(a, ha, None)
+    pool.cache_block(b, hb, ha)
 
     pool.free_blocks([b])
     assert pool.reset_prefix_cache() is False  # a is still held
@@ -279,5 +266,55 @@ def test_reset_prefix_cache() -> None:
     assert pool.num_free_blocks == pool.num_usable_blocks
     # The blocks are plain free blocks again and can be re-cached.
     pool.touch([a])
-    pool.cache_block(a, hb)
+    pool.cache_block(a, hb, ha)
     assert pool.get_cached_block(hb) is a
+
+
+# -- KV events ---------------------------------------------------------------------------------
+
+
+def test_the_pool_records_events_only_while_subscribed() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    a, b, c = pool.get_new_blocks(3)
+    ha = hash_block_tokens(None, [1] * 16)
+    pool.cache_block(a, ha, None)
+    assert pool.events.drain() == []
+    pool.events.enabled = True
+    hb = hash_block_tokens(ha, [2] * 16)
+    hc = hash_block_tokens(hb, [3] * 16)
+    lora = LoRARequest("ad", 1, "/ad")
+    pool.cache_block(b, hb, ha, lora)
+    pool.cache_block(c, hc, hb, lora)  # the chain goes on: one event
+    pool.cache_block(c, hc, hb, lora)  # cached already: nothing
+    assert pool.events.drain() == [
+        BlockStored(block_hashes=[hb.hex(), hc.hex()], parent_block_hash=ha.hex(),
+                    medium="gpu", lora_name="ad"),
+    ]  # fmt: skip
+    pool.free_blocks([c, b, a])
+    pool.get_new_blocks(2)  # evicts c, then b
+    pool.drop_adapter_blocks(lora.lora_int_id)  # nothing of it is left
+    assert pool.events.drain() == [
+        BlockRemoved(block_hashes=[hc.hex(), hb.hex()], medium="gpu"),
+    ]
+    pool.events.stop()
+    pool.cache_block(pool.get_new_blocks(1)[0], hb, ha)
+    assert pool.events.drain() == []
+
+
+def test_an_unloaded_adapters_blocks_leave_the_cache_and_a_reset_clears_it() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    pool.events.enabled = True
+    blocks = pool.get_new_blocks(3)
+    h0 = hash_block_tokens(None, [1] * 16)
+    h1 = hash_block_tokens(None, [1] * 16, b"lora:ad")
+    h2 = hash_block_tokens(h1, [1] * 16)
+    pool.cache_block(blocks[0], h0, None)
+    pool.cache_block(blocks[1], h1, None, LoRARequest("ad", 2, "/ad"))
+    pool.cache_block(blocks[2], h2, h1, LoRARequest("ad", 2, "/ad"))
+    pool.events.drain()
+    pool.drop_adapter_blocks(2)
+    assert set(pool.cached) == {h0}
+    assert pool.events.drain() == [BlockRemoved(block_hashes=[h1.hex(), h2.hex()], medium="gpu")]
+    pool.free_blocks(blocks)
+    assert pool.reset_prefix_cache()
+    assert pool.events.drain() == [AllBlocksCleared()]

@@ -12,12 +12,18 @@ import pytest
 import torch
 
 from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.config import EngineArgs
+from kvfleet.engine.server.settings import ServerSettings
+from kvfleet.protocol.block_hash import prompt_block_hashes
 from tests.support.engine import (
     MAX_TOKENS,
     assert_no_leak,
     first_token_logprob_gaps,
     long_random_prompts,
 )
+from tests.support.kv_events import KVEventsReader
+from tests.support.net import http_call
+from tests.support.servers import engine_server
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -122,3 +128,24 @@ def test_a_model_too_big_for_one_gpu_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match="raise tensor_parallel_size"):
         LLM(str(BENCH_MODELS / "Llama-2-70b-hf"), load_format="dummy", dtype="bfloat16",
             skip_tokenizer_init=True)  # fmt: skip
+
+
+def test_a_two_gpu_engine_publishes_its_kv_events_from_rank_0(model_dirs):
+    """Rank 0 owns the block table: its KV events are the whole engine's cache, the hashes the
+    prompts' own."""
+    args = EngineArgs(model=str(model_dirs["llama"]), dtype="float32", tensor_parallel_size=2,
+                      gpu_memory_utilization=0.4, max_num_seqs=8)  # fmt: skip
+    settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=["tiny"])
+    prompt = [(7 * i) % 500 + 3 for i in range(70)]
+    with engine_server(args, settings) as srv:
+        reader = KVEventsReader(srv.url)
+        try:
+            reader.wait_for(lambda r: r.snapshot is not None)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            assert http_call(srv.url + "/v1/completions", body)[0] == 200
+            expected = {h.hex() for h in prompt_block_hashes(prompt)}
+            reader.wait_for(lambda r: expected <= r.picture["gpu"])
+            pool = srv.srv.engine.core.kv_cache_manager.pool
+            reader.wait_for(lambda r: r.picture["gpu"] == {h.hex() for h in list(pool.cached)})
+        finally:
+            reader.close()

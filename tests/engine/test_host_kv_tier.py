@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.engine_core import EngineCore
 from kvfleet.engine.host_block_index import HostBlockIndex
+from kvfleet.protocol.kv_events import BlockRemoved, BlockStored
 from tests.support.engine import assert_no_leak
 
 
@@ -63,6 +65,26 @@ def test_a_failed_copy_back_drops_the_block_and_a_reset_ignores_stale_copies() -
     assert len(index) == 0 and index.lookup(_h(2)) is None
 
 
+def test_an_adapters_blocks_serve_only_it_and_leave_when_it_is_unloaded() -> None:
+    index = HostBlockIndex(4)
+    for h, lora in ((_h(1), 0), (_h(2), 7), (_h(3), 7)):
+        placement = index.place(h, None, lora, "sql" if lora else None)
+        assert placement is not None
+        index.stored(placement.ticket)
+    pending = index.place(_h(4), None, 7, "sql")
+    assert pending is not None
+    assert index.lookup(_h(2)) is None and index.lookup(_h(2), 7) is not None
+    slot = index.pin(_h(3))
+    # Served blocks are reported gone; the one being copied back goes once unpinned.
+    assert index.drop_adapter(7) == [_h(2), _h(3)]
+    assert index.hashes() == [_h(1), _h(3)] and index.ready_hashes() == [_h(1)]
+    assert index.lookup(_h(3), 7) is None and index.stored(pending.ticket) is None
+    assert index.unpin(_h(3)) is False  # already reported
+    assert index.hashes() == [_h(1)]
+    placements = [index.place(_h(i)) for i in (5, 6, 7)]  # the freed slots, 3's among them
+    assert slot in {p.slot for p in placements if p is not None} and all(placements)
+
+
 # The device cache holds 19 blocks; 7 prompts of 4 full blocks each (a fifth, partial, holds the
 # tail and the output), so a second pass finds the first prompts evicted from the device. The
 # host tier holds them all.
@@ -79,6 +101,21 @@ def _two_passes(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
             (out,) = llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)
             outs.append(list(out.outputs[0].token_ids))
     return outs
+
+
+def _picture_matches(core: EngineCore, picture: dict[str, set[str]]) -> None:
+    """Apply the KV events recorded since the last call to `picture` (each removal of a block
+    published before), then check it is what the engine holds per medium."""
+    for event in core.kv_event_log.drain():
+        if isinstance(event, BlockStored):
+            picture[event.medium].update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= picture[event.medium], event
+            picture[event.medium].difference_update(event.block_hashes)
+        else:
+            picture["gpu"], picture["cpu"] = set(), set()
+    gpu, cpu = core.cached_block_hashes()
+    assert picture == {"gpu": {h.hex() for h in gpu}, "cpu": {h.hex() for h in cpu}}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +138,11 @@ def test_prefixes_evicted_from_the_device_come_back_from_host_memory(
     core = tiered.engine
     assert core.kv_cache_manager.host is not None
     assert core.kv_cache_manager.host.num_slots == HOST_BLOCKS
+    core.kv_event_log.enabled = True  # as a subscriber to GET /kv_events does
+    picture: dict[str, set[str]] = {"gpu": set(), "cpu": set()}
     assert _two_passes(tiered, working_set) == want
+    _picture_matches(core, picture)
+    assert picture["cpu"]  # blocks copied to host memory are published with medium "cpu"
     stats = core.stats()
     # The prompts differ: the first pass finds nothing. The second finds every full block of
     # every prompt in one tier or the other, where the device alone missed some.
@@ -114,8 +155,9 @@ def test_prefixes_evicted_from_the_device_come_back_from_host_memory(
     assert_no_leak(tiered)
     assert not core.scheduler.loading and not core.kv_cache_manager.loads
 
-    assert core.kv_cache_manager.reset_prefix_cache()
+    assert core.reset_prefix_cache()
     assert core.stats().num_host_cache_blocks == 0 and core.stats().num_cached_blocks == 0
+    _picture_matches(core, picture)
     tiered.generate([{"prompt_token_ids": working_set[0]}], PARAMS, use_tqdm=False)
     after = core.stats()  # found in neither tier
     assert (after.prefix_cache_hits, after.host_cache_hits) == (
@@ -135,6 +177,7 @@ def test_prefixes_evicted_from_the_device_come_back_from_host_memory(
     monkeypatch.setattr(host_kv, "_copy_in", broken)
     assert _two_passes(tiered, working_set) == want
     assert failed
+    _picture_matches(core, picture)  # blocks whose copy back failed: removed from "cpu"
     assert_no_leak(tiered)
     assert not core.scheduler.loading and not core.kv_cache_manager.loads
 

@@ -18,10 +18,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvfleet.engine.block_pool import KVBlock, hash_block_tokens
+from kvfleet.engine.block_pool import KVBlock
 from kvfleet.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.protocol.block_hash import hash_block_tokens
+from kvfleet.protocol.kv_events import BlockRemoved, BlockStored
 
 BS = 16
 MAX_MODEL_LEN = 4096
@@ -43,13 +46,14 @@ def chunks(remaining: int) -> st.SearchStrategy[int]:
     return st.one_of(st.just(remaining), st.integers(1, remaining))
 
 
-def make_request(rid: str, prompt: list[int]) -> Request:
+def make_request(rid: str, prompt: list[int], lora: LoRARequest | None = None) -> Request:
     return Request(
         rid,
         prompt,
         SamplingParams(max_tokens=None),
         eos_token_ids=frozenset(),
         max_tokens=MAX_MODEL_LEN - len(prompt),
+        lora=lora,
     )
 
 
@@ -94,6 +98,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id = 0
         # Token sequences of every request so far, for prompts that share their prefixes.
         self.history: list[list[int]] = []
+        # The cache as a KV-events subscriber sees it: the events applied in order.
+        self.published: set[str] = set()
 
     @initialize(
         num_blocks=st.sampled_from(range(2, 17)),
@@ -101,6 +107,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks: int, caching: bool) -> None:
         self.kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+        self.kv.pool.events.enabled = True
 
     # -- helpers -----------------------------------------------------------------------------
     def _allocate(self, req: Request, num_new: int, hits: list[KVBlock]) -> bool:
@@ -310,6 +317,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert back[::-1] == q
 
     @invariant()
+    def the_published_events_add_up_to_the_cache(self) -> None:
+        for e in self.kv.pool.events.drain():
+            if isinstance(e, BlockStored):
+                self.published.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.published
+                self.published.difference_update(e.block_hashes)
+        assert self.published == {h.hex() for h in self.kv.pool.cached}
+
+    @invariant()
     def cache_table_is_consistent(self) -> None:
         kv = self.kv
         pool = kv.pool
@@ -403,6 +420,21 @@ def test_no_hits_when_caching_disabled() -> None:
     assert admit(kv, a) is not None
     assert kv.pool.cached == {}
     assert kv.get_computed_blocks(make_request("b", list(range(40)))) == ([], 0)
+
+
+def test_an_adapter_loaded_again_under_its_name_never_reads_the_old_ones_blocks() -> None:
+    """Blocks are keyed by the adapter's name (what a router can compute); the id tells the
+    adapter unloaded from the one loaded again under its name."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    prompt = list(range(40))
+    old, new = LoRARequest("ad", 1, "/a"), LoRARequest("ad", 2, "/b")
+    a = make_request("a", prompt, old)
+    assert admit(kv, a) is not None
+    a.num_computed_tokens = len(prompt)
+    assert kv.get_computed_blocks(make_request("b", prompt, old))[1] == 32
+    newer = make_request("c", prompt, new)
+    assert kv.get_computed_blocks(newer) == ([], 0)  # not the old one's KV...
+    assert newer.block_hashes == a.block_hashes  # ...under the same keys
 
 
 def test_partial_chunk_publishes_only_full_blocks() -> None:

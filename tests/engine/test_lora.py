@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from kvfleet.engine import LLM, LoRARequest, SamplingParams
 from kvfleet.engine.llm import TokensPrompt
 from kvfleet.engine.lora_adapter import WEIGHTS_FILE
+from kvfleet.engine.outputs import CompletionOutput, RequestOutput
 from tests.support.engine import assert_no_leak, hf_greedy
 from tests.support.lora_adapters import write_test_adapters
 
@@ -131,6 +132,40 @@ def test_one_slot_pages_adapters_in_and_out(model_dirs, adapters, expected):
         assert sum(stats.evictions.values()) >= 4
         assert stats.disk_reads[adapters[0].lora_name] == 2
         assert len(llm.engine.runner.lora_host) == 2
+
+
+def test_a_stream_of_one_adapters_requests_does_not_starve_another(model_dirs, adapters, expected):
+    """--max-loras 1 and one host copy: a new request of adapter A every step keeps the slot
+    pinned and A's copy in use; B's request, once passed over --max-lora-wait-steps times, holds
+    A's new requests back until A's running ones finish, takes A's host copy and the slot, and
+    completes with PEFT's tokens while A's stream goes on."""
+    a, b = adapters[:2]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    wait_steps = 4
+    with _llm(model_dirs, max_loras=1, max_lora_wait_steps=wait_steps) as llm:
+        engine = llm.engine
+        results: dict[str, RequestOutput] = {}
+
+        def add(rid: str, lora: LoRARequest, prompt: list[int]) -> None:
+            engine.add_request(rid, engine.admit(prompt, sp, lora=lora))
+            results[rid] = RequestOutput(rid, prompt, [CompletionOutput(index=0)])
+
+        add("a", a, PROMPTS[1])
+        engine.step()
+        add("b", b, PROMPTS[0])
+        for k in range(3 * MAX_TOKENS):
+            add(f"a{k}", a, PROMPTS[k % len(PROMPTS)])
+            for delta in engine.step():
+                results[delta.request_id].add(delta)
+            if results["b"].finished:
+                break
+        # Passed over wait_steps times, then A's last admitted request runs out (its prefill
+        # step and MAX_TOKENS - 1 more), then B's own run.
+        assert results["b"].finished and k <= wait_steps + 2 * MAX_TOKENS + 2, k
+        assert results["b"].outputs[0].token_ids == expected[b.lora_name][0]
+        for rid in list(results):
+            engine.abort_request(rid)
+        assert not engine.has_unfinished_requests()
 
 
 def test_the_prefix_cache_is_kept_apart_per_adapter(model_dirs, adapters):

@@ -105,3 +105,16 @@ def test_remove_frees_the_slot_of_an_unused_adapter():
 def test_the_host_tier_must_hold_the_slots():
     with pytest.raises(ValueError, match="max_cpu_loras"):
         AdapterSlots(max_loras=2, max_cpu_loras=1)
+
+
+def test_a_starved_adapter_takes_a_copy_only_waiting_requests_use():
+    slots = AdapterSlots(max_loras=1, max_cpu_loras=1)
+    _hosted(slots, A)
+    slots.add_user(A)
+    slots.acquire(A)  # A's request runs
+    assert slots.make_room() is None
+    assert slots.make_room(starved=True) is None  # a running request's copy never goes
+    slots.release(A)  # preempted: it waits again
+    assert slots.make_room() is None
+    assert slots.make_room(starved=True) == [A.lora_int_id]
+    assert slots.free_slots == [0] and not slots.cpu and slots.users[A.lora_int_id] == 1

@@ -8,6 +8,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 
 from kvfleet.engine.admission import Admission, completion_budget
 from kvfleet.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.engine.lora_slots import AdapterSlots
 from kvfleet.engine.request import InvalidRequestError, Request, RequestStatus
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.scheduler import Scheduler, SchedulerOutput
@@ -55,7 +58,8 @@ def make_request(
     max_tokens: int | None = 16,
     max_model_len: int = MAX_MODEL_LEN,
     grammar: Future | None = None,
-    **sampling: object,
+    lora: LoRARequest | None = None,
+    **sampling: Any,
 ) -> Request:
     """prompt: the tokens, or a length for a prompt of fresh tokens (no prefix-cache hits);
     max_tokens resolved within max_model_len as admission resolves it."""
@@ -68,6 +72,7 @@ def make_request(
         eos_token_ids=frozenset({EOS}),
         max_tokens=completion_budget(len(prompt), max_tokens, max_model_len),
         grammar=grammar,
+        lora=lora,
     )
 
 
@@ -822,6 +827,72 @@ def test_a_grammar_that_fails_while_its_step_runs_is_reported_at_sampling() -> N
     failing.set_exception(error)
     assert sched.settle_grammars(out) == [(a, error)]
     assert a.num_pending == 1  # not stepped back: the engine fails it
+
+
+# -- LoRA adapters: fairness between them -----------------------------------------------------
+
+LORA_A, LORA_B = (LoRARequest(name, i, f"/adapters/{name}") for i, name in enumerate("ab", 1))
+
+
+def _adapter_stream(wait_steps: int, steps: int) -> tuple[int | None, list[int]]:
+    """One GPU slot, both adapters in host memory; each step a new request of adapter A and one
+    of the base model arrive, and one request of B arrives after the first A's. Returns the step
+    in which B's request started (None if it did not within `steps`) and, per step, how many
+    base-model requests waited after it."""
+    slots = AdapterSlots(max_loras=1, max_cpu_loras=2)
+    for lora in (LORA_A, LORA_B):
+        assert slots.make_room() == []
+        slots.host(lora)
+    sched = Scheduler(KVCacheManager(256, BS, True), 32, 256, slots, max_lora_wait_steps=wait_steps)
+    b = make_request("b", 4, max_tokens=3, lora=LORA_B)
+    started = None
+    base_waiting = []
+    for k in range(steps):
+        sched.add_request(make_request(f"a{k}", 4, max_tokens=3, lora=LORA_A))
+        sched.add_request(make_request(f"base{k}", 4, max_tokens=3))
+        if k == 0:
+            sched.add_request(b)
+        out, _ = step(sched)
+        if b.request_id in out.started:
+            started = k
+        base_waiting.append(sum(r.lora is None for r in sched.waiting))
+    return started, base_waiting
+
+
+def test_a_request_of_an_adapter_without_a_slot_starts_within_the_bound() -> None:
+    """A steady stream of adapter A's requests keeps the one slot pinned: FCFS with skipping
+    alone never lets B's request in; with the bound, A's new requests are held back once B has
+    waited it out, A's running ones finish (3 steps each), and B takes the slot. The base
+    model's requests start as they arrive throughout."""
+    started, base_waiting = _adapter_stream(wait_steps=4, steps=20)
+    assert started is not None and started <= 4 + 3
+    assert not any(base_waiting)
+    # Without the bound (never reached here), B waits for as long as A's stream goes on.
+    assert _adapter_stream(wait_steps=1000, steps=20)[0] is None
+
+
+def test_the_starved_adapter_is_the_first_waiting_request_past_the_bound() -> None:
+    slots = AdapterSlots(max_loras=1, max_cpu_loras=1)
+    sched = Scheduler(KVCacheManager(64, BS, True), 8, 64, slots, max_lora_wait_steps=2)
+    b = make_request("b", 4, lora=LORA_B)
+    a = make_request("a", 4, lora=LORA_A)
+    for req in (b, a):
+        sched.add_request(req)
+    # Neither adapter is in host memory: both are passed over, B first.
+    for _ in range(2):
+        assert sched.starved_lora() is None
+        assert step(sched)[0].empty
+    assert sched.starved_lora() == LORA_B
+    # A's copy in host memory and a free slot: A is still held back for B.
+    slots.host(LORA_A)
+    assert step(sched)[0].empty and a.lora_waited_steps == 2
+    assert slots.make_room(starved=True) == [LORA_A.lora_int_id]  # only waiting requests use A
+    slots.host(LORA_B)
+    out, _ = step(sched)
+    assert out.started == {"b"} and b.lora_waited_steps == 0
+    assert sched.starved_lora() == LORA_A  # A waited out the bound too: its turn is next
+    with pytest.raises(ValueError, match=">= 1"):
+        Scheduler(KVCacheManager(64, BS, True), 8, 64, slots, max_lora_wait_steps=0)
 
 
 # -- property: random workloads ----------------------------------------------------------------

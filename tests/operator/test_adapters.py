@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ OWNER = Owner(name="llm", namespace="ns", uid="u")
 CONFIG = OperatorConfig(engine_image="engine:1", router_image="router:1")
 
 
-def spec_with(*items: dict[str, str], **more: object):
+def spec_with(*items: dict[str, Any], **more: object):
     return parse_spec("llm", {"adapters": list(items), **more})
 
 
@@ -61,6 +62,46 @@ def test_the_template_does_not_depend_on_the_adapters_names_or_hf_sources() -> N
     one = template({"name": "a", "source": "/a"})
     assert one == template({"name": "b", "source": "hf://org/b@v2"}, {"name": "c", "source": "/c"})
     assert one != engine_deployment(OWNER, parse_spec("llm", {}), CONFIG)["spec"]["template"]
+
+
+def test_hf_adapters_download_with_their_own_token_or_the_models() -> None:
+    """Each downloader container has the model's token as HF_TOKEN and every Secret key the
+    adapters name once, optional; a download item names the variable of its adapter's own."""
+    tenant = {"name": "tenant-b", "key": "hub"}
+    model = {"source": "hf://org/m", "hfTokenSecretRef": {"name": "hf"}}
+    items = (
+        {"name": "a", "source": "hf://org/a"},
+        {"name": "b", "source": "hf://org/b", "hfTokenSecretRef": tenant},
+        {"name": "c", "source": "hf://org/c@v2", "hfTokenSecretRef": tenant},
+    )
+    spec = spec_with(*items, model=model)
+    ref = spec.adapters[1].hf_token_secret_ref
+    assert ref is not None
+    tenant_env = adapters.token_env(ref)
+    assert tenant_env.startswith("HF_TOKEN_") and tenant_env.replace("_", "").isalnum()
+    assert [d.get("token_env") for d in adapters.downloads(spec)] == [None, tenant_env, tenant_env]
+    pod = engine_deployment(OWNER, spec, CONFIG)["spec"]["template"]["spec"]
+    downloaders = [
+        c
+        for c in pod["initContainers"] + pod["containers"]
+        if c["name"] in ("adapter-download", "adapter-downloader")
+    ]
+    assert len(downloaders) == 2
+    for c in downloaders:
+        secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+        assert secrets == {
+            "HF_TOKEN": {"name": "hf", "key": "token"},
+            tenant_env: {"name": "tenant-b", "key": "hub", "optional": True},
+        }
+    engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    assert not any("HF_TOKEN" in e["name"] for e in engine.get("env", []))
+
+    def template(*items: dict[str, Any]) -> object:
+        return engine_deployment(OWNER, spec_with(*items, model=model), CONFIG)["spec"]["template"]
+
+    # Another adapter on a Secret already named: no rollout; a Secret new to the spec: one.
+    assert template(*items) == template(*items[1:])
+    assert template(*items) != template(items[0])
 
 
 @pytest.fixture

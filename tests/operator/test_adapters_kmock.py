@@ -201,3 +201,40 @@ async def test_an_invalid_adapter_is_refused_with_a_condition_and_an_event(clust
         assert "maxLoraRank" in degraded["message"]
         await eventually(lambda: any(e["reason"] == "InvalidSpec" for e in k.every(EVENTS)))
         assert k.live(DEPLOYMENTS, NS, "lora-engine") is None
+
+
+@pytest.mark.asyncio
+async def test_a_gated_adapters_token_reaches_its_downloader_and_only_hf_takes_one(cluster):
+    k = cluster
+    tenant = {"name": "tenant-hub", "key": "token"}
+    async with operator(k):
+        await create(k, with_adapters({**LEGAL, "hfTokenSecretRef": tenant}), "lora")
+        deploy = await eventually(lambda: k.live(DEPLOYMENTS, NS, "lora-engine"))
+        config = await eventually(lambda: k.live(CONFIGMAPS, NS, "lora-adapters"))
+        [item] = json.loads(config["data"]["downloads.json"])
+        env_name = item["token_env"]
+        pod = deploy["spec"]["template"]["spec"]
+        for c in pod["initContainers"] + pod["containers"][1:]:  # adapter-download(er)
+            assert {
+                "name": env_name,
+                "valueFrom": {"secretKeyRef": {**tenant, "optional": True}},
+            } in (c["env"]), c["name"]
+        assert not any(e["name"] == env_name for e in pod["containers"][0].get("env", []))
+
+        # A token on a path adapter: the API server's CEL rule refuses it, the operator too.
+        await create(k, with_adapters({**SQL, "hfTokenSecretRef": tenant}), "bad")
+        degraded = await eventually(
+            lambda: (
+                (c := condition(k.live(ISVCS, NS, "bad"), "Degraded"))
+                and c["reason"] == "InvalidSpec"
+                and c
+            )
+        )
+        assert "hfTokenSecretRef is only used with hf:// sources" in degraded["message"]
+        await eventually(
+            lambda: any(
+                e["reason"] == "InvalidSpec" and e["involvedObject"]["name"] == "bad"
+                for e in k.every(EVENTS)
+            )
+        )
+        assert k.live(DEPLOYMENTS, NS, "bad-engine") is None

@@ -344,7 +344,11 @@ def test_spec_model_has_exactly_the_crd_fields():
 
 
 def test_spec_model_defaults_are_the_crd_defaults():
-    raw = {"apiKeySecretRef": {"name": "k"}, "model": {"hfTokenSecretRef": {"name": "t"}}}
+    raw: dict[str, Any] = {
+        "apiKeySecretRef": {"name": "k"},
+        "model": {"hfTokenSecretRef": {"name": "t"}},
+        "adapters": [{"name": "a", "source": "hf://org/a", "hfTokenSecretRef": {"name": "u"}}],
+    }
     defaulted = apply_defaults(copy.deepcopy(raw), SPEC_SCHEMA)
     defaulted["model"]["source"] = "hf://org/m"  # hfTokenSecretRef needs an hf:// source
     raw["model"]["source"] = "hf://org/m"
@@ -488,6 +492,12 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("adapter-source-empty", "llm", {"adapters": [{"name": "a", "source": ""}]}, None),
     ("adapter-source-scheme", "llm", {"adapters": [{"name": "a", "source": "s3://b/a"}]}, None),
     ("adapter-without-source", "llm", {"adapters": [{"name": "a"}]}, None),
+    (
+        "adapter-token-without-hf",
+        "llm",
+        {"adapters": [{"name": "a", "source": "pvc://loras/a", "hfTokenSecretRef": {"name": "t"}}]},
+        M.MSG_HF_TOKEN_HF,
+    ),
     (
         "adapter-duplicate",
         "llm",

@@ -283,16 +283,21 @@ def test_secrets_outside_the_allow_list_are_refused():
             ]
         },
         "apiKeySecretRef": {"name": "api-keys"},
+        "adapters": [
+            {"name": "a", "source": "hf://org/a", "hfTokenSecretRef": {"name": "tenant-a"}},
+            {"name": "b", "source": "hf://org/b", "hfTokenSecretRef": {"name": "api-keys"}},
+        ],
     }
     found = policy_violations(parse_spec("llm", raw), config)
-    assert [v.reason for v in found] == ["SecretNotAllowed", "SecretNotAllowed"]
+    assert [v.reason for v in found] == ["SecretNotAllowed"] * 3
     assert "spec.engine.env[DB].valueFrom.secretKeyRef" in found[0].message
     assert "'db-password'" in found[0].message
     assert "spec.model.hfTokenSecretRef" in found[1].message
+    assert "spec.adapters[a].hfTokenSecretRef" in found[2].message
     none = OperatorConfig(engine_image="e", router_image="r", allowed_secrets=())
     assert [v.reason for v in policy_violations(parse_spec("llm", raw), none)] == [
         "SecretNotAllowed"
-    ] * 4
+    ] * 6
 
 
 def test_a_refused_spec_is_degraded_with_its_reason_and_a_warning():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 from pathlib import Path
 from typing import Any
 
@@ -958,6 +959,32 @@ def test_model_download_runs_once_per_directory(tmp_path, monkeypatch):
     assert calls[0]["repo_id"] == "org/m" and calls[0]["revision"] == "main"
     assert "*.safetensors" in calls[0]["allow_patterns"]
     assert (target / model_download.COMPLETE_MARKER).exists()
+
+
+def test_adapter_downloads_use_their_own_token_else_the_default(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    tokens = []
+
+    def fake_snapshot_download(**kw: Any) -> str:
+        tokens.append(kw["token"])
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (Path(kw["local_dir"]) / name).write_text("{}")
+        return str(kw["local_dir"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setenv("HF_TOKEN_ABC", "tenant-secret")
+    monkeypatch.delenv("HF_TOKEN_MISSING", raising=False)
+    listing = tmp_path / "downloads.json"
+    items = [
+        {"repo": f"org/{n}", "revision": "main", "dir": str(tmp_path / n)} for n in ("a", "b", "c")
+    ]
+    items[0]["token_env"] = "HF_TOKEN_ABC"
+    items[2]["token_env"] = "HF_TOKEN_MISSING"
+    listing.write_text(json.dumps(items))
+    assert model_download.download_adapters(listing) == 0
+    # None: huggingface_hub's own default, the HF_TOKEN of the model's Secret.
+    assert tokens == ["tenant-secret", None, None]
 
 
 def test_model_download_refuses_checkpoints_without_safetensors(tmp_path, monkeypatch):

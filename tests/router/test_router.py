@@ -624,6 +624,24 @@ async def test_the_engines_adapter_endpoints_are_not_routed(path: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_engines_kv_events_are_not_routed() -> None:
+    """An engine's KV events (its cache's block hashes) are for the routers that subscribe to
+    each engine, never for a client through the router's proxy."""
+    engine = FakeEngine("a", chunks=1)
+    app = engine.app()
+    app.router.add_get("/kv_events", engine.handle)
+    async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+        addr = await stack.enter_async_context(serving(app))
+        router = Router(RouterSettings(prefix_length=POLICY.prefix_length))
+        router.set_endpoints([addr])
+        url = "http://" + await stack.enter_async_context(serving(build_app(router)))
+        async with s.get(f"{url}/kv_events") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["type"] == "not_found_error"
+    assert engine.hits == 0
+
+
+@pytest.mark.asyncio
 async def test_requests_past_their_home_engine_are_counted_as_spilled() -> None:
     a, b = FakeEngine("a", gap=0.1), FakeEngine("b", gap=0.1)
     async with fleet(a, b) as (router, url, addrs), aiohttp.ClientSession() as s:

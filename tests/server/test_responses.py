@@ -22,14 +22,14 @@ from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
 from tests.support.servers import (
+    DEFAULT_SERVED_NAME,
     assert_engine_idle,
-    default_model_server,
     metric,
     openai_client,
     runner_in_thread,
 )
 
-MODEL = "smollm2"
+MODEL = DEFAULT_SERVED_NAME
 INSTRUCTIONS = "You are a helpful assistant. Answer briefly."
 QUESTION = "What is the capital of France?"
 # The chat tool as the Responses API takes it: the function's fields beside "type".
@@ -38,9 +38,8 @@ FORCED = {"type": "function", "name": "get_weather"}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    with default_model_server(smollm2_gguf, MODEL) as s:
-        yield s
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.support.servers import default_model_server, openai_client
+from tests.support.servers import DEFAULT_SERVED_NAME, openai_client
 
-MODEL = "smollm2"
+MODEL = DEFAULT_SERVED_NAME
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -42,9 +42,8 @@ CALL = re.compile(r"<function=(get_weather|get_time)>(.*?)</function>", re.S)
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    with default_model_server(smollm2_gguf, MODEL) as s:
-        yield s
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

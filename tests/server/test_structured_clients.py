@@ -32,17 +32,15 @@ from tests.support.json_schemas import (
     wide_schema,
 )
 from tests.support.net import http_call
-from tests.support.servers import default_model_server, openai_client, runner_in_thread
+from tests.support.servers import DEFAULT_SERVED_NAME, openai_client, runner_in_thread
 
-MODEL = "smollm2"
+MODEL = DEFAULT_SERVED_NAME
 SYSTEM = "You are a helpful assistant. Answer in JSON."
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    # A megabyte schema must reach schema validation, not the body limit.
-    with default_model_server(smollm2_gguf, MODEL, max_request_body_bytes=8 << 20) as s:
-        yield s
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture

@@ -16,16 +16,15 @@ from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
 from tests.support.net import http_call
-from tests.support.servers import assert_engine_idle, default_model_server, metric, openai_client
+from tests.support.servers import DEFAULT_SERVED_NAME, assert_engine_idle, metric, openai_client
 
-MODEL = "smollm2"
+MODEL = DEFAULT_SERVED_NAME
 CHOICES = ["red", "green", "blue"]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    with default_model_server(smollm2_gguf, MODEL) as s:
-        yield s
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
@@ -227,14 +226,22 @@ def test_a_streamed_request_whose_schema_fails_to_compile_is_a_400_that_leaves_n
 
 
 def _slow_compiles(server, monkeypatch, seconds: float) -> list[list[tuple[int, int]]]:
-    """Make the server's compiles take `seconds` longer; each one records, as it ends, the
-    (computed, all) tokens of every running request."""
+    """Make the server's compiles end only once every running request has computed all its
+    tokens but the one that samples, or after `seconds` (a slow machine's prefill is no reason
+    to fail); each one records, as it ends, the (computed, all) tokens of every running
+    request."""
     core = server.srv.engine.core
     real = core.structured.grammar
     seen: list[list[tuple[int, int]]] = []
 
+    def prefilled() -> bool:
+        running = list(core.scheduler.running)
+        return bool(running) and all(r.num_computed_tokens == r.num_tokens - 1 for r in running)
+
     def slow(params):
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while not prefilled() and time.monotonic() < deadline:
+            time.sleep(0.01)
         seen.append([(r.num_computed_tokens, r.num_tokens) for r in core.scheduler.running])
         return real(params)
 
@@ -243,7 +250,7 @@ def _slow_compiles(server, monkeypatch, seconds: float) -> list[list[tuple[int, 
 
 
 def test_a_new_schema_compiles_while_its_prompt_prefills(server, client, monkeypatch) -> None:
-    seen = _slow_compiles(server, monkeypatch, 0.5)
+    seen = _slow_compiles(server, monkeypatch, 30)
     schema = {
         "type": "object",
         "properties": {"color": {"enum": CHOICES}},

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from tests.support.net import http_call
-from tests.support.servers import default_model_server
+from tests.support.servers import DEFAULT_SERVED_NAME
 
-MODEL = "smollm2"
+MODEL = DEFAULT_SERVED_NAME
 WEATHER = {
     "type": "function",
     "function": {
@@ -37,9 +37,8 @@ HISTORY = [
 
 
 @pytest.fixture(scope="module")
-def url(smollm2_gguf):
-    with default_model_server(smollm2_gguf, MODEL) as s:
-        yield s.url
+def url(default_server):
+    return default_server.url
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -33,10 +33,10 @@ from kvfleet.protocol.chat_template import render_chat_text
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
-from tests.support.servers import default_model_server, openai_client, runner_in_thread
+from tests.support.servers import DEFAULT_SERVED_NAME, openai_client, runner_in_thread
 from tests.support.tiny_model import tiny_model_path
 
-MODEL = "smollm2"
+MODEL = DEFAULT_SERVED_NAME
 WEATHER = WEATHER_TOOL
 TIME = {
     "type": "function",
@@ -55,9 +55,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    with default_model_server(smollm2_gguf, MODEL) as s:
-        yield s
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture

@@ -45,6 +45,10 @@ def engine_server(
         thread.join(10)
 
 
+# The name the tests serve the default model under.
+DEFAULT_SERVED_NAME = "smollm2"
+
+
 @contextmanager
 def default_model_server(gguf: Path, name: str, **settings: Any) -> Iterator[SimpleNamespace]:
     """The real default model (its GGUF file, fp32) served as `name` on a free port, with any
