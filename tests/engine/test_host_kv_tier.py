@@ -185,3 +185,16 @@ def test_prefixes_evicted_from_the_device_come_back_from_host_memory(
 def test_a_host_tier_larger_than_the_memory_available_is_refused(model_dirs):
     with pytest.raises(ValueError, match=r"cpu_kv_cache_bytes asks for .* GiB of host memory"):
         LLM(str(model_dirs["llama"]), dtype="float32", cpu_kv_cache_bytes="1000Ti")
+
+
+def test_every_tensor_parallel_rank_copies_its_share(model_dirs, working_set):
+    """Two ranks (gloo on the CPU): each keeps its heads' half of every host block and copies
+    it back as rank 0's plan says; the tokens are one rank's without the tier."""
+    path = str(model_dirs["llama"])
+    args = {"dtype": "float32", "num_gpu_blocks_override": DEVICE_BLOCKS, "device": "cpu"}
+    with LLM(path, **args) as one:
+        want = _two_passes(one, working_set)
+    with LLM(path, tensor_parallel_size=2, cpu_kv_cache_bytes=2**26, **args) as two:
+        assert _two_passes(two, working_set) == want
+        assert two.engine.stats().host_cache_hits > 0
+        assert_no_leak(two)
