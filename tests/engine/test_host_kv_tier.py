@@ -182,9 +182,17 @@ def test_prefixes_evicted_from_the_device_come_back_from_host_memory(
     assert not core.scheduler.loading and not core.kv_cache_manager.loads
 
 
-def test_a_host_tier_larger_than_the_memory_available_is_refused(model_dirs):
-    with pytest.raises(ValueError, match=r"cpu_kv_cache_bytes asks for .* GiB of host memory"):
-        LLM(str(model_dirs["llama"]), dtype="float32", cpu_kv_cache_bytes="1000Ti")
+def test_a_host_tier_larger_than_the_memory_available_is_refused(model_dirs, monkeypatch):
+    from kvfleet.engine import model_runner
+    from kvfleet.engine.host_memory import Available
+
+    monkeypatch.setattr(model_runner, "available_memory", lambda: Available(2**30, False))
+    with pytest.raises(ValueError, match=r"cpu_kv_cache_bytes asks for 2\.0 GiB .* 1\.0 GiB"):
+        LLM(str(model_dirs["llama"]), dtype="float32", cpu_kv_cache_bytes="2Gi")
+    # Under a container's limit the headroom counts reclaimable page cache: only a warning.
+    monkeypatch.setattr(model_runner, "available_memory", lambda: Available(2**30, True))
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", cpu_kv_cache_bytes="2Gi")
+    assert llm.engine.runner.host_kv is not None
 
 
 def test_every_tensor_parallel_rank_copies_its_share(model_dirs, working_set):
