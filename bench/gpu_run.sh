@@ -17,6 +17,7 @@
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
+#   bash bench/gpu_run.sh OUTDIR startup llama8b  # an engine's start, cold then warm (issue 42)
 #   bash bench/gpu_run.sh OUTDIR cpu-kv-tier       # the host KV tier off vs on (issue 42)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
@@ -225,6 +226,17 @@ for step in "$@"; do
             timeout 200 $py bench/profile_step.py --model bench/models/gemma-2-2b-it --batch $batch \
                 --context 128 2>&1 | tee "$out/gemma_profile_b${batch}.txt"
         done
+        ;;
+    startup)
+        # Issue 42's fast start: Llama-3.1-8B (dummy weights) started three times on one compile
+        # cache, the first cold, each phase from kvfleet_engine_startup_seconds, the first
+        # request's TTFT/TPOT right after ready and the TPOT once the rest of the graphs are in
+        # (startup.json). Run `llama8b` in the same call for the throughput against RESULTS.md.
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        timeout 560 $py bench/startup.py --model /tmp/llama8b --runs 3 --fresh \
+            --cache-dir /tmp/kvfleet-compile-cache --out-dir "$out" \
+            --result-json "$out/startup.json" -- --load-format dummy --dtype bfloat16 \
+            --max-model-len 8192 2>&1 | tee "$out/startup.txt"
         ;;
     llama8b)
         timeout 550 $py bench/throughput.py --model bench/models/Llama-3.1-8B --num-prompts 256 \
@@ -446,20 +458,40 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
         ;;
     fleet-autoscale)
         # The builtin autoscaler from one replica to one per visible GPU: a ramp 2 -> PEAK -> 2
-        # requests/s (FLEET_PEAK, 16), 4 requests in flight per replica targeted, prefix routing;
-        # FLEET_LATENCY (e.g. ttft:0.9:0.5) adds the latency target as a third signal. Scale-ups
-        # split into decision delay and engine start, failures on scale-down (goal: none),
-        # replica-seconds against static replicas at the peak, the signal of each decision.
+        # requests/s (FLEET_PEAK, 16; FLEET_PHASES replaces the whole ramp, e.g. a gradual rise
+        # for the forecast), FLEET_QUEUE (4) requests in flight per replica targeted, prefix
+        # routing; FLEET_LATENCY (e.g. ttft:0.9:0.5) adds the latency target as a third signal;
+        # FLEET_SCALE_AHEAD=off turns the forecast off (spec.autoscaling.scaleAhead). Scale-ups
+        # split into decision delay and engine start, the time from the rise to the new replicas
+        # serving, TTFT per phase, failures on scale-down (goal: none), replica-seconds against
+        # static replicas at the peak, the signal of each decision.
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        name="fleet_autoscale${FLEET_LATENCY:+_latency}${FLEET_SCALE_AHEAD:+_ahead-$FLEET_SCALE_AHEAD}"
+        ahead=""
+        [ "${FLEET_SCALE_AHEAD:-on}" = off ] && ahead=--no-scale-ahead
         timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --max-model-len 8192 \
-            --min-replicas 1 --max-replicas "$ngpus" --target-queue-depth 4 --scale-down-window 30 \
-            ${FLEET_LATENCY:+--latency-target "$FLEET_LATENCY"} \
-            --policies prefix --phases "30x2,120x${FLEET_PEAK:-16},60x2" --settle 90 \
-            --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 --reply-words 120 \
-            --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/fleet-autoscale-logs" \
-            --result-json "$out/fleet_autoscale${FLEET_LATENCY:+_latency}.json" 2>&1 |
-            tee "$out/fleet_autoscale${FLEET_LATENCY:+_latency}.txt"
+            --min-replicas 1 --max-replicas "$ngpus" --target-queue-depth "${FLEET_QUEUE:-4}" \
+            --scale-down-window 30 $ahead ${FLEET_LATENCY:+--latency-target "$FLEET_LATENCY"} \
+            --policies prefix --phases "${FLEET_PHASES:-30x2,120x${FLEET_PEAK:-16},60x2}" \
+            --settle 90 --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 \
+            --reply-words 120 --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/$name-logs" \
+            --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
+        ;;
+    fleet-scale-zero)
+        # A service of minReplicas 0 on one GPU, idle at zero; one request at a time through the
+        # router, held until the engine the operator scales up serves it; FLEET_REPEATS (4)
+        # trials, back to zero between them (10 s idle, 10 s window). The operator at its own
+        # default interval (10 s). Each first token split into decision, reconcile, pod start,
+        # engine start and ready to first token (goal: first token within 15 s plus the weight
+        # read; dummy weights read none).
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        timeout 580 $py bench/fleet/run.py --scenario scale-from-zero --model /tmp/llama8b \
+            --gpus 0 --engine-arg=--load-format=dummy --max-model-len 8192 \
+            --min-replicas 0 --max-replicas 1 --scale-to-zero-delay 10 --scale-down-window 10 \
+            --autoscale-interval 10 --repeats "${FLEET_REPEATS:-4}" --user-words 60 \
+            --max-tokens 16 --log-dir "$out/fleet-scale-zero-logs" \
+            --result-json "$out/fleet_scale_zero.json" 2>&1 | tee "$out/fleet_scale_zero.txt"
         ;;
     cpu-kv-tier)
         # Issue 42's goal for the host KV tier, off then on, on one engine (GPU 0) behind the

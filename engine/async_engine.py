@@ -39,6 +39,7 @@ from kvfleet.engine.model_runner import StepInterrupted
 from kvfleet.engine.outputs import EngineStats, RequestOutput
 from kvfleet.engine.request import EngineRequest
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.startup_timing import StartupTimer
 from kvfleet.engine.structured_output import CompiledGrammar, GrammarJob
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,12 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         """The context length, prompt and completion together: any thread."""
         return self.core.model_config.max_model_len
+
+    @property
+    def startup(self) -> StartupTimer:
+        """The seconds of each phase of the engine's start: any thread (the engine thread adds
+        the graphs captured while serving)."""
+        return self.core.startup
 
     @property
     def vocab_size(self) -> int:
@@ -332,8 +339,11 @@ class AsyncEngine:
                 self._apply_commands()
                 if not self.core.has_unfinished_requests():
                     self.last_progress = time.monotonic()
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
+                    # Idle: the decode graphs left to capture, one per pass, so that a request
+                    # that arrives waits for one capture at most.
+                    if not self.core.capture_next_graph(idle=True):
+                        self._wakeup.wait(timeout=1.0)
+                        self._wakeup.clear()
                     continue
                 while self.fault_stall.is_set() and not self._stopping:
                     time.sleep(0.01)
@@ -347,6 +357,9 @@ class AsyncEngine:
                 if outputs:
                     self._post(self._deliver, outputs)
                 self._publish_kv_events()
+                # Busy: a graph the batches asked for, now and then (graph_schedule).
+                if self.core.graphs_pending:
+                    self.core.capture_next_graph(idle=False)
                 if self.core.idle:
                     # Until a grammar compiles (its job wakes the loop) or a command comes.
                     self._wakeup.wait(timeout=1.0)

@@ -126,8 +126,7 @@ def _resolve_runner(
         )
     if asked == "pooling" and architecture not in POOLING_ARCHITECTURES:
         raise ValueError(
-            f"--runner pooling supports the Llama family ({', '.join(POOLING_ARCHITECTURES)}), "
-            f"not {architecture}"
+            f"--runner pooling supports {', '.join(POOLING_ARCHITECTURES)}, not {architecture}"
         )
     return "pooling" if asked == "pooling" else "generate"
 

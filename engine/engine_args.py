@@ -193,6 +193,13 @@ class EngineArgs(BaseModel):
         default="auto", description="auto: triton on CUDA, the PyTorch reference on the CPU"
     )
     enforce_eager: bool = Field(default=False, description="never use CUDA graphs")
+    compile_cache_dir: str | None = Field(
+        default=None,
+        description="folder whose subfolder for this GPU, driver and CUDA/torch/Triton/kvfleet "
+        "versions keeps Triton's compiled kernels and the memory profile's result between "
+        "starts (a second start compiles nothing and skips the profile); default: "
+        "$KVFLEET_COMPILE_CACHE_DIR, else Triton's own cache and no kept profile",
+    )
     async_scheduling: bool = Field(
         default=True,
         description="launch each step before the host has read the previous step's tokens, so "

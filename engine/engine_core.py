@@ -16,6 +16,7 @@ from typing import Any
 
 from kvfleet.engine.admission import Admission
 from kvfleet.engine.checkpoint_path import find_gguf
+from kvfleet.engine.compile_cache import build_facts, cache_root, open_compile_cache
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import rank_device
 from kvfleet.engine.kv_cache_manager import KVCacheManager
@@ -28,6 +29,7 @@ from kvfleet.engine.outputs import LORA_LOAD_BUCKETS, EngineStats, LoRAStats, Re
 from kvfleet.engine.request import EngineRequest, Request
 from kvfleet.engine.sampling_params import SamplingParams, child_seed
 from kvfleet.engine.scheduler import Scheduler
+from kvfleet.engine.startup_timing import StartupTimer
 from kvfleet.engine.structured_output import CompiledGrammar, StructuredOutputs
 from kvfleet.engine.workers import TensorParallelWorkers
 
@@ -74,9 +76,14 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> frozenset[int]:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
+        # The phases of the start, from here to ready (the server adds its own, and logs them).
+        self.startup = StartupTimer()
+        started = time.perf_counter()
         self.device = rank_device(args.resolved_device(), 0)
         # Resolved once, here: the workers, the runner and the metrics see the same values.
         self.args = args = args.for_device(self.device)
+        # Before anything compiles and before the workers start (they inherit the setting).
+        self.cache_folder = self._open_compile_cache(args)
         self.model_config = ModelConfig.from_args(args, self.device)
         self.tokenizer = tokenizer
         if tokenizer is None and not args.skip_tokenizer_init:
@@ -91,6 +98,7 @@ class EngineCore:
             self._start_structured_outputs()
             if args.tensor_parallel_size > 1:
                 self.workers = TensorParallelWorkers(args)
+            self.startup.record("config", time.perf_counter() - started)
             self._build(args)
         except BaseException:
             self.close()
@@ -135,6 +143,8 @@ class EngineCore:
             on_loaded=workers.wait_loaded if workers is not None else None,
             send_plan=workers.send if workers is not None else None,
             structured=self.structured,
+            startup=self.startup,
+            cache_folder=self.cache_folder,
         )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
@@ -184,6 +194,24 @@ class EngineCore:
         )
         for lora in args.lora_requests():
             self.check_adapter(lora)
+
+    def _open_compile_cache(self, args: EngineArgs) -> Path | None:
+        """The compile cache's folder for this GPU and these versions, None on the CPU (whose
+        kernels compile nothing to keep) or without a cache root."""
+        root = cache_root(args.compile_cache_dir)
+        if root is None or self.device.type != "cuda":
+            return None
+        return open_compile_cache(root, build_facts(self.device))
+
+    def capture_next_graph(self, idle: bool) -> bool:
+        """Between steps: capture the next decode CUDA graph the engine's schedule picks now,
+        if any (ModelRunner.capture_next_graph); whether one was captured."""
+        return self.runner.capture_next_graph(idle)
+
+    @property
+    def graphs_pending(self) -> bool:
+        """Decode CUDA graphs remain to capture while serving."""
+        return self.runner.graphs_pending
 
     def worker_failure(self) -> str | None:
         """Why a tensor-parallel worker can no longer run steps, or None."""

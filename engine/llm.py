@@ -36,6 +36,8 @@ class LLM:
 
             model = str(default_model_path())
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
+        # Offline, nothing is served before the first batch: every graph is captured now.
+        self.engine.runner.capture_all_graphs()
         self._ids = itertools.count()
 
     def __enter__(self) -> LLM:

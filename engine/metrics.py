@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.kv_event_stream import KVEventStreams
 from kvfleet.engine.outputs import LORA_LOAD_BUCKETS, EngineStats, LoRAStats, RequestOutput
+from kvfleet.engine.startup_timing import StartupTimer
 from kvfleet.engine.structured_output import GrammarStats
 from kvfleet.telemetry import metric_names
 
@@ -224,6 +225,26 @@ class _GrammarCollector(Collector):
                        "400).", label, s.crashes)  # fmt: skip
 
 
+class _StartupCollector(Collector):
+    """The seconds each phase of the engine's start took (StartupTimer), read at scrape time:
+    the graphs captured after ready add to theirs while the engine serves."""
+
+    def __init__(self, startup: StartupTimer, model_name: str) -> None:
+        self.startup = startup
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            metric_names.STARTUP_SECONDS,
+            "Seconds each phase of the engine's start took (graph_capture_after_ready: the "
+            "CUDA graphs captured while serving, so far).",
+            labels=[metric_names.MODEL_NAME, metric_names.STARTUP_PHASE],
+        )
+        for phase, seconds in list(self.startup.seconds.items()):
+            family.add_metric([self.model_name, phase], seconds)
+        yield family
+
+
 class EngineMetrics:
     """Per-request latency histograms and outcomes, fed by the engine loop after each step; the
     engine's state, read from its published stats once collect_state has been called."""
@@ -296,6 +317,10 @@ class EngineMetrics:
         """Export the engine's state, as `stats` returns it, at every scrape."""
         self.registry.register(_EngineStateCollector(stats, self.args, self.model_name))
         self.registry.register(_LoRACollector(stats, self.model_name))
+
+    def collect_startup(self, startup: StartupTimer) -> None:
+        """Export the seconds of each phase of the engine's start."""
+        self.registry.register(_StartupCollector(startup, self.model_name))
 
     def collect_grammar(
         self, stats: Callable[[], GrammarStats] | None, unavailable: str | None

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -21,6 +22,7 @@ from kvfleet.engine.attention_metadata import AttentionMetadata, attention_conte
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
+from kvfleet.engine.graph_schedule import upfront_sizes
 from kvfleet.engine.host_kv_cache import HostKVCache
 from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
@@ -33,12 +35,19 @@ from kvfleet.engine.lora_adapter import LoRAAdapter, check_weights, read_config
 from kvfleet.engine.lora_adapter import read_weights as read_lora_weights
 from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.lora_slots import SlotChanges
+from kvfleet.engine.memory_profile_cache import (
+    MemoryProfile,
+    load_profile,
+    profile_key,
+    store_profile,
+)
 from kvfleet.engine.models import build_pooling_model, get_model_class
 from kvfleet.engine.models.loader import init_dummy_weights, load_weights
 from kvfleet.engine.pooling import finish_embedding
 from kvfleet.engine.request import Request
 from kvfleet.engine.sampler import Logprobs, SampledBatch, Sampler, to_device
 from kvfleet.engine.scheduler import SchedulerOutput
+from kvfleet.engine.startup_timing import AFTER_READY, StartupTimer
 from kvfleet.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -242,16 +251,20 @@ class ModelRunner:
         on_loaded: Callable[[], None] | None = None,
         send_plan: Callable[[StepPlan], None] | None = None,
         structured: StructuredOutputs | None = None,
+        startup: StartupTimer | None = None,
+        cache_folder: Path | None = None,
     ) -> None:
         """`on_loaded` runs once the weights are in, before the first collective: the
         tensor-parallel ranks check each other there. Rank 0 of several hands each step's plan
         to the other ranks through `send_plan`, and samples under the grammars of `structured`
-        (the engine's, when it has a tokenizer)."""
+        (the engine's, when it has a tokenizer). `startup` times the phases of the set-up;
+        `cache_folder` (compile_cache.py) keeps the memory profile's result between starts."""
         self.args = args
         self.model_config = model_config
         self.device = device
         self.send_plan = send_plan
         self.structured = structured
+        self.cache_folder = cache_folder
         self.dtype = model_config.dtype
         self.kv_dtype = args.kv_cache_torch_dtype(self.dtype)
         self.block_size = args.block_size
@@ -280,37 +293,26 @@ class ModelRunner:
         self.lora_load_seconds: list[tuple[str, float]] = []
         # Rank 0 of several: lora_host's changes since the last plan, for the workers.
         self._lora_host_changes: dict[int, LoRAAdapter | None] = {}
-        self.model = self._load_model()
-        if on_loaded is not None:
-            on_loaded()
+        self.startup = startup = startup or StartupTimer(process_seconds=0.0)
+        with startup.phase("weights"):
+            self.model = self._load_model()
+            if on_loaded is not None:
+                on_loaded()
         self.backend = get_attention_backend(args.resolved_backend(), model_config.max_model_len)
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        # The host tier's slots hold whole blocks of every rank's heads: the flag is the
-        # engine's host memory, each rank pinning its share.
-        self.num_host_blocks = args.cpu_kv_cache_bytes // (self.block_bytes * tp_size())
-        self.host_kv: HostKVCache | None = None
-        if self.num_host_blocks and args.enable_prefix_caching and not self.pooling:
-            self._check_host_tier_fits()
-            self.host_kv = HostKVCache(
-                self.kv_caches, self.num_host_blocks, device, track=tp_rank() == 0
-            )
-            if tp_rank() == 0:
-                logger.info(
-                    "host KV tier: %d blocks (%.2f GiB of host memory%s)",
-                    self.num_host_blocks,
-                    self.num_host_blocks * self.block_bytes * tp_size() / 2**30,
-                    ", pinned" if device.type == "cuda" else "",
-                )
-        else:
-            self.num_host_blocks = 0
+        with startup.phase("memory_profile"):
+            self.num_blocks = self._num_kv_blocks()
+        with startup.phase("kv_cache"):
+            self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            self.host_kv = self._allocate_host_tier()
+        self.num_host_blocks = 0 if self.host_kv is None else self.host_kv.num_slots
         # Only rank 0 samples; the workers' logits are computed (the LM head is a collective)
         # and dropped.
         vocab = model_config.vocab_size
         self.sampler = Sampler(vocab, device, args.seed) if tp_rank() == 0 else None
         if device.type == "cuda":  # kernels compile now, not in someone's request
-            for num_seqs in self.backend.warm_up_batches(self.max_num_seqs):
-                self._dummy_forward([32] * num_seqs)
+            with startup.phase("warm_up"):
+                for num_seqs in self.backend.warm_up_batches(self.max_num_seqs):
+                    self._dummy_forward([32] * num_seqs)
         # Only layers without a sliding window take the shared-prefix pass.
         self.cascade = self.backend.supports_cascade and any(
             layer.sliding_window is None for layer in self.model.attention_layers()
@@ -331,7 +333,12 @@ class ModelRunner:
                 CASCADE_MIN_ROWS if self.cascade else None,
                 lora=args.enable_lora,
             )
-            self.graphs.capture()
+            # One rank captures a few sizes now and the rest while serving, between steps
+            # (capture_next_graph). Tensor-parallel ranks capture every size now: a graph holds
+            # collectives, which every rank would have to capture in the same step.
+            with startup.phase("graph_capture"):
+                sizes = self.graphs.sizes if tp_size() > 1 else upfront_sizes(self.graphs.sizes)
+                self.graphs.capture(sizes)
         # The first real batch sets the FP8 KV scales (the warm-up and capture above ran on
         # dummy inputs); it runs eagerly, since a captured graph does not calibrate.
         self.kv_scales_pending = args.calculate_kv_scales
@@ -356,7 +363,15 @@ class ModelRunner:
         else:
             # One bar for the process group: every rank loads the same tensors.
             block = mc.quantization.weight_block_size if mc.quantization else None
-            load_weights(model, mc.path, progress=tp_rank() == 0, weight_block_size=block)
+            # One rank reads straight to its GPU; tensor-parallel ranks read on the host and
+            # send only their slice of each tensor over PCIe.
+            load_weights(
+                model,
+                mc.path,
+                progress=tp_rank() == 0,
+                weight_block_size=block,
+                device=self.device if tp_size() == 1 else None,
+            )
         model.eval()
         if self.args.enable_lora:
             self.lora = attach_lora(
@@ -386,12 +401,31 @@ class ModelRunner:
                 "raise tensor_parallel_size (or gpu_memory_utilization)"
             )
 
-    def _check_host_tier_fits(self) -> None:
+    def _allocate_host_tier(self) -> HostKVCache | None:
+        """The host tier of --cpu-kv-cache-bytes (None without it): its slots hold whole blocks
+        of every rank's heads, the flag being the engine's host memory, each rank pinning its
+        share."""
+        args = self.args
+        num = args.cpu_kv_cache_bytes // (self.block_bytes * tp_size())
+        if not num or not args.enable_prefix_caching or self.pooling:
+            return None
+        self._check_host_tier_fits(num)
+        host_kv = HostKVCache(self.kv_caches, num, self.device, track=tp_rank() == 0)
+        if tp_rank() == 0:
+            logger.info(
+                "host KV tier: %d blocks (%.2f GiB of host memory%s)",
+                num,
+                num * self.block_bytes * tp_size() / 2**30,
+                ", pinned" if self.device.type == "cuda" else "",
+            )
+        return host_kv
+
+    def _check_host_tier_fits(self, num_blocks: int) -> None:
         """The host tier is allocated (and pinned) whole at start: one larger than the memory
         the host has available is refused now rather than killed later. Under a container's
         memory limit the headroom left counts the page cache (the weights just read) as used,
         though the kernel reclaims it: there a tier past it is only warned of."""
-        need = self.num_host_blocks * self.block_bytes * tp_size()
+        need = num_blocks * self.block_bytes * tp_size()
         available = available_memory()
         if need <= available.bytes:
             return
@@ -408,6 +442,31 @@ class ModelRunner:
             f"cpu_kv_cache_bytes asks for {need / 2**30:.1f} GiB of host memory but "
             f"{available.bytes / 2**30:.1f} GiB are available: lower it"
         )
+
+    def capture_next_graph(self, idle: bool) -> bool:
+        """Between steps: capture the decode graph the schedule picks now (graph_schedule), if
+        any; whether one was captured."""
+        graphs = self.graphs
+        if graphs is None or graphs.schedule.done or self.released:
+            return False
+        size = graphs.schedule.next_capture(time.monotonic(), idle)
+        if size is None:
+            return False
+        started = time.perf_counter()
+        graphs.capture([size])
+        self.startup.record(AFTER_READY, time.perf_counter() - started)
+        return True
+
+    def capture_all_graphs(self) -> None:
+        """Capture every decode graph not captured yet (an offline engine, which serves no
+        one before its first batch)."""
+        if self.graphs is not None and not self.graphs.schedule.done:
+            with self.startup.phase("graph_capture"):
+                self.graphs.capture()
+
+    @property
+    def graphs_pending(self) -> bool:
+        return self.graphs is not None and not self.graphs.schedule.done and not self.released
 
     @property
     def block_bytes(self) -> int:
@@ -458,22 +517,41 @@ class ModelRunner:
         """Memory left for the KV cache after the weights and the peak activations of a forward
         pass at max_num_batched_tokens, within gpu_memory_utilization of the whole card."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak, kept = self._profile_peak()
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.args.gpu_memory_utilization) - peak - max(outside_torch, 0)
         logger.info(
-            "memory profile: %.2f GiB peak in torch, %.2f GiB outside torch, %.2f GiB total; "
+            "memory profile%s: %.2f GiB peak in torch, %.2f GiB outside torch, %.2f GiB total; "
             "%.2f GiB left for the KV cache",
+            " (kept from an earlier start)" if kept else "",
             peak / 2**30,
             outside_torch / 2**30,
             total / 2**30,
             budget / 2**30,
         )
         return max(budget, 0)
+
+    def _profile_peak(self) -> tuple[int, bool]:
+        """The peak memory of a forward pass at the largest batch, and whether it was kept from
+        an earlier start of this configuration rather than measured. One rank alone: the
+        profile of several is a forward pass with collectives, which every rank runs."""
+        folder = self.cache_folder if tp_size() == 1 else None
+        weights = torch.cuda.memory_allocated(self.device)
+        key = ""
+        if folder is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            key = profile_key(self.model_config, self.args, total)
+            peak = load_profile(folder, key, weights)
+            if peak is not None:
+                return peak, True
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if folder is not None:
+            store_profile(folder, MemoryProfile(key=key, weight_bytes=weights, peak_bytes=peak))
+        return peak, False
 
     def _profile_run(self) -> None:
         """A forward pass as large as the scheduler can ever ask for, against a one-block cache
@@ -799,17 +877,20 @@ class ModelRunner:
         if plan.lora_slots is not None:
             token_lora = np.repeat(plan.lora_slots, num_new)
         graphs = None if self.kv_scales_pending else self.graphs
+        bs = None
         if (
             graphs is not None
             and not plan.prompt_logprobs
             and fits_decode_graph(positions, seq_lens, graphs.max_size)
         ):
+            bs = graphs.replay_size(num_tokens)
+        if graphs is not None and bs is not None:
             token_tables = table[token_rows, :width]
             row_lens = positions + 1
             prefix = self._cascade_prefix(token_tables, row_lens)
             with torch.inference_mode():
                 hidden = graphs.run(
-                    ids, positions, slots, token_tables, row_lens, prefix, token_lora
+                    ids, positions, slots, token_tables, row_lens, bs, prefix, token_lora
                 )
                 # Every row samples in a pure decode step; a one-token chunk of a longer prompt
                 # (a budget's last token) makes a row that does not.

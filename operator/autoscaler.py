@@ -31,7 +31,7 @@ from kvfleet.operator.api import GROUP, LABEL_COMPONENT, PLURAL, VERSION
 from kvfleet.operator.deletion_cost import cost_patches, deletion_costs
 from kvfleet.operator.forecast import EngineStart, epoch, learn, start_estimate
 from kvfleet.operator.latency import LATENCY_METRICS, Buckets, service_quantile
-from kvfleet.operator.metrics_scraper import Scraper, ready_targets
+from kvfleet.operator.metrics_scraper import Scraper, Target, ready_targets
 from kvfleet.operator.pods import list_pods
 from kvfleet.operator.scaling_policy import (
     Observation,
@@ -57,6 +57,11 @@ logger = logging.getLogger("kvfleet.operator.autoscaler")
 REFRESH_SECONDS = 60.0
 MAX_REASON = 1024  # the CRD's limit on lastScaleDecision.reason
 MAX_FAILURE_MESSAGE = 1024  # the CRD's limit on status.autoscaling.failure.message
+# While a service is at zero, how often its routers' held requests are read between steps: a
+# request held at zero waits for the scale decision, and the interval alone (10 s by default)
+# would add up to its whole length to that request's first token. One /metrics read per router a
+# second, and no API request: the step that follows a held request makes those.
+ZERO_POLL_SECONDS = 1.0
 MAX_UNREACHABLE_REASON = 256  # the CRD's limit on each status.autoscaling.unreachableReasons value
 # How far ahead of the operator's clock a remembered time may be without a report: a time ahead
 # is clamped to now whatever its size, but clocks synchronised by NTP differ by far less than
@@ -230,15 +235,20 @@ def status_update(
     if previous.get("desiredReplicas") != decision.replicas:
         patch["desiredReplicas"] = decision.replicas
     if decision.replicas != deployment_replicas:
+        metrics: dict[str, float | None] = {
+            SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
+        }
+        # The patch merges this object into the last decision's: a reading this decision lacks
+        # (no latency in an idle interval, no forecast) is removed, not left as the last one's.
+        last = (previous.get("lastScaleDecision") or {}).get("metrics") or {}
+        metrics |= {name: None for name in last if name not in metrics}
         patch["lastScaleDecision"] = {
             "time": _rfc3339(now),
             "from": deployment_replicas,
             "to": decision.replicas,
             "reason": decision.reason[:MAX_REASON],
             "signal": decision.signal,
-            "metrics": {
-                SIGNAL_NAMES[key]: round(value, 4) for key, value in decision.signals.items()
-            },
+            "metrics": metrics,
         }
     state = memory_state(decision, unreachable, starts)
     old = previous.get("autoscaling") or {}
@@ -293,6 +303,10 @@ class ServiceState:
     # The engine starts learned and the engine pods seen Ready (forecast.learn); None: read the
     # starts from the status.
     starts: tuple[tuple[EngineStart, ...], frozenset[str]] | None = None
+    # The routers whose held requests end the wait for the next step early: the ready routers of
+    # the last step, if it decided zero replicas; empty otherwise (after a step that failed or
+    # was skipped too, so its retry waits the whole interval).
+    routers_at_zero: list[Target] = field(default_factory=list)
 
     def learning_of(self, uid: str) -> None:
         """Forget what was learned of an earlier object of the same name."""
@@ -388,7 +402,7 @@ class Autoscaler:
     async def _loop(self, key: kube.Key) -> None:
         state = self._services[key]  # stored by track before this task first runs
         while True:
-            await asyncio.sleep(self._interval)
+            await self._until_next_step(state)
             match await self.step(key, state):
                 case Failed() as failure:
                     await self._failed(key, state, failure)
@@ -402,6 +416,21 @@ class Autoscaler:
                     logger.debug("%s/%s: nothing to scale: %s", *key, why)
                 case Decided():
                     pass
+
+    async def _until_next_step(self, state: ServiceState) -> None:
+        """The interval; while the service is at zero, cut short as soon as one of its routers
+        holds a request (read every ZERO_POLL_SECONDS)."""
+        deadline = time.monotonic() + self._interval
+        while True:
+            left = deadline - time.monotonic()
+            if not state.routers_at_zero or left <= ZERO_POLL_SECONDS:
+                # The step itself reads them next: no read of its own just before.
+                await asyncio.sleep(max(0.0, left))
+                return
+            await asyncio.sleep(ZERO_POLL_SECONDS)
+            held, _ = await self._scraper.held_requests(state.routers_at_zero)
+            if held > 0:
+                return
 
     async def _failed(self, key: kube.Key, state: ServiceState, failure: Failed) -> None:
         """Count a failed step; when its cause is new, say so in the log, an Event and the
@@ -434,6 +463,7 @@ class Autoscaler:
 
     async def step(self, key: kube.Key, state: ServiceState) -> StepOutcome:
         """One scrape and decision. Each request is sent once: the next interval is its retry."""
+        state.routers_at_zero = []  # until a step decides zero: a failed one waits the interval
         try:
             return await self._step(key, state)
         except _StepFailed as e:
@@ -463,12 +493,13 @@ class Autoscaler:
             return [p for p in pods if p["metadata"]["labels"].get(LABEL_COMPONENT) == component]
 
         engines = ready_targets(of("engine"), ENGINE_PORT)
+        routers = ready_targets(of("router"), ROUTER_PORT)
         target = spec.autoscaling.latency_target
         histogram = LATENCY_METRICS[target.metric] if target is not None else None
         with _failing_as("ScrapeFailed"):
             metrics, (held, silent_routers) = await asyncio.gather(
                 self._scraper.engines(engines, histogram),
-                self._scraper.held_requests(ready_targets(of("router"), ROUTER_PORT)),
+                self._scraper.held_requests(routers),
             )
         now = self._clock()
         state.learning_of(isvc["metadata"]["uid"])
@@ -505,6 +536,7 @@ class Autoscaler:
             decision.reason,
         )
         state.memory = decision.memory
+        state.routers_at_zero = routers if decision.replicas == 0 else []
         if decision.wanted is not None:
             service_metrics.record_decision(key, decision.wanted, spec.autoscaling.max_replicas)
         if 0 < decision.replicas < deployment_replicas:

@@ -57,6 +57,7 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--attention-backend": None,
     "--enforce-eager": 0,
     "--no-enforce-eager": 0,
+    "--compile-cache-dir": None,
     "--async-scheduling": 0,
     "--no-async-scheduling": 0,
     "--tensor-parallel-size": None,

@@ -33,6 +33,9 @@ IGNORE_PATTERNS = ["original/*"]
 # A PEFT adapter folder: its config and its weights.
 ADAPTER_PATTERNS = ["adapter_config.json", "*.safetensors"]
 COMPLETE_MARKER = ".kvfleet-complete"
+# A folder to make on the volume for the engine's compile cache, which the engine mounts as a
+# subPath: made here, it belongs to the pod's user rather than to root (kubelet's).
+COMPILE_CACHE_ENV = "COMPILE_CACHE_DIR"
 
 logger = logging.getLogger("kvfleet.model_download")
 
@@ -96,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapters", type=Path, help="the adapters ConfigMap's download list")
     parser.add_argument("--watch", type=float, help="reread it every this many seconds")
     args = parser.parse_args(argv)
+    folder = os.environ.get(COMPILE_CACHE_ENV)
+    if folder:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # the engine then starts without its cache, no slower than cold
+            logger.error("compile cache folder %s not made: %s", folder, e)
     if args.adapters is not None:
         while True:
             try:

@@ -64,6 +64,15 @@ PRESTOP_SLEEP_SECONDS = 5
 SHUTDOWN_MARGIN_SECONDS = 15
 
 SCRIPT_DIR = "/etc/kvfleet/model-download"
+# The engine's compile cache (Triton's kernels, the memory profile): when the spec has a model
+# cache volume, the service's own folder of it, shared by its replicas and restarts, which the
+# download init container makes (a subPath kubelet made would be root's, not writable by the
+# engine's user), else on the pod's /tmp emptyDir, which a container restart keeps. Its own:
+# the folder holds code the engines load (Triton's launchers), and a claim may be shared by
+# several services, so no engine writes where another service's engines read.
+COMPILE_CACHE_MOUNT = "/var/cache/kvfleet-compile"
+COMPILE_CACHE_ROOT = ".kvfleet-compile-cache"
+COMPILE_CACHE_TMP = "/tmp/kvfleet/compile-cache"
 SCRIPT_FILE = "download.py"
 RUN_AS = 1000
 
@@ -227,6 +236,7 @@ def _model_wiring(owner: Owner, spec: InferenceServiceSpec, image: str) -> _Mode
         {"name": "MODEL_DIR", "value": model_dir},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        *_compile_cache_folder_env(owner, spec),
     ]
     if (ref := spec.model.hf_token_secret_ref) is not None:
         env.append(_secret_env("HF_TOKEN", ref))
@@ -267,6 +277,26 @@ def _download_volumes(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str
         "configMap": {"name": download_config_name(owner.name), "defaultMode": 0o444},
     }
     return [models, script]
+
+
+def _compile_cache_subpath(owner: Owner) -> str:
+    return f"{COMPILE_CACHE_ROOT}/{owner.name}"
+
+
+def _compile_cache_folder_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The download script makes the compile cache's folder on the model cache volume."""
+    if spec.model_cache is None:
+        return []
+    folder = f"{MODELS_DIR}/{_compile_cache_subpath(owner)}"
+    return [{"name": model_download.COMPILE_CACHE_ENV, "value": folder}]
+
+
+def _compile_cache_mounts(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The service's compile cache on the model cache volume, writable; none without one."""
+    if spec.model_cache is None:
+        return []
+    subpath = _compile_cache_subpath(owner)
+    return [{"name": "models", "mountPath": COMPILE_CACHE_MOUNT, "subPath": subpath}]
 
 
 def _download_mounts() -> list[dict[str, Any]]:
@@ -324,6 +354,7 @@ def _adapter_wiring(
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        *_compile_cache_folder_env(owner, spec),
     ]
     # The model's token is every hf:// adapter's default (huggingface_hub reads HF_TOKEN); an
     # adapter's own is passed by the variable its download item names. Those are optional: a
@@ -357,6 +388,10 @@ def _engine_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "KVFLEET_CACHE_DIR", "value": "/tmp/kvfleet"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {
+            "name": "KVFLEET_COMPILE_CACHE_DIR",
+            "value": COMPILE_CACHE_MOUNT if spec.model_cache is not None else COMPILE_CACHE_TMP,
+        },
     ]
     if (ref := spec.api_key_secret_ref) is not None:
         # The engine reads its key from this variable: never on the command line, where the
@@ -413,7 +448,11 @@ def engine_deployment(
     model = _model_wiring(owner, spec, image)
     beside = _adapter_wiring(owner, spec, image, model) if spec.adapters else []
     volumes = [{"name": "tmp", "emptyDir": {}}, *model.volumes]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *model.mounts]
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        *model.mounts,
+        *_compile_cache_mounts(owner, spec),
+    ]
     if spec.resources.gpus > 1:
         # The tensor-parallel workers of one pod (one per GPU) talk through NCCL, which falls back
         # to /dev/shm segments where GPUs lack peer access; the runtime's default is 64 MiB. The
@@ -441,9 +480,12 @@ def engine_deployment(
         "env": _engine_env(spec),
         "resources": _engine_resources(spec),
         # The HTTP server starts once the weights are loaded: until then /health refuses
-        # connections, and the startup probe waits up to startupTimeoutSeconds for it.
+        # connections, and the startup probe waits up to startupTimeoutSeconds for it. Every
+        # second: the pod is Ready (the kubelet runs the readiness probe at once) within a second
+        # of the engine serving, where a request held at zero waits for it; the probe stops once
+        # it succeeds.
         "startupProbe": _http_probe(
-            "/health", period=10, timeout=5, failures=-(-e.startup_timeout_seconds // 10)
+            "/health", period=1, timeout=1, failures=e.startup_timeout_seconds
         ),
         # /health turns 503 when the engine loop stops making progress: restart it.
         "livenessProbe": _http_probe("/health", period=10, timeout=5, failures=3),

@@ -274,8 +274,12 @@ def decide(
     # -- stabilization ---------------------------------------------------------------------
     keep = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
     # With no history (a new service), the present size counts as seen now: nothing shrinks
-    # before one whole window of evidence.
-    past = tuple(r for r in history if now - r.time < keep) or (Recommendation(now, current),)
+    # before one whole window of evidence. A history whose entries have all left the window is
+    # that evidence: seeding it too would hold every scale-down of a window shorter than the
+    # interval between decisions, for good.
+    past = tuple(r for r in history if now - r.time < keep)
+    if not history:
+        past = (Recommendation(now, current),)
     history = compact_history((*past, Recommendation(now, raw)))
     if raw > current:
         window = [

@@ -67,6 +67,10 @@ MSG_HF_TOKEN_HF = "hfTokenSecretRef is only used with hf:// sources"
 MSG_NO_DOTDOT = "source must not contain '..' path segments"
 MSG_ADAPTER_RANK = "an adapter's rank must not exceed engine.maxLoraRank"
 MSG_CPU_LORAS = "maxCpuLoras must be at least maxLoras: every adapter on the GPU has a host copy"
+MSG_POOLING_TTFT = (
+    "an embedding engine (engine.runner pooling) has no time to first token: "
+    "autoscaling.latencyTarget.metric must be queueTime"
+)
 # The engine flags the operator sets itself, from the spec's fields (probes, routing, auth and the
 # pod's grace period depend on them), and the help switch, which would make the engine exit at
 # once. extraArgs may set none of them, nor an abbreviation: the CRD's rule refuses every prefix,
@@ -454,6 +458,9 @@ class InferenceServiceSpec(_Model):
             raise ValueError(MSG_MODEL_CACHE_HF)
         if any(a.rank is not None and a.rank > self.engine.max_lora_rank for a in self.adapters):
             raise ValueError(MSG_ADAPTER_RANK)
+        target = a.latency_target
+        if self.engine.runner == "pooling" and target is not None and target.metric == "ttft":
+            raise ValueError(MSG_POOLING_TTFT)
         names = [a.name for a in self.adapters]
         if len(names) != len(set(names)):
             # The CRD makes adapters a map keyed by name, which rejects duplicates.

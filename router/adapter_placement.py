@@ -23,7 +23,7 @@ engine with a free slot or a colder adapter exists.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,6 +74,7 @@ def place(
     usage: Callable[[str, str], float],
     exclude: frozenset[str] = frozenset(),
     free: frozenset[str] = frozenset(),
+    preferred: Sequence[str] | None = None,
 ) -> Placement | None:
     """The engine for a request naming ``adapter``; None when no endpoint is left.
 
@@ -81,8 +82,9 @@ def place(
     when it has none), which orders the holders. ``holdings``: per endpoint, what it holds.
     ``usage(endpoint, adapter)``: recent requests for an adapter there. ``exclude`` and ``free``
     as HashRing.choose takes them: an endpoint that would start the request at once is within
-    the bound whatever its load."""
-    order = ring.walk(key, exclude)
+    the bound whatever its load. ``preferred``: the endpoints not excluded in the order to try
+    them (precise prefix scoring's ranking, prefix_score.py); default the ring's walk from key."""
+    order = list(preferred) if preferred is not None else ring.walk(key, exclude)
     if not order:
         return None
     cap = ring.capacity(load, exclude)

@@ -5,7 +5,8 @@ Several router replicas each see a fraction of the traffic: by its own count alo
 finds an engine idle that the others keep full, and its bound (a multiple of the mean of its own
 counts) is a handful of requests, so keyed requests spill off warm engines at low load. Every
 ``interval`` seconds the poller reads ``vllm:num_requests_running`` and ``_waiting`` (summed
-over series) and ``kvfleet_engine_max_num_seqs`` from each ready engine; between scrapes the
+over series), ``kvfleet_engine_max_num_seqs`` and ``vllm:kv_cache_usage_perc`` (for precise
+prefix scoring's load, prefix_score.py) from each ready engine; between scrapes the
 router adds the requests it started there since and takes off those that finished
 (``estimated_load``). The same scrape reads which LoRA adapters the engine holds, per tier, and
 its GPU slots (``adapters_of``), for adapter placement. An engine with free batch slots and an
@@ -13,7 +14,7 @@ empty queue starts a request at once, so it is never over the bound (``has_free_
 spilling off it would only cost a prefix-cache miss.
 
 An engine's /metrics is semi-trusted input, read as kvfleet.telemetry.metrics_reader reads one:
-a scrape has a deadline and a byte limit, keeps only the sample lines of those three metrics (a
+a scrape has a deadline and a byte limit, keeps only the sample lines of those metrics (a
 bounded number of them), and checks every value. A
 failed scrape, whatever the reason, drops that engine's report: the router then counts only its
 own requests there, as it does with the poller off.
@@ -32,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.router.adapter_placement import EngineAdapters
 from kvfleet.telemetry.metric_names import (
+    KV_CACHE_USAGE,
     LORA_NAME,
     LORA_REQUESTS_INFO,
     LORA_REQUESTS_INFO_LABELS,
@@ -45,7 +47,7 @@ from kvfleet.telemetry.metrics_reader import ScrapeError, parse_samples, sample_
 
 logger = logging.getLogger("kvfleet.router.engine_load")
 
-LOAD_NAMES = (RUNNING, WAITING, MAX_NUM_SEQS)
+LOAD_NAMES = (RUNNING, WAITING, MAX_NUM_SEQS, KV_CACHE_USAGE)
 NAMES = (*LOAD_NAMES, LORA_RESIDENT, LORA_REQUESTS_INFO)
 MAX_LORA_LABEL = LORA_REQUESTS_INFO_LABELS[2]
 # An engine's whole exposition is tens of KiB.
@@ -71,6 +73,8 @@ class EngineReport:
     own_at_scrape: int
     # The LoRA adapters it holds; None when it reports none (LoRA off, or an older engine).
     adapters: EngineAdapters | None = None
+    # The fraction of its KV cache in use (0 to 1); None when it exports none.
+    kv_usage: float | None = None
 
 
 def estimated_load(own: int, report: EngineReport | None) -> int:
@@ -130,7 +134,8 @@ def report_of(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
     if missing := [n for n in (RUNNING, WAITING) if n not in found]:
         raise ScrapeError("missing", f"metrics lack {', '.join(missing)}")
     for name, value in found.items():
-        if not (math.isfinite(value) and 0 <= value <= MAX_VALUE):
+        top = 1.0 if name == KV_CACHE_USAGE else MAX_VALUE
+        if not (math.isfinite(value) and 0 <= value <= top):
             raise ScrapeError("out_of_range", f"{name} = {value}")
     batch = found.get(MAX_NUM_SEQS)
     return EngineReport(
@@ -139,6 +144,7 @@ def report_of(lines: Iterable[str], own_at_scrape: int) -> EngineReport:
         max_num_seqs=round(batch) if batch else None,
         own_at_scrape=own_at_scrape,
         adapters=adapters_of(lines),
+        kv_usage=found.get(KV_CACHE_USAGE),
     )
 
 

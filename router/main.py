@@ -56,7 +56,9 @@ def settings_from(ns: argparse.Namespace) -> RouterSettings:
 
 async def serve(ns: argparse.Namespace, tracing: Tracing | None = None) -> int:
     serving = serving_from(ns)
-    router = Router(settings_from(ns), load_tokenizer(serving.tokenizer), tracing)
+    settings = settings_from(ns)
+    tokenizer = load_tokenizer(serving.tokenizer, settings.tokenized_chars)
+    router = Router(settings, tokenizer, tracing)
     watch: asyncio.Task[None] | None = None
     if serving.endpoints is not None:
         router.set_endpoints(serving.endpoints)

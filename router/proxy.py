@@ -25,6 +25,7 @@ from collections.abc import (
     Iterable,
     Iterator,
     Mapping,
+    Sequence,
 )
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -45,6 +46,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvfleet.protocol.block_hash import lora_extra_key, prompt_block_hashes
 from kvfleet.protocol.json_body import (
     OFF_LOOP_BYTES,
     RequestRefused,
@@ -68,6 +70,9 @@ from kvfleet.router.engine_load import (
     has_free_slots,
 )
 from kvfleet.router.hash_ring import HashRing
+from kvfleet.router.kv_index import KvIndex
+from kvfleet.router.kv_subscriber import RESYNC_REASONS, KvSubscriber
+from kvfleet.router.prefix_score import EngineState, Scored, ranked
 from kvfleet.router.request_body import (
     check_content_length,
     parse_json_body,
@@ -79,6 +84,7 @@ from kvfleet.router.routing_key import (
     REASONS,
     PromptTokenizer,
     RoutingKey,
+    prompt_tokens,
     routing_key,
 )
 from kvfleet.router.settings import RouterSettings
@@ -91,7 +97,14 @@ from kvfleet.telemetry.http import (
     openai_error,
 )
 from kvfleet.telemetry.logs import REQUEST_ID, REQUEST_ID_HEADER
-from kvfleet.telemetry.metric_names import ROUTER_HELD_REQUESTS
+from kvfleet.telemetry.metric_names import (
+    ROUTER_HELD_REQUESTS,
+    ROUTER_KV_EVENTS_APPLIED,
+    ROUTER_KV_INDEXED_BLOCKS,
+    ROUTER_KV_RESYNCS,
+    ROUTER_KV_STALE_ENGINES,
+    ROUTER_PREFIX_SCORING,
+)
 from kvfleet.telemetry.tracing import Tracing
 
 logger = logging.getLogger("kvfleet.router")
@@ -200,6 +213,25 @@ def upstream_failure(error: BaseException, sent: bool, timeout_s: float) -> Upst
                            "the engine's answer was not valid HTTP")  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PreciseChoice:
+    """Where precise prefix scoring sent a request, and why: ``cached`` (an engine that holds
+    some of its prompt, by its events), ``uncached`` (no candidate holds any: the load decided)
+    or ``approximate`` (an engine whose view is stale, scored as approximate routing sees it)."""
+
+    endpoint: str
+    decision: str
+
+
+PRECISE_DECISIONS = ("cached", "uncached", "approximate", "fallback")
+
+
+def decision_of(chosen: Scored, live: frozenset[str]) -> str:
+    if chosen.endpoint not in live:
+        return "approximate"
+    return "cached" if chosen.cached_blocks > 0 else "uncached"
+
+
 # How long the router counts an adapter as held by the engine it just sent the adapter's
 # request to, to load: until the engine's next reports show it, the following requests go
 # there too instead of loading it on yet another engine.
@@ -264,6 +296,52 @@ class Balancer:
             return self.ring.least_loaded(self.load(), exclude)
         return self.ring.choose(key, self.load(), exclude, self.free())
 
+    def ranking(
+        self,
+        key: str | None,
+        hashes: Sequence[bytes],
+        index: KvIndex,
+        live: frozenset[str],
+        exclude: frozenset[str] = frozenset(),
+    ) -> list[Scored] | None:
+        """The endpoints not excluded, by precise prefix score (prefix_score.py) of a prompt's
+        block hashes, best first; None where the rule does not apply: a prompt without a full
+        block, or no endpoint with a live view of its cache (``live``: approximate routing
+        decides)."""
+        if not hashes:
+            return None
+        order = self.ring.walk(key if key is not None else hashes[0].hex(), exclude)
+        if not live.intersection(order):
+            return None
+        load = self.load()
+        cap = self.ring.capacity(load, exclude)
+        states: dict[str, EngineState] = {}
+        for ep in order:
+            report = self.reports.get(ep)
+            if ep in live:
+                cached = index.longest_prefix(ep, hashes).blocks
+            else:  # as approximate routing sees it: all of it at the key's home, none elsewhere
+                cached = float(len(hashes)) if ep == order[0] else 0.0
+            states[ep] = EngineState(
+                cached_blocks=cached,
+                requests=load.get(ep, 0),
+                batch=(report.max_num_seqs if report and report.max_num_seqs else cap),
+                kv_usage=(report.kv_usage or 0.0) if report else 0.0,
+                assumed=ep not in live,
+            )
+        return ranked(order, states, len(hashes))
+
+    def choose_precise(
+        self, ranking: Sequence[Scored], live: frozenset[str], exclude: frozenset[str]
+    ) -> PreciseChoice:
+        """The best-ranked endpoint within the load bound (or with a free batch slot); the
+        bound guarantees one (hash_ring.HashRing.capacity)."""
+        load = self.load()
+        cap = self.ring.capacity(load, exclude)
+        free = self.free()
+        top = next(s for s in ranking if s.endpoint in free or load.get(s.endpoint, 0) + 1 <= cap)
+        return PreciseChoice(top.endpoint, decision_of(top, live))
+
     def holdings(self) -> dict[str, EngineAdapters]:
         """Per endpoint, the adapters it holds as reported, with those sent there to load in
         the last LOADING_S seconds counted in its GPU slots."""
@@ -284,10 +362,15 @@ class Balancer:
         return any(h.holds(name) for h in self.holdings().values())
 
     def place(
-        self, adapter: str, key: str | None, exclude: frozenset[str] = frozenset()
+        self,
+        adapter: str,
+        key: str | None,
+        exclude: frozenset[str] = frozenset(),
+        preferred: Sequence[str] | None = None,
     ) -> Placement | None:
         """The endpoint for a request naming an adapter (adapter_placement.py); the choice
-        counts as a recent request there, and a load there is remembered for LOADING_S."""
+        counts as a recent request there, and a load there is remembered for LOADING_S.
+        ``preferred``: precise prefix scoring's ranking, which orders the holders."""
         now = self.clock()
         placement = place(
             adapter,
@@ -298,6 +381,7 @@ class Balancer:
             lambda ep, name: self.usage.of(ep, name, now),
             exclude,
             self.free(),
+            preferred,
         )
         if placement is not None:
             self.usage.add(placement.endpoint, adapter, now)
@@ -350,10 +434,60 @@ class _InFlightCollector(Collector):
         )
 
 
+class _KvIndexCollector(Collector):
+    def __init__(self, balancer: Balancer, index: KvIndex) -> None:
+        self.balancer = balancer
+        self.index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        live = self.index.live(self.balancer.clock())
+        yield GaugeMetricFamily(
+            ROUTER_KV_STALE_ENGINES,
+            "Ready engines without a live view of their KV cache (no snapshot yet, or no line "
+            "from their KV events within --kv-events-stale-after): their requests are scored "
+            "as approximate routing sees them.",
+            value=len([ep for ep in self.balancer.endpoints if ep not in live]),
+        )
+        g = GaugeMetricFamily(
+            ROUTER_KV_INDEXED_BLOCKS,
+            "KV blocks indexed per engine endpoint, GPU and host memory together.",
+            labels=["endpoint"],
+        )
+        for ep in sorted(self.index.engines()):
+            g.add_metric([ep], self.index.size(ep))
+        yield g
+
+
 class RouterMetrics:
     def __init__(self, balancer: Balancer, breakers: Breakers, prefix_key_mode: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.prefix_scoring = Counter(
+            ROUTER_PREFIX_SCORING,
+            "Requests routed with --prefix-scoring precise, by decision: cached (to an engine "
+            "that holds part of the prompt, by its KV events), uncached (no engine holds any; "
+            "the load decided), approximate (to an engine whose view is stale), fallback (no "
+            "live view or no full prompt block: the hash ring decided).",
+            ["decision"],
+            registry=r,
+        )
+        for decision in PRECISE_DECISIONS:
+            self.prefix_scoring.labels(decision)
+        self.kv_events_applied = Counter(
+            ROUTER_KV_EVENTS_APPLIED, "KV events from the engines applied to the index.",
+            registry=r,
+        )  # fmt: skip
+        self.kv_resyncs = Counter(
+            ROUTER_KV_RESYNCS,
+            "KV event streams opened again from a snapshot, by reason: connect (not reached or "
+            "not 200), closed, silent (no line within --kv-events-stale-after), gap (a sequence "
+            "number skipped), new_engine (a restarted engine), invalid (a line not of the wire "
+            "format, or too long).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in RESYNC_REASONS:
+            self.kv_resyncs.labels(reason)
         self.requests = Counter("kvfleet_router_requests", "Requests by routing reason.",
                                 ["reason"], registry=r)  # fmt: skip
         for reason in REASONS:
@@ -471,6 +605,20 @@ class Router:
         self.metrics = RouterMetrics(
             self.balancer, self.breakers, "tokens" if tokenizer else "characters"
         )
+        # Precise prefix scoring needs the prompt's tokens: without a tokenizer the router keys
+        # on characters and follows no engine's events.
+        self.index: KvIndex | None = None
+        self.subscriber: KvSubscriber | None = None
+        if settings.prefix_scoring == "precise" and tokenizer is not None:
+            self.index = KvIndex(settings.kv_events_stale_after, settings.kv_index_max_blocks)
+            self.subscriber = KvSubscriber(
+                self.index,
+                self.metrics.kv_events_applied.inc,
+                lambda reason: self.metrics.kv_resyncs.labels(reason).inc(),
+            )
+            self.metrics.registry.register(_KvIndexCollector(self.balancer, self.index))
+        elif settings.prefix_scoring == "precise":
+            logger.info("prefix scoring approximate: precise scoring needs --tokenizer")
         self.session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -490,6 +638,8 @@ class Router:
     def set_endpoints(self, endpoints: Iterable[str]) -> None:
         self.balancer.set_endpoints(endpoints)
         self.breakers.retain(self.balancer.endpoints)
+        if self.subscriber is not None:
+            self.subscriber.set_endpoints(self.balancer.endpoints)
         if self.balancer.endpoints:
             self._ready.set()
         else:
@@ -510,7 +660,11 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
         )
         poll = asyncio.create_task(self.poller.run()) if self.poller is not None else None
+        if self.subscriber is not None:
+            self.subscriber.start()
         yield
+        if self.subscriber is not None:
+            await self.subscriber.close()
         for task in list(self._tasks):
             task.cancel()
         if poll is not None:
@@ -555,14 +709,37 @@ class Router:
             return parse_json_body(body, self.settings.body)
         return await asyncio.to_thread(parse_json_body, body, self.settings.body)
 
-    async def _key(self, request: web.Request, parsed: Any) -> RoutingKey:
+    async def _key(
+        self, request: web.Request, parsed: Any, adapter: str | None
+    ) -> tuple[RoutingKey, list[bytes]]:
+        """The request's routing key, and its prompt's block hashes (adapter: its extra key)
+        where precise prefix scoring is on; tokenized once for both."""
         if request.path in LEAST_LOADED_PATHS:
-            return LEAST_LOADED
+            return LEAST_LOADED, []
         policy = self.settings.policy
         if self.tokenizer is None:
-            return routing_key(request.headers, parsed, policy)
+            return routing_key(request.headers, parsed, policy), []
         # Tokenizing a long conversation takes milliseconds: keep it off the event loop.
-        return await asyncio.to_thread(routing_key, request.headers, parsed, policy, self.tokenizer)
+        return await asyncio.to_thread(self._tokenized, request.headers, parsed, adapter)
+
+    def _tokenized(
+        self, headers: Mapping[str, str], parsed: Any, adapter: str | None
+    ) -> tuple[RoutingKey, list[bytes]]:
+        assert self.tokenizer is not None
+        tokens: list[int] | None = None
+        if self.index is not None and isinstance(parsed, dict):
+            # One the template or tokenizer rejects is one the engine rejects, with its error.
+            with contextlib.suppress(Exception):
+                tokens = prompt_tokens(parsed, self.tokenizer)
+        rk = routing_key(headers, parsed, self.settings.policy, self.tokenizer, tokens)
+        if not tokens:
+            return rk, []
+        extra = lora_extra_key(adapter) if adapter is not None else None
+        try:
+            scored = tokens[: self.settings.prefix_scoring_tokens]
+            return rk, prompt_block_hashes(scored, extra)
+        except (TypeError, ValueError, OverflowError):  # a client's token ids that are no ids
+            return rk, []
 
     def _excluded(self, tried: frozenset[str]) -> frozenset[str]:
         """Endpoints this request must not go to: those it failed on, and the ejected ones,
@@ -648,7 +825,9 @@ class Router:
         received = time.monotonic()
         body = await self._read_body(request)
         parsed = await self._parse(body)
-        rk = await self._key(request, parsed)
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        adapter = model if isinstance(model, str) and self.balancer.serves_adapter(model) else None
+        rk, hashes = await self._key(request, parsed, adapter)
         self.metrics.requests.labels(rk.reason).inc()
         self._start_probes()
         # A stream's headers come at once: its wait for them is bounded as its silences are.
@@ -658,15 +837,26 @@ class Router:
         held = 0.0
         tried: frozenset[str] = frozenset()
         failure: UpstreamFailure | None = None
-        model = parsed.get("model") if isinstance(parsed, dict) else None
-        adapter = model if isinstance(model, str) and self.balancer.serves_adapter(model) else None
         for attempt in range(2):
             excluded = self._excluded(tried)
+            ranking: list[Scored] | None = None
+            live: frozenset[str] = frozenset()
+            if self.index is not None and request.path not in LEAST_LOADED_PATHS:
+                live = self.index.live(self.balancer.clock())
+                ranking = self.balancer.ranking(rk.key, hashes, self.index, live, excluded)
+                if ranking is None and attempt == 0:
+                    self.metrics.prefix_scoring.labels("fallback").inc()
             if adapter is not None:
-                placement = self.balancer.place(adapter, rk.key, excluded)
+                preferred = [s.endpoint for s in ranking] if ranking else None
+                placement = self.balancer.place(adapter, rk.key, excluded, preferred)
                 endpoint = placement.endpoint if placement is not None else None
                 if placement is not None:
                     self.metrics.adapter_placements.labels(placement.reason).inc()
+            elif ranking:
+                choice = self.balancer.choose_precise(ranking, live, excluded)
+                endpoint = choice.endpoint
+                self.metrics.prefix_scoring.labels(choice.decision).inc()
+                logger.debug("precise prefix scoring: %s to %s", choice.decision, endpoint)
             else:
                 endpoint = self.balancer.choose(rk.key, excluded)
                 if (

@@ -117,31 +117,52 @@ def _first_prompt(prompt: Any) -> str | list[int] | None:
     return None
 
 
-def _prefix_key(
-    body: Mapping[str, Any], prefix_length: int, tokenizer: PromptTokenizer | None
-) -> str | None:
+def _messages(body: Mapping[str, Any]) -> list[Any] | None:
+    """A chat request's messages; a Responses request's input as the chat messages it stands
+    for."""
     messages = body.get("messages")
-    if "input" in body:  # the Responses API: keyed as the chat messages its input stands for
+    if "input" in body:
         instructions = body.get("instructions")
         items = parse_input(body["input"])
         messages = chat_messages(items, instructions if isinstance(instructions, str) else None)
-    if isinstance(messages, list) and messages:
-        if tokenizer is None:
-            return char_prefix_key(chat_characters(messages), prefix_length)
-        ids = tokenizer.chat(
+    return messages if isinstance(messages, list) and messages else None
+
+
+def prompt_tokens(body: Mapping[str, Any], tokenizer: PromptTokenizer) -> list[int] | None:
+    """The prompt's tokens as the engine computes them (chat template applied); a batch's first
+    prompt's; None for a body without a prompt. Raises what the template or tokenizer raise."""
+    if (messages := _messages(body)) is not None:
+        return tokenizer.chat(
             messages,
             bool(body.get("add_generation_prompt", True)),
             body.get("chat_template_kwargs"),
         )
-        return token_prefix_key(ids, prefix_length)
+    prompt = _first_prompt(body.get("prompt"))
+    if isinstance(prompt, list):
+        return prompt
+    if isinstance(prompt, str):
+        return tokenizer.text(prompt)
+    return None
+
+
+def _prefix_key(
+    body: Mapping[str, Any],
+    prefix_length: int,
+    tokenizer: PromptTokenizer | None,
+    tokens: Sequence[int] | None,
+) -> str | None:
+    if tokenizer is not None:
+        if tokens is None:
+            tokens = prompt_tokens(body, tokenizer)
+        return token_prefix_key(tokens, prefix_length) if tokens else None
+    if (messages := _messages(body)) is not None:
+        return char_prefix_key(chat_characters(messages), prefix_length)
     prompt = _first_prompt(body.get("prompt"))
     if isinstance(prompt, list):
         # Token ids are what the engine caches, with or without a tokenizer here.
         return token_prefix_key(prompt, prefix_length)
     if isinstance(prompt, str):
-        if tokenizer is None:
-            return char_prefix_key(prompt, prefix_length)
-        return token_prefix_key(tokenizer.text(prompt), prefix_length)
+        return char_prefix_key(prompt, prefix_length)
     return None
 
 
@@ -150,10 +171,12 @@ def routing_key(
     body: Any,
     policy: KeyPolicy,
     tokenizer: PromptTokenizer | None = None,
+    tokens: Sequence[int] | None = None,
 ) -> RoutingKey:
     """The key of a request, in order: session header, ``user`` field, prompt prefix; else
     none (least-loaded). ``body`` is the parsed JSON body (None without one); ``headers`` must
-    look names up case-insensitively (aiohttp's do)."""
+    look names up case-insensitively (aiohttp's do). ``tokens``: the prompt's tokens when the
+    caller has them from ``tokenizer`` already (prompt_tokens)."""
     session = headers.get(policy.session_header)
     if session:
         return RoutingKey("session", f"session:{session}")
@@ -165,7 +188,7 @@ def routing_key(
     if not policy.prefix_affinity:
         return LEAST_LOADED
     try:
-        key = _prefix_key(body, policy.prefix_length, tokenizer)
+        key = _prefix_key(body, policy.prefix_length, tokenizer, tokens)
     except Exception:
         # A request the template or tokenizer rejects is one the engine rejects too, with a
         # proper error; any engine can say so.

@@ -5,7 +5,7 @@ how it routes, within which bounds (RouterSettings). Its flags are built from th
 from __future__ import annotations
 
 import functools
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -13,8 +13,9 @@ from kvfleet.protocol.byte_size import ByteSize
 from kvfleet.protocol.json_body import JsonLimits
 from kvfleet.router.breaker import BreakerPolicy
 from kvfleet.router.endpoints import parse_static
+from kvfleet.router.kv_index import MAX_BLOCKS
 from kvfleet.router.request_body import BodyLimits
-from kvfleet.router.routing_key import KeyPolicy
+from kvfleet.router.routing_key import CHARS_PER_TOKEN, KeyPolicy
 from kvfleet.telemetry.ports import ENGINE_PORT, ROUTER_PORT
 from kvfleet.telemetry.settings_flags import Flag
 
@@ -95,6 +96,28 @@ class RouterSettings(BaseModel):
         description="an engine takes at most this times the mean load before keys spill to the "
         "next",
     )
+    prefix_scoring: Literal["precise", "approximate"] = Field(
+        default="precise",
+        description="precise: score engines by the prompt blocks they hold, from their KV events "
+        "(needs --tokenizer; approximate for an engine whose events are stale); approximate: "
+        "the prefix key on the hash ring alone",
+    )
+    prefix_scoring_tokens: int = Field(
+        default=1024,
+        ge=16,
+        description="prompt tokens precise scoring tokenizes and scores, at most (a prompt's "
+        "head decides where it goes, and tokenizing is the router's largest cost)",
+    )
+    kv_events_stale_after: float = Field(
+        default=3.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds without a line from an engine's KV events (it sends one a second) "
+        "before its view is stale and its stream is opened again",
+    )
+    kv_index_max_blocks: int = Field(
+        default=MAX_BLOCKS, ge=1, description="KV block hashes indexed per engine, at most"
+    )
     engine_load_interval: float = Field(
         default=1.0,
         ge=0,
@@ -167,6 +190,16 @@ class RouterSettings(BaseModel):
         return KeyPolicy(
             self.session_header, self.use_user_field, self.prefix_affinity, self.prefix_length
         )
+
+    @functools.cached_property
+    def tokenized_chars(self) -> int:
+        """The characters of a prompt tokenized: enough for the prefix key's tokens even at 8
+        characters a token (a key must not change with the prompt's length), and for precise
+        scoring's at 4 (fewer at wordier text costs only a shorter score)."""
+        need = 2 * CHARS_PER_TOKEN * self.prefix_length
+        if self.prefix_scoring == "precise":
+            need = max(need, CHARS_PER_TOKEN * self.prefix_scoring_tokens)
+        return need
 
     @functools.cached_property
     def body(self) -> BodyLimits:

@@ -1,6 +1,7 @@
 """A model call's span with the OpenTelemetry GenAI semantic conventions (the gen_ai.* names,
 development status, as of semantic-conventions 1.37 and its GenAI repository), so that trace
-back ends that understand them show the model, token counts and time to first token."""
+back ends that understand them show the model, token counts and time to first token; an
+embeddings call's span with the model, the input tokens and the vectors' format and width."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-# gen_ai.operation.name values for the two OpenAI endpoints.
+# gen_ai.operation.name values for the OpenAI endpoints.
 CHAT = "chat"
 TEXT_COMPLETION = "text_completion"
+EMBEDDINGS = "embeddings"
 
 
 class GenAISpan:
-    """Records one generation request on its span: the request's model and sampling settings at
-    the start, the first token when it comes, and the response's id, usage and finish reasons
-    at the end. The span is the request's SERVER span; it is renamed as the conventions name an
-    inference span, "{operation} {model}"."""
+    """Records one model request on its span: the request's model and settings at the start
+    and, for a generation, the first token when it comes and the response's id, usage and
+    finish reasons at the end; for embeddings, the input tokens and the vectors' width. The
+    span is the request's SERVER span; it is renamed as the conventions name an inference
+    span, "{operation} {model}"."""
 
     def __init__(self, span: Any, operation: str, model: str) -> None:
         self.span = span
@@ -64,5 +67,20 @@ class GenAISpan:
                 "gen_ai.usage.output_tokens": output_tokens,
                 "gen_ai.usage.cache_read.input_tokens": cached_input_tokens,
                 "gen_ai.response.finish_reasons": list(finish_reasons),
+            }
+        )
+
+    def embeddings_request(self, *, encoding_format: str) -> None:
+        # A list in the conventions: a request to some providers names several formats.
+        self.span.set_attribute("gen_ai.request.encoding_formats", [encoding_format])
+
+    def embeddings_response(self, *, model: str, input_tokens: int, dimensions: int) -> None:
+        """The embeddings returned: their width (the request's dimensions, or the model's own
+        width) and the input tokens embedded."""
+        self.span.set_attributes(
+            {
+                "gen_ai.response.model": model,
+                "gen_ai.usage.input_tokens": input_tokens,
+                "gen_ai.embeddings.dimension.count": dimensions,
             }
         )

@@ -66,6 +66,7 @@ ENGINE_METRICS = (
     "kvfleet_engine_lora_requests", "kvfleet_engine_lora_loads", "kvfleet_engine_lora_evictions",
     "kvfleet_engine_lora_load_seconds", "kvfleet_engine_kv_event_subscribers",
     "kvfleet_engine_kv_events_published", "kvfleet_engine_kv_event_subscribers_dropped",
+    "kvfleet_engine_startup_seconds",
 )  # fmt: skip
 
 # KV events (GET /kv_events): the subscribers connected, the events published to them, and the
@@ -74,8 +75,19 @@ KV_EVENT_SUBSCRIBERS = "kvfleet_engine_kv_event_subscribers"
 KV_EVENTS_PUBLISHED = "kvfleet_engine_kv_events_published"
 KV_EVENT_SUBSCRIBERS_DROPPED = "kvfleet_engine_kv_event_subscribers_dropped"
 
+# The seconds each phase of an engine's start took (process, config, weights, memory_profile,
+# kv_cache, warm_up, graph_capture, http; graph_capture_after_ready while serving), by phase.
+STARTUP_SECONDS = "kvfleet_engine_startup_seconds"
+STARTUP_PHASE = "phase"
+
 # The router's requests waiting for a ready engine: the operator scales a service from zero by it.
 ROUTER_HELD_REQUESTS = "kvfleet_router_held_requests"
+# Precise prefix scoring (issue 41): the router's index of the engines' KV events.
+ROUTER_KV_EVENTS_APPLIED = "kvfleet_router_kv_events_applied"
+ROUTER_KV_RESYNCS = "kvfleet_router_kv_resyncs"
+ROUTER_KV_STALE_ENGINES = "kvfleet_router_kv_stale_engines"
+ROUTER_KV_INDEXED_BLOCKS = "kvfleet_router_kv_indexed_blocks"
+ROUTER_PREFIX_SCORING = "kvfleet_router_prefix_scoring"
 
 # LoRA adapters. vllm:lora_requests_info as vLLM exports it: one gauge series whose labels name
 # the adapters of the running and the waiting requests (comma-separated) and the engine's

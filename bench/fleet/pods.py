@@ -6,7 +6,10 @@ For each replica it creates a Pod (labels and spec from the template) and starts
 (127.0.0.N, the pod IP) and the container port, so the operator's scraper and the router reach
 ``http://<podIP>:<port>`` as in a cluster; one GPU each (CUDA_VISIBLE_DEVICES) when GPUs are
 given, a pod waiting (Pending) while none is free. A pod turns Ready, in its status and in the
-engine Service's EndpointSlice, once the readiness probe's path answers 200. On scale-down pods go
+engine Service's EndpointSlice, once the readiness probe's path answers 200 and the kubelet would
+have seen it: at the first tick of the startup probe's period (from the process's start) after
+the engine came up, the readiness probe running at once after it, as the kubelet triggers it.
+On scale-down pods go
 in the ReplicaSet's order (not ready first, then the lowest pod-deletion-cost, then the newest):
 terminating in the slice, the preStop sleep, SIGTERM, the engine's drain, SIGKILL only past the
 grace period.
@@ -26,8 +29,10 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,10 +71,14 @@ class Pod:
     created: float
     spec: dict[str, Any]
     ready_path: str
+    # The startup probe's period: the kubelet sees the engine up at its next tick (0: no startup
+    # probe, the readiness probe's first success counts at once).
+    startup_period: float = 0.0
     gpu: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     started: float | None = None
-    ready: float | None = None
+    up: float | None = None  # the readiness path first answered 200
+    ready: float | None = None  # the kubelet's Ready
     terminating: float | None = None
     exited: float | None = None
     # The engine's last counters, read just before SIGTERM: they outlive the process.
@@ -132,6 +141,23 @@ def engine_shim(folder: Path) -> Path:
     return folder
 
 
+def kubelet_sees(started: float, up: float, period: float) -> float:
+    """When the kubelet's startup probe, ticking every ``period`` seconds from the container's
+    start, first finds an engine that came up at ``up``; ``up`` itself with no period."""
+    if period <= 0:
+        return up
+    return started + math.ceil((up - started) / period - 1e-9) * period
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return False
+    return True
+
+
 def deletion_order(pods: Iterable[tuple[Pod, dict[str, Any]]]) -> list[Pod]:
     """The ReplicaSet controller's order of deletion: not ready first, then the lowest
     pod-deletion-cost, then the newest."""
@@ -142,6 +168,47 @@ def deletion_order(pods: Iterable[tuple[Pod, dict[str, Any]]]) -> list[Pod]:
         return (pod.ready is not None, int(annotations.get(DELETION_COST, "0")), -pod.created)
 
     return [pod for pod, _ in sorted(pods, key=key)]
+
+
+async def register_router(
+    k: Emulator, namespace: str, deployment: dict[str, Any], port: int
+) -> str:
+    """A Ready Pod of the router Deployment for the router process the harness runs on
+    127.0.0.1:``port``, as the kubelet would report it: the operator finds its routers among the
+    service's pods and scrapes their held requests there, the signal that scales from zero. The
+    pod's name."""
+    template = deployment["spec"]["template"]
+    spec = dict(template["spec"])
+    spec["containers"] = [
+        {**c, "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}
+        if c["name"] == "router"
+        else c
+        for c in spec["containers"]
+    ]
+    name = f"{deployment['metadata']['name']}-{uuid.uuid4().hex[:10]}"
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": dict((template.get("metadata") or {}).get("labels") or {})},
+        "spec": spec,
+    }  # fmt: skip
+    await call(k, "post", resource_url(PODS, namespace), body)
+    since = {"lastTransitionTime": datetime.datetime.now(datetime.UTC).isoformat()}
+    status = {
+        "phase": "Running",
+        "podIP": "127.0.0.1",
+        "podIPs": [{"ip": "127.0.0.1"}],
+        "hostIP": "127.0.0.1",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "ContainersReady", "status": "True", **since},
+            {"type": "Ready", "status": "True", **since},
+        ],
+    }
+    url = resource_url(PODS, namespace, name) + "/status"
+    await call(k, "patch", url, {"status": status}, merge=True)
+    return name
 
 
 class PodRunner:
@@ -216,13 +283,16 @@ class PodRunner:
         self.events.append(Event(time.monotonic(), what, pod, detail))
         logger.info("%s %s %s", what, pod, detail)
 
-    def _ip(self) -> str:
+    def _ip(self, port: int) -> str:
+        """The next loopback address no pod of this runner has and where ``port`` is free: another
+        fleet on the same machine (a second harness run) may serve on the same addresses."""
         used = {p.ip for p in self.pods.values()}
-        while True:
+        for _ in range(254 - self._first_ip + 1):
             ip = f"127.0.0.{self._next_ip}"
             self._next_ip = self._next_ip + 1 if self._next_ip < 254 else self._first_ip
-            if ip not in used:
+            if ip not in used and _port_free(ip, port):
                 return ip
+        raise RuntimeError(f"no loopback address with port {port} free")
 
     # -- pods --------------------------------------------------------------------------------
 
@@ -244,8 +314,10 @@ class PodRunner:
             "status": {"phase": "Pending"},
         }  # fmt: skip
         await call(self.k, "post", resource_url(PODS, self.namespace), body)
-        pod = Pod(name, self._ip(), container_port(container), time.monotonic(), template["spec"],
-                  probe.get("path", "/health"))  # fmt: skip
+        port = container_port(container)
+        startup_period = float((container.get("startupProbe") or {}).get("periodSeconds", 0))
+        pod = Pod(name, self._ip(port), port, time.monotonic(), template["spec"],
+                  probe.get("path", "/health"), startup_period)  # fmt: skip
         self.pods[name] = pod
         self._event("created", name, pod.ip)
 
@@ -291,8 +363,15 @@ class PodRunner:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with self._session.get(pod.url + pod.ready_path) as resp:
                     if resp.status == 200:
+                        pod.up = time.monotonic()
+                        await asyncio.sleep(
+                            kubelet_sees(pod.started or pod.up, pod.up, pod.startup_period) - pod.up
+                        )
+                        if pod.terminating is not None or pod.proc.poll() is not None:
+                            return
                         pod.ready = time.monotonic()
-                        self._event("ready", pod.name, f"{pod.ready - pod.created:.1f}s")
+                        self._event("ready", pod.name, f"{pod.ready - pod.created:.1f}s, "
+                                    f"up {pod.up - pod.created:.1f}s")  # fmt: skip
                         await self._pod_status(pod)
                         await self._write_slice()
                         return

@@ -73,7 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import device_name, free_port, git_commit, stop
 from fleet.adapters import LoadCounter, gpu_adapters, write_random_adapter
 from fleet.cluster import ISVCS, Emulator, call, emulated_cluster, resource_url
-from fleet.pods import PodRunner
+from fleet.pods import PodRunner, register_router
+from fleet.scale_zero import measure as measure_from_zero
+from fleet.scale_zero import print_table as print_from_zero
 from fleet.workload import (
     Record,
     Target,
@@ -89,6 +91,7 @@ logger = logging.getLogger("kvfleet.bench.fleet")
 NAMESPACE = "fleet"
 SERVICE = "bench"
 POLICIES = ("round-robin", "session", "prefix")
+SCENARIOS = ("workload", "scale-from-zero")
 # Device hits, prompt tokens looked up, and hits in the engines' host tier (--cpu-kv-cache).
 PREFIX_COUNTERS = (
     "vllm:prefix_cache_hits_total",
@@ -110,7 +113,8 @@ def model_dir(ns: argparse.Namespace) -> str:
     """The model's source: a folder, or empty for the engine's default model."""
     from tests.support.tiny_model import tiny_model_path
 
-    return {"tiny": str(tiny_model_path()), "default": ""}.get(ns.model, ns.model)
+    model: str = ns.model
+    return {"tiny": str(tiny_model_path()), "default": ""}.get(model, model)
 
 
 def inference_service(
@@ -141,6 +145,7 @@ def inference_service(
                 "maxReplicas": ns.max_replicas,
                 "targetQueueDepth": ns.target_queue_depth,
                 "scaleDownStabilizationSeconds": ns.scale_down_window,
+                "scaleToZeroDelaySeconds": ns.scale_to_zero_delay,
                 "scaleAhead": not ns.no_scale_ahead,
             },
             "routing": {"prefixLength": ns.prefix_length, "loadFactor": ns.load_factor},
@@ -179,6 +184,10 @@ class Fleet:
         if policy == "session":
             return lambda session: (self.router_url, {"x-session-id": f"session-{session}"})
         return lambda _session: (self.router_url, {})
+
+    def status(self) -> dict[str, Any]:
+        """The InferenceService's status as the API holds it now."""
+        return (self.k.live(ISVCS, NAMESPACE, SERVICE) or {}).get("status") or {}
 
     async def router_counters(self) -> dict[str, float]:
         sums = dict.fromkeys(ROUTER_COUNTERS, 0.0)
@@ -261,6 +270,7 @@ async def fleet(
                 env=env, stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT,
             )  # fmt: skip
             procs.append(router)
+            # A service of minReplicas 0 starts at one replica too (the operator's seed).
             await runner.wait_ready(ns.min_replicas or 1, ns.start_timeout)
             engine = k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-engine")
             assert engine is not None
@@ -271,6 +281,7 @@ async def fleet(
             model = args[args.index("--served-model-name") + 1]
             router_url = f"http://127.0.0.1:{port}"
             await _eventually(lambda: _answers(router_url), "the router", 30, procs)
+            await register_router(k, NAMESPACE, router_deployment, port)
             yield Fleet(k, runner, router_url, model)
         finally:
             # The operator and router first: the engines going is no scale-down to act on.
@@ -313,7 +324,8 @@ async def sample_replicas(
 
 def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dict[str, Any]]:
     """Each change of the Deployment's replicas within [t0, t1]: for a scale-up, when its new
-    pods were created and served, and the decision delay since the last rise of the rate; for a
+    pods were created and served, the decision delay since the last rise of the rate and the
+    time from that rise to the new pods serving; for a
     scale-down, when the removed engines left and exited."""
     events = [e for e in f.runner.events if t0 <= e.t <= t1]
     out = []
@@ -327,6 +339,10 @@ def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dic
             rises = [s for s, (a, b) in _phase_starts(workload) if b > a and s <= at]
             if rises:
                 item["decision_delay_s"] = round(at - rises[-1], 2)
+                # What a scale-up ahead of the trend shortens: the rise to the new capacity.
+                item["serving_after_rise_s"] = [
+                    round(p.ready - t0 - rises[-1], 2) if p.ready else None for p in pods
+                ]
             item["engine_start_s"] = [
                 round(p.ready - p.created, 2) if p.ready else None for p in pods
             ]
@@ -339,6 +355,43 @@ def scale_events(f: Fleet, workload: Workload, t0: float, t1: float) -> list[dic
             item["drained_s"] = [round(p.exited - p.terminating, 2) if p.exited and
                                  p.terminating else None for p in pods]  # fmt: skip
         out.append(item)
+    return out
+
+
+def with_signals(
+    scaling: list[dict[str, Any]], decisions: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each scale event with the signal and reason of the status.lastScaleDecision that made it:
+    the latest sampled decision of the same from -> to at or before the event (the reconciler
+    applies a decision after its status write; sampled every SAMPLE_S)."""
+    out = []
+    for event in scaling:
+        made = [
+            d["decision"]
+            for d in decisions
+            if (d["decision"].get("from"), d["decision"].get("to")) == (event["from"], event["to"])
+            and d["at_s"] <= event["at_s"] + SAMPLE_S
+        ]
+        if made:
+            event = {**event, "signal": made[-1].get("signal"), "reason": made[-1].get("reason")}
+        out.append(event)
+    return out
+
+
+def phase_ttfts(records: list[Record], workload: Workload, ttft_slo: float) -> list[dict[str, Any]]:
+    """Per phase of the load (by each request's start): requests, failed, TTFT p50/p90 and the
+    share within the SLO, so a ramp's low, rising and peak phases are compared apart."""
+    out = []
+    for i, phase in enumerate(workload.phases):
+        mine = [r for r in records if workload.phase_at(r.start) == i]
+        ttfts = [r.ttft for r in mine if r.error is None and r.ttft is not None]
+        p50, p90 = percentiles_ms(ttfts, 50, 90)
+        out.append({
+            "phase": f"{phase.seconds:g}x{phase.rate:g}", "requests": len(mine),
+            "failed": sum(r.error is not None for r in mine), "ttft_p50_ms": p50,
+            "ttft_p90_ms": p90,
+            "slo_attainment": sum(t <= ttft_slo for t in ttfts) / len(mine) if mine else None,
+        })  # fmt: skip
     return out
 
 
@@ -396,6 +449,7 @@ async def run_policy(
                         {k: int(r1[k] - r0[k]) for k in r0} if policy != "round-robin" else None,
                         replicas, scale_events(f, workload, t0, time.monotonic()),
                         ns.ttft_slo)  # fmt: skip
+    summary["scaling"] = with_signals(summary["scaling"], decisions)
     status = (await call(f.k, "get", resource_url(ISVCS, NAMESPACE, SERVICE))).get("status", {})
     learned = (status.get("autoscaling") or {}).get("engineStartSeconds")
     adapter_loads = (
@@ -403,7 +457,8 @@ async def run_policy(
         if ns.adapters
         else {}
     )
-    return {**summary, **adapter_loads, "decisions": decisions, "learned_engine_start_s": learned}
+    return {**summary, **adapter_loads, "phases": phase_ttfts(records, workload, ns.ttft_slo),
+            "decisions": decisions, "learned_engine_start_s": learned}  # fmt: skip
 
 
 def summarize(
@@ -513,6 +568,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--scale-down-window", type=int, default=300, help="scaleDownStabilizationSeconds" + d
     )
     p.add_argument(
+        "--scale-to-zero-delay",
+        type=int,
+        default=600,
+        help="scaleToZeroDelaySeconds: idle seconds before --min-replicas 0 scales to zero" + d,
+    )
+    p.add_argument(
         "--latency-target",
         type=_latency_target,
         help="METRIC:QUANTILE:SECONDS, e.g. ttft:0.9:0.5: spec.autoscaling.latencyTarget",
@@ -526,6 +587,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--autoscale-interval", type=float, default=2.0, help="the operator's" + d)
     p.add_argument("--prefix-length", type=int, default=256, help="the router's" + d)
     p.add_argument("--load-factor", type=float, default=1.25, help="the router's" + d)
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="workload",
+        help="workload: the --phases load under each policy; scale-from-zero: one request at a "
+        "time to a service idle at zero (--min-replicas 0), --repeats times" + d,
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="scale-from-zero trials, at zero before each" + d
+    )
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
@@ -587,6 +658,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
     if not 0 <= ns.min_replicas <= ns.max_replicas or ns.max_replicas < 1:
         p.error("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+    if ns.scenario == "scale-from-zero" and (ns.min_replicas != 0 or ns.repeats < 1):
+        p.error("--scenario scale-from-zero needs --min-replicas 0 and --repeats >= 1")
     gpus = [g for g in ns.gpus.split(",") if g.strip()]
     if gpus and len(gpus) < ns.max_replicas:
         p.error(f"--max-replicas {ns.max_replicas} needs as many --gpus, got {len(gpus)}")
@@ -625,6 +698,15 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         if "adapter_loads" in r:
             print(f"{r['policy']}: {r['adapter_loads']} adapter loads into GPU slots, "
                   f"{r['adapter_loads_per_min']:.1f} a minute")  # fmt: skip
+    if any(len(r["phases"]) > 1 for r in runs):
+        print("| load | policy | phase | requests | failed | TTFT p50 ms | TTFT p90 ms "
+              "| TTFT within SLO |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for r in runs:
+            for ph in r["phases"]:
+                print(f"| {r['load']} | {r['policy']} | {ph['phase']} | {ph['requests']} "
+                      f"| {ph['failed']} | {f(ph['ttft_p50_ms'])} | {f(ph['ttft_p90_ms'])} "
+                      f"| {f(ph['slo_attainment'], '.1%')} |")  # fmt: skip
     for r in runs:
         for event in r["scaling"]:
             print(f"{r['policy']}: {json.dumps(event)}")
@@ -642,7 +724,16 @@ async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         for phases in ns.phases
     ]  # fmt: skip
+    header = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_name() if ns.gpus else "CPU",
+        "commit": git_commit(),
+        "args": {k: str(v) for k, v in vars(ns).items() if k != "phases"},
+        "phases": [[asdict(p) for p in phases] for phases in ns.phases],
+    }
     async with fleet(ns, work, adapters) as f:
+        if ns.scenario == "scale-from-zero":
+            return {**header, **await measure_from_zero(f, ns)}
         runs = []
         for j, (phases, workload) in enumerate(zip(ns.phases, workloads, strict=True)):
             load = ",".join(f"{p.seconds:g}x{p.rate:g}" for p in phases)
@@ -655,14 +746,7 @@ async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
                 runs.append({"load": load, "sessions": len(workload.sessions), **run})
         if f.runner.failures:
             raise RuntimeError("; ".join(f.runner.failures))
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": device_name() if ns.gpus else "CPU",
-        "commit": git_commit(),
-        "args": {k: str(v) for k, v in vars(ns).items() if k != "phases"},
-        "phases": [[asdict(p) for p in phases] for phases in ns.phases],
-        "runs": runs,
-    }
+    return {**header, "runs": runs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -674,7 +758,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = ns.log_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         report = asyncio.run(measure(ns, work))
-    print_table(report["runs"])
+    if ns.scenario == "scale-from-zero":
+        print_from_zero(report)
+    else:
+        print_table(report["runs"])
     if ns.result_json:
         ns.result_json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvfleet.engine.models.causal_lm import CausalLM
 from kvfleet.engine.models.gemma2 import Gemma2ForCausalLM
 from kvfleet.engine.models.gpt2 import GPT2LMHeadModel
 from kvfleet.engine.models.llama import LlamaForCausalLM
@@ -23,15 +24,19 @@ _REGISTRY: dict[str, type[nn.Module]] = {
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(_REGISTRY))
 
-# What --runner pooling serves: the Llama family's causal LMs (their head dropped) and their
-# bare bodies (as embedding checkpoints name them), each built from its causal LM.
+# What --runner pooling serves: every family's causal LM (its head dropped) and its bare body
+# (as embedding checkpoints name it), each built from the causal LM.
 _BODIES = {
+    "GPT2Model": "GPT2LMHeadModel",
+    "Gemma2Model": "Gemma2ForCausalLM",
     "LlamaModel": "LlamaForCausalLM",
     "MistralModel": "MistralForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
 }
-POOLING_ARCHITECTURES = tuple(sorted([*_BODIES, *_BODIES.values()]))
+POOLING_ARCHITECTURES = tuple(sorted([*_BODIES, *_REGISTRY]))
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -52,4 +57,6 @@ def build_pooling_model(config: object, architecture: str) -> PoolingModel:
             f"{', '.join(POOLING_ARCHITECTURES)}"
         )
     causal_arch = _BODIES.get(architecture, architecture)
-    return PoolingModel(LlamaForCausalLM(config, causal_arch))
+    causal = _REGISTRY[causal_arch](config, causal_arch)
+    assert isinstance(causal, CausalLM | GPT2LMHeadModel)  # every class of the registry
+    return PoolingModel(causal)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,35 +43,140 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+# Threads that read a safetensors checkpoint at once: one reader leaves most of a fast disk's
+# (or a network volume's) bandwidth unused, since each read waits for its pages in turn.
+READ_THREADS = 8
+# Tensors are read in groups of about this many bytes, at most READ_THREADS groups ahead of
+# the model's loading: the memory the readers hold at a time is bounded by about their product
+# (plus one tensor larger than a group), whatever the checkpoint's size.
+READ_GROUP_BYTES = 128 << 20
+# safetensors' own bound on a file's header.
+_MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class _ReadGroup:
+    file: Path
+    names: list[str]
+    nbytes: int
+
+
+def _tensor_sizes(file: Path) -> list[tuple[str, int]]:
+    """Each tensor of a safetensors file and its bytes, from the header alone."""
+    with file.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= _MAX_HEADER_BYTES:
+            raise ValueError(f"{file}: a safetensors header of {size} bytes")
+        header = json.loads(f.read(size))
+    sizes = []
+    for name, meta in header.items():
+        if name != "__metadata__":
+            begin, end = meta["data_offsets"]
+            sizes.append((name, end - begin))
+    return sizes
+
+
+def _read_groups(
+    files: list[Path], skip: Callable[[str], bool] | None
+) -> tuple[list[_ReadGroup], int]:
+    """The checkpoint's tensors to read, in order, in groups of about READ_GROUP_BYTES; and
+    the number of tensors, those skipped included (the bar counts them)."""
+    groups: list[_ReadGroup] = []
+    total = 0
+    for file in files:
+        names: list[str] = []
+        nbytes = 0
+        for name, size in _tensor_sizes(file):
+            total += 1
+            if skip is not None and skip(name):
+                continue
+            names.append(name)
+            nbytes += size
+            if nbytes >= READ_GROUP_BYTES:
+                groups.append(_ReadGroup(file, names, nbytes))
+                names, nbytes = [], 0
+        if names:
+            groups.append(_ReadGroup(file, names, nbytes))
+    return groups, total
+
+
+def _read(group: _ReadGroup, device: str) -> list[tuple[str, torch.Tensor]]:
+    with safe_open(group.file, framework="pt", device=device) as f:
+        return [(name, f.get_tensor(name)) for name in group.names]
+
+
+def _read_safetensors(
+    files: list[Path], progress: bool, skip: Callable[[str], bool] | None, device: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The files' tensors in their order, read by READ_THREADS threads a bounded number of
+    groups ahead; the bandwidth is logged at the end."""
+    groups, total = _read_groups(files, skip)
+    threads = max(min(READ_THREADS, len(groups)), 1)
+    started = time.perf_counter()
+    read = 0
+    todo = iter(groups)
+    ahead: deque[tuple[_ReadGroup, Future[list[tuple[str, torch.Tensor]]]]] = deque()
+    with (
+        ThreadPoolExecutor(threads, thread_name_prefix="kvfleet-read") as pool,
+        tqdm(
+            total=total,
+            desc="Loading safetensors weights",
+            unit="tensor",
+            disable=None if progress else True,
+        ) as bar,
+    ):
+
+        def submit() -> None:
+            group = next(todo, None)
+            if group is not None:
+                ahead.append((group, pool.submit(_read, group, device)))
+
+        for _ in range(threads):
+            submit()
+        try:
+            while ahead:
+                group, future = ahead.popleft()
+                tensors = future.result()
+                submit()
+                for name, tensor in tensors:
+                    yield name, tensor
+                    bar.update()
+                read += group.nbytes
+            bar.update(total - bar.n)  # the skipped tensors
+        finally:
+            # A load that failed midway: the groups not started are dropped; those being
+            # read finish (one group each) before the pool closes.
+            for _, future in ahead:
+                future.cancel()
+    seconds = time.perf_counter() - started
+    logger.info(
+        "read %.2f GiB of weights in %.2f s (%.2f GiB/s, %d threads, to %s)",
+        read / 2**30,
+        seconds,
+        read / 2**30 / max(seconds, 1e-9),
+        threads,
+        device,
+    )
+
+
 def iter_checkpoint(
-    path: Path, *, progress: bool = True, skip: Callable[[str], bool] | None = None
+    path: Path,
+    *,
+    progress: bool = True,
+    skip: Callable[[str], bool] | None = None,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a checkpoint. progress: a bar on stderr when it is a terminal
     (tqdm's disable=None); False for none at all (tensor-parallel ranks other than the first).
-    skip: names whose tensors are left out, unread where the format allows (safetensors)."""
+    skip: names whose tensors are left out, unread where the format allows (safetensors).
+    device: where a safetensors checkpoint's tensors are read to (default: the host), by
+    several threads at once."""
     if path.suffix == GGUF_SUFFIX:
         tensors = gguf_checkpoint.iter_tensors(path, progress=progress)
         yield from (t for t in tensors if skip is None or not skip(t[0]))
         return
     files = safetensors_files(path)
-    # Only the headers are read here: the bar counts tensors, which a single-file model has
-    # many of, rather than shards.
-    total = 0
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            total += len(f.keys())
-    with tqdm(
-        total=total,
-        desc="Loading safetensors weights",
-        unit="tensor",
-        disable=None if progress else True,
-    ) as bar:
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    if skip is None or not skip(name):
-                        yield name, f.get_tensor(name)
-                    bar.update()
+    yield from _read_safetensors(files, progress, skip, str(device or "cpu"))
 
 
 _SCALE_INV = ".weight_scale_inv"
@@ -122,11 +231,13 @@ def load_weights(
     *,
     progress: bool = True,
     weight_block_size: tuple[int, int] | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Copy every checkpoint tensor into its (possibly fused, possibly sharded) parameter.
     Unknown tensors and parameters left unloaded are errors, not silent random weights.
     progress: as for iter_checkpoint. weight_block_size: the checkpoint's fp8 weights are
-    block-scaled (multiply_out_blocks).
+    block-scaled (multiply_out_blocks). device: where the checkpoint's tensors are read to
+    (iter_checkpoint), the model's own device when each rank holds whole tensors.
 
     A model whose checkpoint layout differs from its parameters (GPT-2: transposed Conv1D
     matrices, q/k/v in one tensor) defines ``checkpoint_tensors`` to rewrite the stream of
@@ -143,7 +254,7 @@ def load_weights(
     locate: Callable[[str], tuple[str, str] | None]
     locate = getattr(model, "checkpoint_shard", lambda name: None)
     skip: Callable[[str], bool] | None = getattr(model, "checkpoint_skip", None)
-    stream = iter_checkpoint(path, progress=progress, skip=skip)
+    stream = iter_checkpoint(path, progress=progress, skip=skip, device=device)
     if weight_block_size is not None:
         stream = multiply_out_blocks(stream, weight_block_size)
     loaded: set[str] = set()

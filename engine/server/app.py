@@ -296,6 +296,7 @@ def create_engine(args: EngineArgs, settings: ServerSettings) -> tuple[AsyncEngi
     )
     metrics.collect_state(engine.stats)
     metrics.collect_kv_events(engine.kv_events)
+    metrics.collect_startup(core.startup)
     structured = core.structured
     metrics.collect_grammar(
         structured.stats if structured is not None else None, core.structured_unavailable
@@ -343,6 +344,7 @@ class EngineServer:
             )
         finally:
             loader.shutdown(wait=False)
+        http_started = time.perf_counter()
         self.app = build_app(self.engine, metrics, self.settings, self.tracing)
         # handler_cancellation: a client that hangs up cancels its handler, which aborts its
         # request and frees its KV blocks, even before the first byte was due.
@@ -367,6 +369,9 @@ class EngineServer:
         )
         await self._runner.setup()
         await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
+        startup = self.engine.startup
+        startup.record("http", time.perf_counter() - http_started)
+        startup.log_ready()
         self.engine.start()
         logger.info(
             "serving %s on %s", self.app[SERVING].served_model_names, self._runner.addresses

@@ -19,6 +19,8 @@ from kvfleet.engine.server.openai_requests import Prompt, _Strict
 from kvfleet.engine.server.openai_responses import ResponseModel, random_id
 from kvfleet.engine.server.serving import SERVING, Admitted, ServingContext
 from kvfleet.engine.server.validation import parse_body
+from kvfleet.telemetry.genai import EMBEDDINGS, GenAISpan
+from kvfleet.telemetry.http import SPAN
 
 # Inputs in one request: OpenAI's own cap (each input is a sequence the engine queues, so the
 # server's --max-waiting-requests bounds a request further where it is set).
@@ -110,6 +112,12 @@ async def create_embedding(request: web.Request) -> web.StreamResponse:
         except InvalidRequestError as e:
             raise bad_request(str(e), param=e.param, code=e.code) from None
     request_id = random_id("embd")
+    model = req.model or ctx.model_name
+    # Traced as chat and completions are: an admitted request's span carries the GenAI names.
+    span = request.get(SPAN)
+    gen = None if span is None else GenAISpan(span, EMBEDDINGS, model)
+    if gen is not None:
+        gen.embeddings_request(encoding_format=req.encoding_format)
     outputs = await ctx.run(request_id, Admitted(requests, [None] * len(requests), "input"))
     vectors: list[list[float] | None] = [None] * len(requests)
     try:
@@ -120,14 +128,18 @@ async def create_embedding(request: web.Request) -> web.StreamResponse:
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None
     data = []
+    width = 0
     for i, vector in enumerate(vectors):
         # Every stream ends with its request's output or raises: a missing vector is a bug.
         assert vector is not None, f"input {i} ended without an embedding"
+        width = len(vector)
         data.append(Embedding(index=i, embedding=encode(vector, req.encoding_format)))
     num_tokens = sum(len(ids) for ids in prompts)
+    if gen is not None:
+        gen.embeddings_response(model=model, input_tokens=num_tokens, dimensions=width)
     body = EmbeddingList(
         id=request_id,
-        model=req.model or ctx.model_name,
+        model=model,
         data=data,
         usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
     )

@@ -43,6 +43,13 @@ def test_fleet_scales_up_and_down_under_a_ramp_without_failures(
     assert up["decision_delay_s"] >= 0 and up["engine_start_s"][0] > 0
     assert down["drained_s"][0] >= 5  # the preStop sleep, then the drain
     assert run["peak_replicas"] == 2
+    # TTFT per phase of the ramp, each request in the phase it started in.
+    assert [ph["phase"] for ph in run["phases"]] == ["10x6", "10x0.5"]
+    assert sum(ph["requests"] for ph in run["phases"]) == run["requests"]
+    assert all(ph["ttft_p90_ms"] > 0 for ph in run["phases"] if ph["requests"])
+    # Each scale event names the signal of the decision that made it.
+    assert up["signal"] in ("queueDepth", "kvCacheUsage", "forecast"), up
+    assert down["signal"] in ("queueDepth", "kvCacheUsage", "idle"), down
     # Each scale decision the status reported, with the signal that made it.
     assert [d["decision"]["to"] for d in run["decisions"]][-2:] == [2, 1], run["decisions"]
     assert all(d["decision"].get("signal") for d in run["decisions"])

@@ -5,6 +5,7 @@ Triton one through its interpreter), with a sliding window and soft-capping (Gem
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -155,10 +156,13 @@ class _EagerReplay:
         self.log.append(len(rows) - len({int(g.block_tables[i, 0]) for i in rows}))
 
 
-def _fake_capture(graphs: DecodeGraphs, runner, log: list[int]) -> None:
-    for key in graphs.variants():
+def _fake_capture(
+    graphs: DecodeGraphs, runner, log: list[int], sizes: list[int] | None = None
+) -> None:
+    for key in graphs.variants(sizes):
         graphs.outputs[key] = torch.empty(key[0], runner.model_config.hf_config.hidden_size)
         graphs.graphs[key] = _EagerReplay(graphs, key, log)
+        graphs.schedule.mark_captured(key[0])
 
 
 @pytest.mark.parametrize("budget", [48, 5])
@@ -234,4 +238,63 @@ def test_cascade_decode_steps_equal_hf(model_dirs, monkeypatch, graphs):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dirs["llama"], prompts, 8)
     assert 32 in prefixes  # the system prompt's two whole blocks, attended once per step
+    assert_no_leak(llm)
+
+
+@pytest.mark.asyncio
+async def test_graphs_left_for_after_ready_pad_meanwhile_and_are_captured_while_idle(
+    model_dirs, prompts, hf_reference
+):
+    """A served engine starts with the small sizes and the largest captured: decode batches of
+    40 rows, whose own size waits, replay the 64-row graph padded (replays done eagerly), and
+    the output equals HF's; then the idle engine loop captures the rest, the size those
+    batches asked for first, and counts the time as after ready."""
+    from kvfleet.engine.async_engine import AsyncEngine
+    from kvfleet.engine.graph_schedule import upfront_sizes
+    from kvfleet.engine.startup_timing import AFTER_READY
+
+    llm = LLM(str(model_dirs["llama"]), device="cpu", dtype="float32", skip_tokenizer_init=True,
+              max_num_seqs=64)  # fmt: skip
+    core = llm.engine
+    runner = core.runner
+    graphs = DecodeGraphs(runner.model, 64, runner.max_blocks_per_seq,
+                          runner.model_config.max_model_len, runner.device)  # fmt: skip
+    captures: list[list[int]] = []
+
+    def capture(sizes: list[int] | None = None) -> None:
+        sizes = graphs.schedule.pending if sizes is None else sizes
+        captures.append(sorted(sizes))
+        _fake_capture(graphs, runner, [], sizes)
+
+    graphs.capture = capture
+    graphs.capture(upfront_sizes(graphs.sizes))
+    runner.graphs = graphs
+    replayed: list[int] = []
+    run = graphs.run
+
+    def spy(*args, **kwargs):
+        replayed.append(args[5])
+        return run(*args, **kwargs)
+
+    graphs.run = spy
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=5),
+    )
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [
+        [r] * 5 for r in hf_reference["llama"]
+    ]
+    assert 64 in replayed and graphs.schedule.demand[40] > 0
+    assert core.graphs_pending
+
+    engine = AsyncEngine(core)
+    engine.start()
+    try:
+        async with asyncio.timeout(30):
+            while core.graphs_pending:
+                await asyncio.sleep(0.01)
+    finally:
+        await engine.stop()
+    assert captures[1] == [40]
+    assert graphs.schedule.done and core.startup.seconds[AFTER_READY] > 0
     assert_no_leak(llm)

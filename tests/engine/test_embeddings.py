@@ -90,6 +90,35 @@ def test_mean_pooling_matches_hf_in_chunks(mean_llm, mean_dir, prompts):
     assert_no_leak(mean_llm)
 
 
+# The other families, each in one of the two layouts an embedding checkpoint comes in: a bare
+# body with sentence-transformers files, or a causal LM's checkpoint (its head left unread)
+# served with --runner pooling; last-token and mean pooling each twice.
+FAMILIES = [
+    ("gpt2", "body", "mean"),
+    ("gemma2", "causal", "lasttoken"),
+    ("mixtral", "body", "lasttoken"),
+    ("qwen3_moe", "causal", "mean"),
+]
+
+
+@pytest.mark.parametrize(("arch", "layout", "pooling"), FAMILIES)
+def test_every_family_pools_as_hf(arch, layout, pooling, model_dirs, prompts, tmp_path):
+    if layout == "body":
+        model_dir = build_tiny_embedding_model(tmp_path / arch, pooling, arch=arch)
+        args = {}
+    else:
+        model_dir = model_dirs[arch]
+        args = {"runner": "pooling", "pooling_type": "LAST" if pooling == "lasttoken" else "MEAN"}
+    want = hf_embeddings(model_dir, prompts, pooling)
+    with LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=CHUNK,
+             **args) as llm:  # fmt: skip
+        assert llm.engine.model_config.runner == "pooling"
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+        for out, ref in zip(outs, want, strict=True):
+            _assert_close(out.outputs.embedding, ref)
+        assert_no_leak(llm)
+
+
 def test_matryoshka_dimensions(last_llm, last_dir, prompts):
     full = hf_embeddings(last_dir, prompts[3:4], "lasttoken", normalize=False)[0]
     out = last_llm.embed({"prompt_token_ids": prompts[3]}, dimensions=16)[0]
@@ -121,9 +150,12 @@ def test_each_runner_refuses_the_other_s_requests(last_llm, model_dirs):
     assert_no_leak(last_llm)
 
 
-def test_runner_choice(model_dirs, last_dir):
-    with pytest.raises(ValueError, match="--runner pooling supports the Llama family"):
-        LLM(str(model_dirs["gpt2"]), runner="pooling", device="cpu")
+def test_runner_choice(model_dirs, last_dir, tmp_path):
+    # An architecture the engine does not serve, refused before any weight is read.
+    config = json.loads((model_dirs["llama"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["BertModel"]}))
+    with pytest.raises(ValueError, match=r"--runner pooling supports GPT2LMHeadModel, .*BertModel"):
+        LLM(str(tmp_path), runner="pooling", device="cpu")
     with pytest.raises(ValueError, match="--pooling-type applies to --runner pooling"):
         LLM(str(model_dirs["llama"]), pooling_type="MEAN", device="cpu")
     # A causal LM's checkpoint served for its hidden states: the LM head is left out; MEAN

@@ -9,7 +9,7 @@ import torch
 
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.layers.moe import FusedMoE, expert_parallel_layers
-from kvfleet.engine.models import loader
+from kvfleet.engine.models import build_pooling_model, loader
 from kvfleet.engine.models.mixture_of_experts import MoeForCausalLM
 from tests.support.tiny_model import build_tiny_model
 
@@ -54,8 +54,10 @@ def test_experts_must_divide_over_the_ranks(monkeypatch, tmp_path):
     assert not ModelConfig.from_args(off, torch.device("cpu")).expert_parallel
 
 
-def test_the_loader_never_reads_another_ranks_experts(rank1_of_2, model_dirs, monkeypatch):
-    """Rank 1 of 2 reads the shared tensors and experts 4..7, not one tensor of experts 0..3."""
+@pytest.mark.parametrize("runner", ["generate", "pooling"])
+def test_the_loader_never_reads_another_ranks_experts(rank1_of_2, model_dirs, monkeypatch, runner):
+    """Rank 1 of 2 reads the shared tensors and experts 4..7, not one tensor of experts 0..3;
+    the embedding model (--runner pooling) the same, and never the LM head."""
     from transformers import AutoConfig
 
     path = model_dirs["mixtral"]
@@ -81,8 +83,12 @@ def test_the_loader_never_reads_another_ranks_experts(rank1_of_2, model_dirs, mo
             return self.f.get_tensor(name)
 
     monkeypatch.setattr(loader, "safe_open", Recording)
+    config = AutoConfig.from_pretrained(path)
     with expert_parallel_layers(True):
-        model = MoeForCausalLM(AutoConfig.from_pretrained(path), "MixtralForCausalLM")
+        if runner == "generate":
+            model = MoeForCausalLM(config, "MixtralForCausalLM")
+        else:
+            model = build_pooling_model(config, "MixtralForCausalLM")
     loader.load_weights(model, path, progress=False)
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
     assert experts == {4, 5, 6, 7}
@@ -90,3 +96,4 @@ def test_the_loader_never_reads_another_ranks_experts(rank1_of_2, model_dirs, mo
         "model.embed_tokens.weight" in read
         and "model.layers.1.block_sparse_moe.gate.weight" in read
     )
+    assert ("lm_head.weight" in read) == (runner == "generate")

@@ -118,18 +118,102 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization():
     assert torch.cuda.memory_allocated() < 0.55 * total
 
 
-@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
-def test_triton_path_embeddings_equal_hf_in_fp32(pooling, tmp_path, prompts):
-    """The pooling runner on the GPU (Triton attention, no CUDA graphs), a long prompt in
-    chunks: each vector HF transformers' pooled final hidden states."""
+@pytest.mark.parametrize(
+    ("arch", "pooling"),
+    [
+        ("qwen3", "lasttoken"),
+        ("qwen3", "mean"),
+        ("gpt2", "mean"),
+        ("gemma2", "lasttoken"),
+        ("mixtral", "lasttoken"),
+        ("qwen3_moe", "mean"),
+    ],
+)
+def test_triton_path_embeddings_equal_hf_in_fp32(arch, pooling, tmp_path, prompts):
+    """The pooling runner on the GPU (Triton attention, the fused experts, no CUDA graphs), a
+    long prompt in chunks, for each family: each vector HF transformers' pooled final hidden
+    states."""
     from tests.support.engine import hf_embeddings
     from tests.support.tiny_model import build_tiny_embedding_model
 
-    model = build_tiny_embedding_model(tmp_path / "embed", pooling)
-    llm = LLM(str(model), dtype="float32", device="cuda", max_num_batched_tokens=48)
-    assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is None
-    outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
-    for out, ref in zip(outs, hf_embeddings(model, prompts, pooling), strict=True):
-        got = torch.tensor(out.outputs.embedding)
-        assert (got - ref).abs().max().item() < 1e-4
+    model = build_tiny_embedding_model(tmp_path / "embed", pooling, arch=arch)
+    with LLM(str(model), dtype="float32", device="cuda", max_num_batched_tokens=48) as llm:
+        assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.graphs is None
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+        for out, ref in zip(outs, hf_embeddings(model, prompts, pooling), strict=True):
+            got = torch.tensor(out.outputs.embedding)
+            assert (got - ref).abs().max().item() < 1e-4
+        assert_no_leak(llm)
+
+
+def test_graphs_captured_after_ready_equal_hf(model_dirs, prompts, hf_reference, monkeypatch):
+    """The server's start: the small sizes and the largest captured up front, the rest between
+    steps. Decode batches of 40 rows (n=5 of 8 prompts) replay the 64-row graph padded before
+    their own exists and their own after the idle captures: the output equals HF's both times
+    (the second from the prefix cache, which the captures left intact), and every size ends
+    captured."""
+    from kvfleet.engine import model_runner
+    from kvfleet.engine.graph_schedule import upfront_sizes
+
+    # As a server starts: LLM's capture of every graph before the first batch left out.
+    monkeypatch.setattr(model_runner.ModelRunner, "capture_all_graphs", lambda self: None)
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", device="cuda", skip_tokenizer_init=True,
+              max_num_seqs=64)  # fmt: skip
+    core = llm.engine
+    graphs = core.runner.graphs
+    assert graphs is not None
+    assert graphs.schedule.captured == sorted(upfront_sizes(graphs.sizes))
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=5)
+    want = [[r] * 5 for r in hf_reference["llama"]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    assert graphs.schedule.demand[40] > 0
+    # The input rows beyond the last replay's batch as an older, larger batch may leave them:
+    # slots in a block the prefix cache holds, which the next run of the same prompts reads
+    # (the second block cached: the 33-token prompt's first, the 16-token one's coming first).
+    # A capture must not write there.
+    block = list(core.kv_cache_manager.pool.cached.values())[1].block_id
+    graphs.slot_mapping[48:64] = torch.arange(16, device="cuda") + block * 16
+    graphs.seq_lens[48:64] = 1
+    graphs.input_ids[48:64] = 7
+    while core.capture_next_graph(idle=True):
+        pass
+    assert graphs.schedule.done and (40, False) in graphs.graphs
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
     assert_no_leak(llm)
+
+
+def test_a_second_start_reuses_the_kept_memory_profile(model_dirs, tmp_path, monkeypatch):
+    """--compile-cache-dir: Triton compiles into the keyed folder, and a second start of the
+    same configuration takes the kept profile (the profile run does not run) and sizes the same
+    KV cache; weights of another size on the device make it profile again."""
+    import os
+
+    from kvfleet.engine import model_runner
+
+    # Restored at the end, whether it was set or not: later tests compile where they did.
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    kwargs = dict(dtype="float32", device="cuda", compile_cache_dir=str(tmp_path),
+                  skip_tokenizer_init=True, max_num_seqs=16)  # fmt: skip
+    first = LLM(str(model_dirs["llama"]), **kwargs)
+    blocks = first.engine.runner.num_blocks
+    folder = first.engine.cache_folder
+    assert folder is not None and folder.parent == tmp_path
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
+    assert list((folder / "memory-profiles").iterdir())
+    first.shutdown()
+
+    runs: list[int] = []
+    profile_run = model_runner.ModelRunner._profile_run
+    monkeypatch.setattr(model_runner.ModelRunner, "_profile_run",
+                        lambda self: runs.append(1) or profile_run(self))  # fmt: skip
+    second = LLM(str(model_dirs["llama"]), **kwargs)
+    assert runs == [] and second.engine.runner.num_blocks == blocks
+    assert second.engine.startup.seconds["memory_profile"] < 1.0
+    second.shutdown()
+    # Weights of other bytes under the same key (a checkpoint changed in place, say).
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12345)
+    LLM(str(model_dirs["llama"]), **kwargs).shutdown()
+    assert runs == [1]

@@ -83,6 +83,20 @@ def test_scale_down_waits_for_the_window_then_follows_the_highest_recommendation
     assert d.replicas == 2
 
 
+def test_a_window_shorter_than_the_interval_still_lets_a_scale_down_through():
+    # Steps 10 s apart (the operator's default interval), a 5 s scale-down window: each step finds
+    # the last one's recommendation already out of the window.
+    policy = ScalingPolicy(min_replicas=1, max_replicas=4, target_queue_depth=8,
+                           scale_down_stabilization_s=5)  # fmt: skip
+    d = decide(policy, Observation(2, pods(8, 8)), ScalingMemory(), 0.0)
+    assert d.replicas == 2
+    d = decide(policy, Observation(2, pods(1, 1)), ScalingMemory(d.memory.history, 10.0), 10.0)
+    assert d.replicas == 1
+    # A service with no history at all still keeps its size for one whole window.
+    d = decide(policy, Observation(2, pods(1, 1)), ScalingMemory(), 10.0)
+    assert d.replicas == 2 and "window" in d.reason
+
+
 def test_scale_up_follows_the_lowest_recommendation_of_its_window():
     # From the CRD field to the decision: spec.autoscaling.scaleUpStabilizationSeconds.
     spec = parse_spec("llm", {"autoscaling": {"maxReplicas": 10, "targetQueueDepth": 8,

@@ -20,7 +20,12 @@ import pytest_asyncio
 import yaml
 from aiohttp import web
 
-from kvfleet.operator.autoscaler import REFRESH_SECONDS, load_memory, status_update
+from kvfleet.operator.autoscaler import (
+    REFRESH_SECONDS,
+    ZERO_POLL_SECONDS,
+    load_memory,
+    status_update,
+)
 from kvfleet.operator.deletion_cost import DELETION_COST
 from kvfleet.operator.main import build_registry, build_settings
 from kvfleet.operator.scaling_policy import Recommendation, ScaleDecision, ScalingMemory
@@ -82,6 +87,20 @@ def test_a_change_is_recorded_with_its_metrics_and_the_memory():
         "lastActiveTime": "2025-06-15T15:06:40Z",
     }
     assert load_memory(patch) == ScalingMemory((Recommendation(T0, 3),), T0)
+
+
+def test_a_reading_the_new_decision_lacks_leaves_the_last_decisions_metrics():
+    # The status is merge-patched, which merges the metrics object into the last decision's: a
+    # latency reading of the scale-up (none in an idle interval) read as the scale-down's.
+    last = {"time": "2025-06-15T15:00:00Z", "from": 1, "to": 2, "reason": "p90 TTFT 0.912s",
+            "signal": "latency", "metrics": {"current": 1.0, "latencySeconds": 0.9125}}  # fmt: skip
+    previous = {"desiredReplicas": 2, "lastScaleDecision": last}
+    patch = status_update(previous, 2, decision(3, [(T0, 3)], T0), {}, T0)
+    assert patch["lastScaleDecision"]["metrics"] == {
+        "current": 2.0,
+        "inFlight": 9.0,
+        "latencySeconds": None,  # removed by the merge patch
+    }
 
 
 def test_memory_is_written_when_its_content_changes_or_it_grows_stale():
@@ -220,7 +239,7 @@ async def servers() -> AsyncIterator[Callable[..., Awaitable[MetricsServer]]]:
 
 
 @contextlib.asynccontextmanager
-async def operator(k: APIServer, clock: Clock) -> AsyncIterator[None]:
+async def operator(k: APIServer, clock: Clock, interval: float = INTERVAL) -> AsyncIterator[None]:
     """The operator in its own thread and loop (as in tests/operator/test_operator_kmock.py), with a
     short autoscaling interval and the fake clock."""
     settings = build_settings()
@@ -229,7 +248,7 @@ async def operator(k: APIServer, clock: Clock) -> AsyncIterator[None]:
         CONFIG,
         debounce=0.02,
         backoff=0.2,
-        autoscale_interval=INTERVAL,
+        autoscale_interval=interval,
         scrape_timeout=0.2,
         clock=clock,
         kube=kube_for(k),
@@ -409,6 +428,32 @@ async def test_scales_to_zero_after_the_idle_delay_and_back_on_held_requests(clu
         assert last["metrics"]["heldRequests"] == 3
         await eventually(lambda: len(scaled_events(k, "idle")) == 2)
     assert_rbac_covers(k)
+
+
+@pytest.mark.asyncio
+async def test_a_request_held_at_zero_is_scaled_for_within_a_poll_not_an_interval(cluster, servers):
+    # At zero the routers' held requests are read every ZERO_POLL_SECONDS between steps: the
+    # request waits about that for its decision, not up to the whole interval.
+    interval = 4.0
+    assert interval > 2 * ZERO_POLL_SECONDS
+    k, clock = cluster, Clock(T0)
+    spec = service("cold", {"minReplicas": 0, "maxReplicas": 1, "scaleToZeroDelaySeconds": 0,
+                            "scaleDownStabilizationSeconds": 0})  # fmt: skip
+    engine, router = await servers(), await servers(router=True)
+    async with operator(k, clock, interval):
+        await create(k, spec)
+        engine_pod = await add_pod(k, "cold", "engine", engine)
+        await add_pod(k, "cold", "router", router)
+        # Idle, with no delay and no window: the first step decides zero.
+        await eventually(lambda: status_of(k, "cold").get("desiredReplicas") == 0, 3 * interval)
+        await api(k, "delete", url(PODS, engine_pod))
+        router.held = 1
+        held_at = asyncio.get_running_loop().time()
+        await eventually(lambda: status_of(k, "cold").get("desiredReplicas") == 1, 3 * interval)
+        assert asyncio.get_running_loop().time() - held_at < interval - 1.5
+        last = status_of(k, "cold")["lastScaleDecision"]
+        assert (last["from"], last["to"], last["signal"]) == (0, 1, "heldRequests")
+        await eventually(lambda: deployment_replicas_of(k, "cold") == 1)
 
 
 @pytest.mark.asyncio

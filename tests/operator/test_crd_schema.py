@@ -536,6 +536,12 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
         M.MSG_CPU_KV_CACHE,
     ),
     ("cpu-kv-cache-size", "llm", {"engine": {"cpuKvCacheBytes": "lots"}}, None),
+    (
+        "pooling-ttft",
+        "llm",
+        {"engine": {"runner": "pooling"}, "autoscaling": {"latencyTarget": {"targetSeconds": 1}}},
+        M.MSG_POOLING_TTFT,
+    ),
     ("managed-lora-flag", "llm", {"engine": {"extraArgs": ["--max-lora"]}}, M.MSG_MANAGED_FLAGS),
     ("name-format", "Llama_8B", {}, M.MSG_NAME_FORMAT),
     ("name-length", "l" * 57, {}, M.MSG_NAME_LENGTH),
@@ -607,6 +613,11 @@ def test_valid_edge_cases_pass_both():
         {"engine": {"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}},
         {"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 2}},
         {"engine": {"tensorParallelSize": 8}, "resources": {"gpus": 8, "sharedMemory": "8Gi"}},
+        # An embedding engine's latency target is its queue time.
+        {
+            "engine": {"runner": "pooling"},
+            "autoscaling": {"latencyTarget": {"metric": "queueTime", "targetSeconds": 1}},
+        },
         # The rule binds tensorParallelSize > 1 only: several GPUs at 1 stay valid, as before.
         {"resources": {"gpus": 2}},
         {"resources": {"sharedMemory": "512Mi"}},

@@ -19,6 +19,7 @@ import yaml
 
 from kvfleet.operator import model_download
 from kvfleet.operator import spec as spec_module
+from kvfleet.operator.adapters import MODELS_DIR
 from kvfleet.operator.admission import policy_violations
 from kvfleet.operator.api import LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.command_lines import router_args
@@ -152,8 +153,10 @@ def test_engine_probes_drain_and_grace_period():
     engine = container(deploy, "engine")
     startup, live, ready = (engine[p] for p in ("startupProbe", "livenessProbe", "readinessProbe"))
     assert startup["httpGet"] == {"path": "/health", "port": "http"}
-    # The startup probe covers the whole loading time before liveness takes over.
+    # The startup probe covers the whole loading time before liveness takes over, and sees the
+    # engine serving within a second (a request held at zero waits for it).
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
+    assert startup["periodSeconds"] == 1
     assert live["httpGet"]["path"] == "/health"
     assert ready["httpGet"]["path"] == "/ready"
     prestop = engine["lifecycle"]["preStop"]["exec"]["command"]
@@ -259,6 +262,39 @@ def test_hf_model_wiring():
     del raw["modelCache"]
     pod = children(raw)["Deployment/llm-engine"]["spec"]["template"]["spec"]
     assert {v["name"]: v for v in pod["volumes"]}["models"] == {"name": "models", "emptyDir": {}}
+
+
+def test_the_compile_cache_is_kept_on_the_model_cache_volume_else_on_tmp(tmp_path, monkeypatch):
+    """With a model cache the engine's compile cache is the service's own folder of that volume
+    (shared by its replicas and restarts, never by another service's engines), mounted writable
+    while the models stay read-only; the download script makes the folder first, as the pod's
+    user. Without one it is on the /tmp emptyDir."""
+    deploy = children(LLAMA)["Deployment/llm-engine"]
+    engine = container(deploy, "engine")
+    cache_dir = env_of(engine)["KVFLEET_COMPILE_CACHE_DIR"]
+    mount = next(m for m in engine["volumeMounts"] if m["mountPath"] == cache_dir)
+    assert mount["name"] == "models" and "readOnly" not in mount
+    folder = env_of(container(deploy, "model-download"))[model_download.COMPILE_CACHE_ENV]
+    assert folder == f"{MODELS_DIR}/{mount['subPath']}"
+    assert mount["subPath"].endswith("/llm")
+    models = next(m for m in engine["volumeMounts"] if m["mountPath"] == MODELS_DIR)
+    assert models["readOnly"] is True
+
+    # The script makes the folder whether its model is already downloaded or not.
+    made = tmp_path / "cache" / mount["subPath"]
+    monkeypatch.setenv(model_download.COMPILE_CACHE_ENV, str(made))
+    monkeypatch.setattr(model_download, "download", lambda *a, **k: None)
+    monkeypatch.setenv("MODEL_REPO", "org/m")
+    monkeypatch.setenv("MODEL_DIR", str(tmp_path / "m"))
+    assert model_download.main([]) == 0 and made.is_dir()
+
+    raw = copy.deepcopy(LLAMA)
+    del raw["modelCache"]
+    deploy = children(raw)["Deployment/llm-engine"]
+    engine = container(deploy, "engine")
+    assert env_of(engine)["KVFLEET_COMPILE_CACHE_DIR"].startswith("/tmp/")
+    assert model_download.COMPILE_CACHE_ENV not in env_of(container(deploy, "model-download"))
+    assert all("subPath" not in m for m in engine["volumeMounts"])
 
 
 def test_engine_flags_follow_the_spec():

@@ -28,7 +28,7 @@ from kvfleet.router.engine_load import (
 from kvfleet.router.main import parse_args, settings_from
 from kvfleet.router.proxy import Balancer, Router, build_app
 from kvfleet.router.settings import RouterSettings
-from kvfleet.telemetry.metric_names import MAX_NUM_SEQS, RUNNING, WAITING
+from kvfleet.telemetry.metric_names import KV_CACHE_USAGE, MAX_NUM_SEQS, RUNNING, WAITING
 from kvfleet.telemetry.metrics_reader import ScrapeError
 from tests.support.servers import serving
 
@@ -67,7 +67,7 @@ def test_free_slots_need_an_empty_queue_and_a_batch_below_its_size() -> None:
 
 
 def sample_lines(**values: float) -> list[str]:
-    names = {"running": RUNNING, "waiting": WAITING, "batch": MAX_NUM_SEQS}
+    names = {"running": RUNNING, "waiting": WAITING, "batch": MAX_NUM_SEQS, "kv": KV_CACHE_USAGE}
     return [f'{names[k]}{{model_name="m"}} {v}' for k, v in values.items()]
 
 
@@ -75,6 +75,8 @@ def test_parse_sums_series_and_checks_values() -> None:
     lines = [*sample_lines(running=3, waiting=2, batch=64), f'{RUNNING}{{model_name="n"}} 4']
     assert report_of(lines, 5) == EngineReport(7, 2, 64, 5)
     assert report_of(sample_lines(running=1, waiting=0), 0).max_num_seqs is None
+    assert report_of(sample_lines(running=1, waiting=0, kv=0.25), 0).kv_usage == 0.25
+    assert report_of(sample_lines(running=1, waiting=0), 0).kv_usage is None
     # A series said twice counts once: the engine's 3 running requests are not 6.
     twice = [*sample_lines(running=3, waiting=2), *sample_lines(running=3)]
     assert report_of(twice, 0) == EngineReport(3, 2, None, 0)
@@ -84,6 +86,7 @@ def test_parse_sums_series_and_checks_values() -> None:
         (sample_lines(running=math.nan, waiting=0), "out_of_range"),
         (sample_lines(running=1e12, waiting=0), "out_of_range"),
         (sample_lines(running=1, waiting=0, batch=math.inf), "out_of_range"),
+        (sample_lines(running=1, waiting=0, kv=1.5), "out_of_range"),  # a fraction of the cache
         ([f'{RUNNING}{{model_name="m"}} many'], "unparsable"),
         ([*sample_lines(running=3, waiting=0), *sample_lines(running=4)], "conflicting_series"),
     ]
@@ -136,7 +139,7 @@ class Engine:
 
     def __init__(self, name: str, hold: float = 0.0, hostile: str | None = None) -> None:
         self.name, self.hold, self.hostile = name, hold, hostile
-        self.others = (0, 0)
+        self.others: tuple[int, int] = (0, 0)
         self.batch = 8
         self.active = 0
         self.scrapes = 0

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,8 +19,11 @@ import aiohttp
 import openai
 import pytest
 
+from kvfleet.protocol import kv_events
+from kvfleet.protocol.block_hash import prompt_block_hashes
 from kvfleet.router.prompt_tokenizer import EngineTokenizer
 from kvfleet.router.proxy import Router, RouterSettings, build_app
+from kvfleet.router.routing_key import token_prefix_key
 from tests.support.scripts import load_bench_script
 from tests.support.servers import serving
 
@@ -42,6 +46,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 "urls": [u for _, u in procs],
                 "hosts": [u.removeprefix("http://") for _, u in procs],
                 "tokenizer": EngineTokenizer(str(model)),
+                "model": model,
             }
 
 
@@ -49,6 +54,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 async def router_for(
     fleet: dict[str, Any], hosts: list[str], **settings: Any
 ) -> AsyncIterator[tuple[Router, str]]:
+    # The hash ring's own tests route approximately; precise scoring's smoke asks for it.
+    settings.setdefault("prefix_scoring", "approximate")
     router = Router(RouterSettings(**settings), fleet["tokenizer"])
     router.set_endpoints(hosts)
     async with serving(build_app(router)) as addr:
@@ -71,6 +78,18 @@ async def test_token_prefix_is_the_engines_tokenization(fleet: dict[str, Any]) -
         r = await s.post(f"{fleet['urls'][0]}/tokenize", json={"messages": messages})
         engine_ids = (await r.json())["tokens"]
     assert fleet["tokenizer"].chat(messages, True, None) == engine_ids
+
+
+def test_a_cut_prompt_tokenizes_as_the_head_of_the_whole(fleet: dict[str, Any]) -> None:
+    """The router tokenizes a long prompt's head only: what it keeps are the whole prompt's
+    first tokens, and the prefix key of a long prompt is the one of its short first turn."""
+    cut = EngineTokenizer(str(fleet["model"]), max_chars=RouterSettings().tokenized_chars)
+    turn = chat_body("a system prompt that runs long " * 200, "hi")["messages"]
+    whole = fleet["tokenizer"].chat(turn, True, None)
+    head = cut.chat(turn, True, None)
+    assert 256 <= len(head) < len(whole) and whole[: len(head)] == head
+    longer = [*turn, {"role": "assistant", "content": "hello " * 2000}]
+    assert token_prefix_key(cut.chat(longer, True, None), 256) == token_prefix_key(whole, 256)
 
 
 _ID = re.compile(rb'"id":"[^"]*"|"created":\d+')
@@ -158,6 +177,55 @@ async def test_the_router_reads_the_engines_own_load(fleet: dict[str, Any]) -> N
         reports = [router.balancer.reports[h] for h in fleet["hosts"]]
         assert {(r.running, r.waiting, r.max_num_seqs) for r in reports} == {(0, 0, 256)}
         assert router.balancer.free() == set(fleet["hosts"])
+
+
+@pytest.mark.asyncio
+async def test_precise_scoring_sends_a_shared_prefix_where_the_events_say_it_is(
+    fleet: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU smoke of KV events and precise prefix scoring: a long prompt served once, the
+    next request sharing its prefix goes to the engine that holds it, by that engine's events,
+    though its session's home on the ring is the other engine."""
+    hosts = fleet["hosts"][:2]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{fleet['urls'][0]}{kv_events.PATH}") as r:
+            if r.status == 404:
+                pytest.skip("the engine does not serve KV events yet (issue 41, kv-events)")
+        async with router_for(fleet, hosts, prefix_scoring="precise") as (router, url):
+            index = router.index
+            assert index is not None
+
+            async def until(check: Callable[[], bool]) -> None:
+                for _ in range(1000):
+                    if check():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("timed out")
+
+            await until(lambda: index.live(router.balancer.clock()) == set(hosts))
+            system = "a long system prompt shared by the turns " * 12
+            first = chat_body(system, "the first turn", max_tokens=1)
+            async with s.post(f"{url}/v1/chat/completions", json=first) as r:
+                assert r.status == 200
+            hashes = prompt_block_hashes(fleet["tokenizer"].chat(first["messages"], True, None))
+
+            def holders() -> list[str]:
+                return [h for h in hosts if index.longest_prefix(h, hashes).gpu == len(hashes)]
+
+            await until(lambda: len(holders()) == 1)
+            holder = holders()[0]
+            ring = router.balancer.ring
+            sid = next(f"s{i}" for i in range(100) if ring.home(f"session:s{i}") != holder)
+            second = chat_body(system, "the second turn", max_tokens=1)
+            with caplog.at_level(logging.DEBUG, "kvfleet.router"):
+                async with s.post(f"{url}/v1/chat/completions", json=second,
+                                  headers={"x-session-id": sid}) as r:  # fmt: skip
+                    assert r.status == 200
+    assert f"precise prefix scoring: cached to {holder}" in caplog.text
+    cached = router.metrics.registry.get_sample_value(
+        "kvfleet_router_prefix_scoring_total", {"decision": "cached"}
+    )
+    assert cached == 1
 
 
 @pytest.mark.asyncio

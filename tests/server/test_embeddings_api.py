@@ -1,7 +1,7 @@
 """POST /v1/embeddings, live: the official openai SDK (floats, base64, dimensions) and
 LangChain's OpenAIEmbeddings against a tiny embedding model, the vectors HF transformers'
-pooled hidden states; OpenAI-shaped refusals of bad inputs; metrics; and each runner refusing
-the other's endpoints."""
+pooled hidden states; OpenAI-shaped refusals of bad inputs; metrics; the request's span with
+the GenAI conventions' embeddings attributes; and each runner refusing the other's endpoints."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import torch
 from openai import BadRequestError
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from kvfleet.engine.config import EngineArgs
 from kvfleet.engine.server.app import ServerSettings
 from kvfleet.engine.server.embeddings import MAX_EMBEDDING_INPUTS
+from kvfleet.telemetry.tracing import Tracing
 from tests.support.engine import hf_embeddings
 from tests.support.net import http_call
 from tests.support.servers import assert_engine_idle, engine_server, metric, openai_client
@@ -32,10 +35,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def spans() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, spans):
     settings = ServerSettings(host="127.0.0.1", port=0, served_model_name=[MODEL])
     args = EngineArgs(model=str(model_dir), device="cpu", dtype="float32")
-    with engine_server(args, settings) as s:
+    with engine_server(args, settings, Tracing.to(spans, "engine", batch=False)) as s:
         yield s
 
 
@@ -76,6 +84,27 @@ def test_dimensions_truncate_and_renormalise(server):
     head = torch.tensor(full.data[0].embedding[:8])
     assert len(short.data[0].embedding) == 8
     assert (torch.tensor(short.data[0].embedding) - head / head.norm()).abs().max() < 1e-6
+
+
+def test_span_carries_the_genai_embeddings_attributes(server, spans):
+    spans.clear()
+    client = openai_client(server.url)
+    # The SDK asks for base64 by default.
+    out = client.embeddings.create(model=MODEL, input=["one", "two three"], dimensions=8)
+    # The span ends, and is exported, before the response is written.
+    (span,) = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+    attrs = span.attributes or {}
+    assert span.name == f"embeddings {MODEL}"
+    assert attrs["gen_ai.operation.name"] == "embeddings"
+    assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == MODEL
+    assert tuple(attrs["gen_ai.request.encoding_formats"]) == ("base64",)
+    assert attrs["gen_ai.embeddings.dimension.count"] == 8
+    assert attrs["gen_ai.usage.input_tokens"] == out.usage.prompt_tokens > 2
+    # The model's own width when the request names none; floats asked for.
+    client.embeddings.create(model=MODEL, input="one", encoding_format="float")
+    last = spans.get_finished_spans()[-1].attributes or {}
+    assert last["gen_ai.embeddings.dimension.count"] == 64
+    assert tuple(last["gen_ai.request.encoding_formats"]) == ("float",)
 
 
 def test_langchain_openai_embeddings(server):

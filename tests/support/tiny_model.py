@@ -773,26 +773,30 @@ def build_tiny_embedding_model(
     path: str | Path,
     pooling: str = "lasttoken",
     *,
+    arch: str = "qwen3",
     normalize: bool = True,
     is_matryoshka: bool = False,
     **model_args: Any,
 ) -> Path:
-    """A tiny random embedding checkpoint laid out as Qwen3-Embedding ships: a bare Qwen3 body's
-    weights (``layers.0...``, ``norm.weight``, no ``lm_head``) under a config.json that still
-    names ``Qwen3ForCausalLM``, and sentence-transformers files (``modules.json``,
-    ``1_Pooling/config.json`` with ``pooling`` as its mode: ``lasttoken`` or ``mean``, and a
-    Normalize module when ``normalize``). ``is_matryoshka`` declares Matryoshka dimensions in
-    config.json. ``model_args`` go to build_tiny_model. Returns ``path``; rebuilt every call."""
+    """A tiny random embedding checkpoint laid out as Qwen3-Embedding ships: a bare ``arch``
+    body's weights (``layers.0...``, ``norm.weight``, GPT-2's ``h.0...``; no ``lm_head``) under
+    a config.json that still names the causal LM (``Qwen3ForCausalLM``), and
+    sentence-transformers files (``modules.json``, ``1_Pooling/config.json`` with ``pooling`` as
+    its mode: ``lasttoken`` or ``mean``, and a Normalize module when ``normalize``).
+    ``is_matryoshka`` declares Matryoshka dimensions in config.json. ``model_args`` go to
+    build_tiny_model. Returns ``path``; rebuilt every call."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
-    causal = build_tiny_model(path.with_name(path.name + "-causal-lm"), "qwen3", **model_args)
+    causal = build_tiny_model(path.with_name(path.name + "-causal-lm"), arch, **model_args)
+    # The body's names in the causal LM's checkpoint start with HF's base-model prefix.
+    prefix = "transformer." if arch == "gpt2" else "model."
     path.mkdir(parents=True, exist_ok=True)
     for item in causal.iterdir():
         if item.suffix != ".safetensors" and item.name != MARKER_NAME and item.is_file():
             shutil.copy(item, path / item.name)
     body = {
-        name.removeprefix("model."): tensor
+        name.removeprefix(prefix): tensor
         for name, tensor in load_file(causal / "model.safetensors").items()
         if not name.startswith("lm_head.")
     }
@@ -811,7 +815,8 @@ def build_tiny_embedding_model(
     (path / "modules.json").write_text(json.dumps(modules, indent=2))
     (path / "1_Pooling").mkdir(exist_ok=True)
     pooling_config = {
-        "word_embedding_dimension": config["hidden_size"],
+        # GPT-2's config.json calls it n_embd.
+        "word_embedding_dimension": config.get("hidden_size", config.get("n_embd")),
         "pooling_mode_cls_token": False,
         "pooling_mode_mean_tokens": pooling == "mean",
         "pooling_mode_max_tokens": False,

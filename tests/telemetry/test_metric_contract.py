@@ -68,6 +68,19 @@ def test_every_name_a_reader_asks_for_is_exported(engine) -> None:
     assert all(metric_names.MODEL_NAME in s.labels for f in families for s in f.samples)
 
 
+def test_the_start_is_exported_phase_by_phase(engine) -> None:
+    """A CPU engine's start: every phase it runs (no warm-up or graphs on the CPU), each a
+    positive number of seconds."""
+    [family] = [
+        f
+        for f in text_string_to_metric_families(_exposition(engine.url))
+        if f.name == metric_names.STARTUP_SECONDS
+    ]
+    phases = {s.labels[metric_names.STARTUP_PHASE]: s.value for s in family.samples}
+    assert set(phases) == {"process", "config", "weights", "memory_profile", "kv_cache", "http"}
+    assert all(seconds > 0 for seconds in phases.values()), phases
+
+
 @pytest.mark.asyncio
 async def test_the_router_reads_the_engines_load_whole(engine) -> None:
     async with aiohttp.ClientSession() as session, session.get(engine.url + "/metrics") as r:

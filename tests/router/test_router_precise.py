@@ -1,0 +1,184 @@
+"""Precise prefix scoring in the router against fake engines that serve KV event streams
+(tests/support/kv_event_stream.py): requests go to the engine the events say holds their
+prompt, replicas fed the same events agree (one started late included), a gap resyncs from a
+snapshot, and stale views fall back to approximate routing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvfleet.router.proxy import Router, build_app
+from kvfleet.router.routing_key import token_prefix_key
+from kvfleet.router.settings import RouterSettings
+from tests.support.kv_event_stream import CharTokenizer, FakeKvEngine, stored
+from tests.support.servers import serving
+
+TOKENIZER = CharTokenizer()
+SYSTEM = "You answer questions about the fleet. " * 4
+OTHER = "Another tenant's prompt. " * 6
+
+
+def messages(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def tokens(user: str, system: str = SYSTEM) -> list[int]:
+    return TOKENIZER.chat(messages(user, system), True, None)
+
+
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def engines(*names: str) -> AsyncIterator[dict[str, FakeKvEngine]]:
+    """Fake engines by host:port."""
+    async with AsyncExitStack() as stack:
+        fleet = {}
+        for name in names:
+            engine = FakeKvEngine(name)
+            fleet[await stack.enter_async_context(serving(engine.app()))] = engine
+        yield fleet
+
+
+class Replica:
+    """A router serving on a free port, with its index."""
+
+    def __init__(self, router: Router, addr: str) -> None:
+        assert router.index is not None
+        self.router, self.index, self.url = router, router.index, f"http://{addr}"
+
+    def live(self) -> frozenset[str]:
+        return self.index.live(self.router.balancer.clock())
+
+    async def served_by(self, msgs: list[dict[str, str]], **headers: str) -> str:
+        """The name of the engine that answered a chat request of these messages."""
+        body = {"model": "m", "messages": msgs, "max_tokens": 1}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{self.url}/v1/chat/completions", json=body, headers=headers) as resp,
+        ):
+            assert resp.status == 200
+            return (await resp.json())["engine"]
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.router.metrics.registry.get_sample_value(name, labels)
+
+    def decisions(self, decision: str) -> float | None:
+        return self.sample("kvfleet_router_prefix_scoring_total", decision=decision)
+
+    def away_from(self, endpoint: str) -> str:
+        """A session id whose home on the ring is not ``endpoint``: approximate routing would
+        send its requests elsewhere."""
+        ring = self.router.balancer.ring
+        return next(f"s{i}" for i in range(100) if ring.home(f"session:s{i}") != endpoint)
+
+
+@asynccontextmanager
+async def replica(fleet: dict[str, FakeKvEngine], **settings: Any) -> AsyncIterator[Replica]:
+    defaults = {"kv_events_stale_after": 1.0, "engine_load_interval": 0}
+    router = Router(RouterSettings(**{**defaults, **settings}), TOKENIZER)
+    router.set_endpoints(fleet)
+    async with serving(build_app(router)) as addr:
+        r = Replica(router, addr)
+        broken = {ep for ep, e in fleet.items() if e.garbage is not None}
+        await until(lambda: r.live() == set(fleet) - broken)
+        yield r
+
+
+@pytest.mark.asyncio
+async def test_requests_go_where_the_events_say_the_prefix_is_and_replicas_agree() -> None:
+    async with engines("a", "b") as fleet:
+        (addr_a, a), (addr_b, b) = fleet.items()
+        async with replica(fleet) as first:
+            # Engine b caches a conversation's first turn; its second turn goes there, though
+            # its session's home on the ring is a.
+            b.push(stored(tokens("first turn")))
+            await until(lambda: first.index.size(addr_b) > 0)
+            sid = first.away_from(addr_b)
+            turn = messages("first turn, and the second")
+            assert await first.served_by(turn, **{"x-session-id": sid}) == "b"
+            assert first.decisions("cached") == 1
+            # A replica started now learns b's blocks from its snapshot; a prompt a caches
+            # after that, both learn from events; both send each request where the other does.
+            async with replica(fleet) as late:
+                a.push(stored(tokens("other", OTHER)))
+                await until(lambda: first.index.size(addr_a) > 0 and late.index.size(addr_a) > 0)
+                for r in (first, late):
+                    assert await r.served_by(turn, **{"x-session-id": sid}) == "b"
+                    other = messages("other", OTHER)
+                    assert await r.served_by(other, **{"x-session-id": r.away_from(addr_a)}) == "a"
+                assert late.decisions("cached") == 2
+
+
+@pytest.mark.asyncio
+async def test_a_gap_resyncs_from_a_snapshot_and_stale_views_fall_back() -> None:
+    async with engines("a", "b") as fleet:
+        (_, a), (addr_b, b) = fleet.items()
+        async with replica(fleet) as r:
+            # Lost lines: the router opens the stream again and the snapshot has the blocks.
+            b.push(stored(tokens("lost")), seq_skip=1)
+            await until(lambda: b.connections == 2 and r.index.size(addr_b) > 0)
+            assert r.sample("kvfleet_router_kv_resyncs_total", reason="gap") == 1
+            found = messages("lost, found")
+            assert await r.served_by(found, **{"x-session-id": r.away_from(addr_b)}) == "b"
+            # Silent streams go stale: the request is routed as approximate routing routes it.
+            a.heartbeats = b.heartbeats = False
+            await until(lambda: not r.live(), timeout=5)
+            assert r.sample("kvfleet_router_kv_stale_engines") == 2
+            before = r.decisions("fallback") or 0
+            assert await r.served_by(found, **{"x-session-id": r.away_from(addr_b)}) == a.name
+            assert r.decisions("fallback") == before + 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("garbage", "reason"),
+    [
+        (b"not json\n", "invalid"),
+        (b'{"type": "heartbeat", "seq": 0}\n', "invalid"),  # no snapshot first
+        (b"[" * 6000, "invalid"),  # a line past the bound (5216 bytes at 16 blocks)
+    ],
+)
+async def test_a_hostile_stream_is_dropped_and_its_engine_routed_approximately(
+    garbage: bytes, reason: str
+) -> None:
+    async with engines("a", "b") as fleet:
+        (addr_a, a), (addr_b, b) = fleet.items()
+        a.garbage = garbage
+        b.push(stored(tokens("q")))
+        async with replica(fleet, kv_index_max_blocks=16) as r:
+            await until(
+                lambda: (r.sample("kvfleet_router_kv_resyncs_total", reason=reason) or 0) > 0
+            )
+            assert addr_a not in r.index.engines()
+            assert r.sample("kvfleet_router_kv_stale_engines") == 1
+            # b's events still count, and requests are served.
+            sid = r.away_from(addr_b)
+            assert await r.served_by(messages("q"), **{"x-session-id": sid}) == "b"
+
+
+def test_the_prefix_key_and_the_hashes_come_from_one_tokenization() -> None:
+    calls: list[Any] = []
+
+    class Counting(CharTokenizer):
+        def chat(
+            self, messages: list[Any], add_generation_prompt: bool, template_kwargs: Any
+        ) -> list[int]:
+            calls.append(messages)
+            return super().chat(messages, add_generation_prompt, template_kwargs)
+
+    router = Router(RouterSettings(engine_load_interval=0), Counting())
+    rk, hashes = router._tokenized({}, {"messages": messages("q")}, None)
+    assert len(calls) == 1
+    assert rk.key == token_prefix_key(tokens("q"), 256)
+    assert len(hashes) == len(tokens("q")) // 16 > 0
