@@ -19,6 +19,7 @@
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
 #   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
 #   bash bench/gpu_run.sh OUTDIR startup llama8b  # an engine's start, cold then warm (issue 42)
+#   bash bench/gpu_run.sh OUTDIR cpu-kv-tier       # the host KV tier off vs on (issue 42)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -80,12 +81,14 @@ for step in "$@"; do
     check)
         timeout 420 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py \
+            tests/engine/test_host_kv_tier_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     gputests)
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py \
+            tests/engine/test_host_kv_tier_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     qwen3)
@@ -503,6 +506,30 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
             --autoscale-interval 10 --repeats "${FLEET_REPEATS:-4}" --user-words 60 \
             --max-tokens 16 --log-dir "$out/fleet-scale-zero-logs" \
             --result-json "$out/fleet_scale_zero.json" 2>&1 | tee "$out/fleet_scale_zero.txt"
+        ;;
+    cpu-kv-tier)
+        # Issue 42's goal for the host KV tier, off then on, on one engine (GPU 0) behind the
+        # real router and operator: the fleet workload (48 system prompts of 2,000 words, ~4k
+        # tokens each, 4 turns) at FLEET_RATE (4) requests/s for FLEET_SECONDS (90), the GPU
+        # cache capped at 8 GB (~61k tokens) so that the working set is ~3x it; the tier holds
+        # 32 GiB. Hit rates per tier and TTFT p90 in cpu_kv_tier_{off,on}.json; then batch-1
+        # TPOT with prefix caching, tier off and on (the tier's cost to a decode step).
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        for tier in 0 32Gi; do
+            name=cpu_kv_tier_$([ "$tier" = 0 ] && echo off || echo on)
+            timeout 200 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0 \
+                --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=8000000000 \
+                --cpu-kv-cache "$tier" --max-model-len 8192 --min-replicas 1 --max-replicas 1 \
+                --settle 0 --policies round-robin --phases "${FLEET_SECONDS:-90}x${FLEET_RATE:-4}" \
+                --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 \
+                --reply-words 120 --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/$name-logs" \
+                --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
+        done
+        for tier in 0 32Gi; do
+            timeout 80 $py bench/latency.py --model bench/models/Llama-3.1-8B \
+                --enable-prefix-caching --cpu-kv-cache-bytes "$tier" 2>&1 |
+                tee -a "$out/cpu_kv_tier_tpot.txt"
+        done
         ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

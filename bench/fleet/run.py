@@ -127,7 +127,12 @@ WORKLOADS = ("chat", "tenants")
 MAX_TOKENS = {"chat": 64, "tenants": 24}
 MAX_ROUTER_REPLICAS = 16
 SCENARIOS = ("workload", "scale-from-zero")
-PREFIX_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+# Device hits, prompt tokens looked up, and hits in the engines' host tier (--cpu-kv-cache).
+PREFIX_COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+)
 ROUTER_COUNTERS = {
     "spilled": "kvfleet_router_spilled_total",
     "retries": "kvfleet_router_retries_total",
@@ -164,6 +169,8 @@ def inference_service(
                       maxLoraRank=ns.adapter_rank)  # fmt: skip
     if ns.max_model_len:
         engine["maxModelLen"] = ns.max_model_len
+    if ns.cpu_kv_cache is not None:
+        engine["cpuKvCacheBytes"] = ns.cpu_kv_cache
     isvc: dict[str, Any] = {
         "apiVersion": "kvfleet.dev/v1alpha1",
         "kind": "InferenceService",
@@ -539,8 +546,8 @@ async def _run_policy(
     await asyncio.gather(sampler, return_exceptions=True)
     h1 = await f.runner.totals(PREFIX_COUNTERS)
     r1 = await f.router_counters(routers)
-    hits, queries = (h1[n] - h0[n] for n in PREFIX_COUNTERS)
-    summary = summarize(policy, records, seconds, hits, queries,
+    hits, queries, host_hits = (h1[n] - h0[n] for n in PREFIX_COUNTERS)
+    summary = summarize(policy, records, seconds, (hits, host_hits), queries,
                         {k: int(r1[k] - r0[k]) for k in r0} if routers else None,
                         replicas, scale_events(f, workload, t0, time.monotonic()),
                         ns.ttft_slo)  # fmt: skip
@@ -560,7 +567,7 @@ def summarize(
     policy: str,
     records: list[Record],
     seconds: float,
-    hits: float,
+    hits: tuple[float, float],
     queries: float,
     router: dict[str, int] | None,
     replicas: list[list[float]],
@@ -592,7 +599,10 @@ def summarize(
         "latency_p90_ms": lat_p90,
         "ttft_slo_s": ttft_slo,
         "slo_attainment": sum(t <= ttft_slo for t in ttfts) / len(records) if records else None,
-        "prefix_cache_hit_rate": hits / queries if queries else None,
+        # Of the prompt tokens, those found on the device, and those copied back from host
+        # memory (the engines' host tier).
+        "prefix_cache_hit_rate": hits[0] / queries if queries else None,
+        "host_cache_hit_rate": hits[1] / queries if queries else None,
         "router": router,
         "replicas": replicas,  # [seconds, desired, ready, running]
         "peak_replicas": peak,
@@ -779,6 +789,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter-rank", type=int, default=16, help="their rank (maxLoraRank)" + d)
     p.add_argument("--max-loras", type=int, default=4, help="spec.engine.maxLoras" + d)
     p.add_argument("--max-cpu-loras", type=int, default=16, help="spec.engine.maxCpuLoras" + d)
+    p.add_argument(
+        "--cpu-kv-cache",
+        help="spec.engine.cpuKvCacheBytes, the engines' host KV tier: a quantity, 0 for none "
+        "(default: the operator sizes it from the memory request)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here (default: temp)")
     p.add_argument("--result-json", type=Path)
@@ -841,6 +856,10 @@ def print_table(runs: list[dict[str, Any]]) -> None:
               f"| {f(r['prefix_cache_hit_rate'], '.1%')} | {router.get('spilled', '')} "
               f"| {router.get('retries', '')} | {r['peak_replicas']} | {r['replica_seconds']} "
               f"| {r['static_peak_replica_seconds']} |")  # fmt: skip
+    for r in runs:
+        if r.get("host_cache_hit_rate"):
+            print(f"{r['policy']}: {r['host_cache_hit_rate']:.1%} of prompt tokens copied back "
+                  "from the engines' host KV tier")  # fmt: skip
     for r in runs:
         if "adapter_loads" in r:
             print(f"{r['policy']}: {r['adapter_loads']} adapter loads into GPU slots, "
