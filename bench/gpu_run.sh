@@ -18,6 +18,7 @@
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
 #   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
+#   bash bench/gpu_run.sh OUTDIR router-overhead   # the precise router's added latency (CPU)
 #   bash bench/gpu_run.sh OUTDIR startup llama8b  # an engine's start, cold then warm (issue 42)
 #   bash bench/gpu_run.sh OUTDIR cpu-kv-tier       # the host KV tier off vs on (issue 42)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
@@ -469,6 +470,15 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
             --router-replicas "${FLEET_ROUTERS:-1}" --phases "$phases" "${shape[@]}" \
             --ttft-slo 1.0 --log-dir "$out/fleet-routing-$spec-logs" \
             --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
+        ;;
+    router-overhead)
+        # The router's added latency with precise prefix scoring (issue 41's goal: p99 under 2 ms
+        # at 500 requests/s through one replica): a CPU measurement, on this host's dedicated
+        # cores; stub engines publishing their blocks, ~2.4k-token prompts; twice, as a check.
+        for i in 1 2; do
+            timeout 280 $py bench/router_bench.py --latency-only --rate 500 --latency-requests 5000 \
+                --result-json "$out/router_overhead_$i.json" 2>&1 | tee "$out/router_overhead_$i.txt"
+        done
         ;;
     fleet-autoscale)
         # The builtin autoscaler from one replica to one per visible GPU: a ramp 2 -> PEAK -> 2
