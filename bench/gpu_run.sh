@@ -17,7 +17,10 @@
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
+#   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
+#   bash bench/gpu_run.sh OUTDIR router-overhead   # the precise router's added latency (CPU)
 #   bash bench/gpu_run.sh OUTDIR startup llama8b  # an engine's start, cold then warm (issue 42)
+#   bash bench/gpu_run.sh OUTDIR cpu-kv-tier       # the host KV tier off vs on (issue 42)
 # Models are dummy-weight bench/models/* configs in bf16; the chat and burst steps give them a
 # dummy tokenizer (bench/dummy_tokenizer.py), since they send text.
 set -uo pipefail
@@ -79,12 +82,14 @@ for step in "$@"; do
     check)
         timeout 420 $py bench/kernel_test_gpu.py 2>&1 | tee "$out/kernels.txt"
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py \
+            tests/engine/test_host_kv_tier_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     gputests)
         timeout 400 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_structured_gpu.py \
-            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py 2>&1 |
+            tests/engine/test_fp8_kv_gpu.py tests/engine/test_moe_gpu.py tests/engine/test_lora_gpu.py \
+            tests/engine/test_host_kv_tier_gpu.py 2>&1 |
             tee "$out/gpu_tests.txt"
         ;;
     qwen3)
@@ -427,31 +432,53 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
             tee "$out/tp2_llama2_70b_throughput.txt"
         ;;
     fleet-routing-*)
-        # One engine per visible GPU, Llama-3.1-8B (dummy weights), behind the real router and
-        # operator (bench/fleet): round robin vs session vs prefix keys on multi-turn chats with
-        # shared system prompts of 2,000 words (~4k tokens with the dummy Llama 3 tokenizer):
+        # One engine per visible GPU, Llama-3.1-8B (dummy weights) at the engine's own defaults
+        # (no --max-num-seqs), behind the real router and operator (bench/fleet): round robin vs
+        # approximate (prefix) vs precise prefix scoring, the same requests each:
         # fleet-routing-RATES[-PROMPTS], RATES one rate or several joined by '_' (a sweep on the
-        # same warm fleet), each for FLEET_SECONDS (60). Each engine's KV cache is capped at
-        # 12 GB (~91k tokens) so that the working set (PROMPTS x ~4k tokens and the histories)
-        # exceeds one engine's cache, as a production fleet's does. FLEET_POLICIES picks the
-        # policies (all three by default).
+        # same warm fleet, from which the harness reads each policy's rate at the p90 TTFT SLO
+        # of 1 s), each for FLEET_SECONDS (60). FLEET_WORKLOAD chat (the default): multi-turn
+        # chats of FLEET_TURNS (4) on PROMPTS (48) shared system prompts of FLEET_SYSTEM_WORDS
+        # (2,000 words: ~4k tokens with the dummy Llama 3 tokenizer; issue 41's shape is 1,200
+        # words, ~2.4k tokens, 5 turns); tenants: PROMPTS tenants each with a system prompt of 1,000 words
+        # (~2k tokens), one 20-word question a request, 24 output tokens, Zipf popularity. Each
+        # engine's KV cache is capped at 12 GB (~91k tokens) so that the working set exceeds one
+        # engine's cache, as a production fleet's does. FLEET_POLICIES picks the policies (round
+        # robin, prefix and precise by default); FLEET_ROUTERS the router replicas (1; "1,3"
+        # runs each router policy through one and through three, on the same requests).
         spec=${step#fleet-routing-}
         rates=${spec%%-*}
         prompts=48
         [ "$spec" != "$rates" ] && prompts=${spec#*-}
         phases=""
         for r in ${rates//_/ }; do phases="$phases${phases:+;}${FLEET_SECONDS:-60}x$r"; done
+        workload=${FLEET_WORKLOAD:-chat}
+        if [ "$workload" = tenants ]; then
+            shape=(--workload tenants --tenants "$prompts" --tenant-words 1000 --question-words 20)
+        else
+            shape=(--system-prompts "$prompts" --system-words "${FLEET_SYSTEM_WORDS:-2000}"
+                   --turns "${FLEET_TURNS:-4}" --user-words 60 --reply-words 120 --max-tokens 100)
+        fi
         # The device sends back only files named in letters, digits, '.', '_' and '-'.
-        name="fleet_routing_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
+        name="fleet_routing_${workload}_$spec${FLEET_POLICIES:+_${FLEET_POLICIES//,/-}}"
+        name="$name${FLEET_ROUTERS:+_routers${FLEET_ROUTERS//,/-}}"
         [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
         timeout 580 $py bench/fleet/run.py --model /tmp/llama8b --gpus "$gpus" \
             --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=12000000000 \
             --max-model-len 8192 --min-replicas "$ngpus" --max-replicas "$ngpus" --settle 0 \
-            --policies "${FLEET_POLICIES:-round-robin,session,prefix}" \
-            --phases "$phases" --system-prompts "$prompts" --system-words 2000 --turns 4 \
-            --user-words 60 --reply-words 120 --max-tokens 100 --ttft-slo 1.0 \
-            --log-dir "$out/fleet-routing-$spec-logs" \
+            --policies "${FLEET_POLICIES:-round-robin,prefix,precise}" \
+            --router-replicas "${FLEET_ROUTERS:-1}" --phases "$phases" "${shape[@]}" \
+            --ttft-slo 1.0 --log-dir "$out/fleet-routing-$spec-logs" \
             --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
+        ;;
+    router-overhead)
+        # The router's added latency with precise prefix scoring (issue 41's goal: p99 under 2 ms
+        # at 500 requests/s through one replica): a CPU measurement, on this host's dedicated
+        # cores; stub engines publishing their blocks, ~2.4k-token prompts; twice, as a check.
+        for i in 1 2; do
+            timeout 280 $py bench/router_bench.py --latency-only --rate 500 --latency-requests 5000 \
+                --result-json "$out/router_overhead_$i.json" 2>&1 | tee "$out/router_overhead_$i.txt"
+        done
         ;;
     fleet-autoscale)
         # The builtin autoscaler from one replica to one per visible GPU: a ramp 2 -> PEAK -> 2
@@ -489,6 +516,30 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
             --autoscale-interval 10 --repeats "${FLEET_REPEATS:-4}" --user-words 60 \
             --max-tokens 16 --log-dir "$out/fleet-scale-zero-logs" \
             --result-json "$out/fleet_scale_zero.json" 2>&1 | tee "$out/fleet_scale_zero.txt"
+        ;;
+    cpu-kv-tier)
+        # Issue 42's goal for the host KV tier, off then on, on one engine (GPU 0) behind the
+        # real router and operator: the fleet workload (48 system prompts of 2,000 words, ~4k
+        # tokens each, 4 turns) at FLEET_RATE (4) requests/s for FLEET_SECONDS (90), the GPU
+        # cache capped at 8 GB (~61k tokens) so that the working set is ~3x it; the tier holds
+        # 32 GiB. Hit rates per tier and TTFT p90 in cpu_kv_tier_{off,on}.json; then batch-1
+        # TPOT with prefix caching, tier off and on (the tier's cost to a decode step).
+        [ -d /tmp/llama8b ] || $py bench/dummy_tokenizer.py bench/models/Llama-3.1-8B /tmp/llama8b
+        for tier in 0 32Gi; do
+            name=cpu_kv_tier_$([ "$tier" = 0 ] && echo off || echo on)
+            timeout 200 $py bench/fleet/run.py --model /tmp/llama8b --gpus 0 \
+                --engine-arg=--load-format=dummy --engine-arg=--kv-cache-memory-bytes=8000000000 \
+                --cpu-kv-cache "$tier" --max-model-len 8192 --min-replicas 1 --max-replicas 1 \
+                --settle 0 --policies round-robin --phases "${FLEET_SECONDS:-90}x${FLEET_RATE:-4}" \
+                --system-prompts 48 --system-words 2000 --turns 4 --user-words 60 \
+                --reply-words 120 --max-tokens 100 --ttft-slo 1.0 --log-dir "$out/$name-logs" \
+                --result-json "$out/$name.json" 2>&1 | tee "$out/$name.txt"
+        done
+        for tier in 0 32Gi; do
+            timeout 80 $py bench/latency.py --model bench/models/Llama-3.1-8B \
+                --enable-prefix-caching --cpu-kv-cache-bytes "$tier" 2>&1 |
+                tee -a "$out/cpu_kv_tier_tpot.txt"
+        done
         ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

@@ -86,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         help="a mixture of experts' experts placed whole per rank, not each one split",
     )
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: W8A8 weights")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the prefix cache (off by default: each timed run computes its prompt)",
+    )
+    p.add_argument(
+        "--cpu-kv-cache-bytes",
+        default="0",
+        help="the host KV tier's size (needs --enable-prefix-caching): its cost to a decode step",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile one timed run (host time)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -99,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=8,
         enforce_eager=args.enforce_eager,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.enable_prefix_caching,
+        cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,

@@ -5,13 +5,23 @@
    (straight to the engines in turn). Reported: the engines' own prefix-cache hit rate
    (delta of ``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``) and client TTFT.
    Each run uses its own prompts (another seed), so no run finds the previous run's blocks.
-2. Added latency: a stub upstream answering an 8-event SSE stream at once, hit at a fixed rate
-   directly and through the router; reported: time to first byte and to the last byte, p50/p99.
+2. Added latency: stub engines answering an 8-event SSE stream at once, hit at a fixed rate
+   (``--rate``) directly and through a router, with long chat prompts (``--latency-prompts`` of
+   ``--latency-prompt-words``, about 1.5 tokens a word); reported: time to first byte and to the
+   last byte, p50/p99, and what the router adds to each. Two routers: one without a tokenizer
+   (``router``), and one with precise prefix scoring (``router, precise``: ``--tokenizer``,
+   ``--prefix-scoring precise``), which tokenizes each prompt and scores the engines from their
+   KV event streams: each stub engine serves ``GET /kv_events`` with a snapshot holding the
+   blocks of its share of the prompts, and counts the requests that reach it with a prompt it
+   holds (reported as ``on holding engine``, which shows precise scoring was in effect).
 
     python bench/router_bench.py --engines 3 --conversations 24 --turns 6 --result-json out.json
+    python bench/router_bench.py --latency-only --rate 500 --latency-requests 5000
 
 Engines serve a random-weight Llama built here (``--hidden-size``, ``--layers``; the tiny test
-model's tokenizer); the routers get its tokenizer (``--tokenizer``).
+model's tokenizer); the routers get its tokenizer (``--tokenizer``). The affinity routers are
+session keys and prefix keys (both ``--prefix-scoring approximate``) and precise scoring from the
+engines' KV events (``--prefix-scoring precise``).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +45,9 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from aiohttp import web
+
+from kvfleet.protocol import kv_events
+from kvfleet.telemetry import metric_names as names
 
 # bench/ for its modules, and the repository root for the tests' tiny model (tests/support).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -252,33 +266,120 @@ def bench_model(cache_dir: Path, hidden_size: int, layers: int) -> Path:
 STUB_EVENTS = b"".join(b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n' for _ in range(8))
 
 
-def stub_app() -> web.Application:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        await request.read()
+def latency_prompts(num: int, words: int, seed: int = 7) -> list[list[dict[str, str]]]:
+    """``num`` chat requests' messages, each a system prompt of ``words`` tagged ``[i]`` (the
+    stub engines read the tag) and a short question."""
+    rng = random.Random(seed)
+    return [
+        [{"role": "system", "content": f"[{i}] " + " ".join(rng.choices(WORDS, k=words))},
+         {"role": "user", "content": "what does it say?"}]
+        for i in range(num)
+    ]  # fmt: skip
+
+
+def holding_engine(prompt: int, engines: int) -> int:
+    """The stub engine whose cache holds prompt ``prompt``'s blocks."""
+    return prompt % engines
+
+
+def snapshot_blocks(
+    tokenizer: str, prompts: Sequence[list[dict[str, str]]], engines: int
+) -> tuple[list[list[str]], float]:
+    """Each stub engine's blocks (hex hashes of its prompts' full blocks, as the router hashes
+    the tokens the engine's chat template gives), and the prompts' mean length in tokens."""
+    from kvfleet.protocol.block_hash import prompt_block_hashes
+    from kvfleet.router.prompt_tokenizer import EngineTokenizer
+
+    tok = EngineTokenizer(tokenizer)
+    blocks: list[list[str]] = [[] for _ in range(engines)]
+    lengths = []
+    for i, messages in enumerate(prompts):
+        tokens = tok.chat(messages, True, None)
+        lengths.append(len(tokens))
+        blocks[holding_engine(i, engines)] += [h.hex() for h in prompt_block_hashes(tokens)]
+    return blocks, sum(lengths) / len(lengths)
+
+
+class StubEngine:
+    """An engine that answers every chat request at once, is idle in its /metrics, and holds
+    ``blocks`` in its prefix cache, which ``GET /kv_events`` publishes (a snapshot, then
+    heartbeats: nothing changes)."""
+
+    def __init__(self, index: int, engines: int, blocks: list[str]) -> None:
+        self.index, self.engines, self.blocks = index, engines, blocks
+        self.engine_id = uuid.uuid4().hex  # a new id each process start, as an engine's
+        self.requests = 0
+        self.on_holder = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/stub_stats", self.stats)
+        app.router.add_get(kv_events.PATH, self.kv_events)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests += 1
+        tag = body["messages"][0]["content"].partition("]")[0].lstrip("[")
+        self.on_holder += holding_engine(int(tag), self.engines) == self.index
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(STUB_EVENTS + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    async def health(_request: web.Request) -> web.Response:
+    async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handle)
-    app.router.add_get("/health", health)
-    return app
+    async def metrics(self, _request: web.Request) -> web.Response:
+        lines = [f"{names.RUNNING} 0", f"{names.WAITING} 0", f"{names.MAX_NUM_SEQS} 256",
+                 f"{names.KV_CACHE_USAGE} 0.5"]  # fmt: skip
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def stats(self, _request: web.Request) -> web.Response:
+        return web.json_response({"requests": self.requests, "on_holder": self.on_holder})
+
+    async def kv_events(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": kv_events.CONTENT_TYPE})
+        await resp.prepare(request)
+        blocks = kv_events.SnapshotBlocks(gpu=self.blocks)
+        await resp.write(kv_events.encode_line(
+            kv_events.Snapshot(engine_id=self.engine_id, seq=0, blocks=blocks)
+        ))  # fmt: skip
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                await asyncio.sleep(kv_events.HEARTBEAT_SECONDS)
+                await resp.write(kv_events.encode_line(kv_events.Heartbeat(seq=0)))
+        return resp
 
 
-async def fixed_rate(url: str, rate: float, n: int) -> tuple[list[float], list[float]]:
-    """n streamed requests, one every 1/rate seconds: (TTFB, total) per request, seconds."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+async def serve_stubs(ports: Sequence[int], blocks: list[list[str]]) -> None:
+    """The stub engines, one a port, in this process, until it is stopped."""
+    runners = []
+    for i, port in enumerate(ports):
+        runner = web.AppRunner(StubEngine(i, len(ports), blocks[i]).app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+    await asyncio.Event().wait()
+
+
+async def fixed_rate(
+    url: str, rate: float, n: int, prompts: Sequence[list[dict[str, str]]]
+) -> tuple[list[float], list[float]]:
+    """n streamed requests, one every 1/rate seconds, the prompts in turn: (TTFB, total) per
+    request, seconds."""
+    bodies = [{"model": MODEL, "messages": m, "stream": True} for m in prompts]
     ttfb: list[float] = []
     total: list[float] = []
 
-    async def one(session: aiohttp.ClientSession) -> None:
+    async def one(session: aiohttp.ClientSession, body: dict[str, object]) -> None:
         start = time.perf_counter()
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
             await r.content.readany()
             ttfb.append(time.perf_counter() - start)
             await r.read()
@@ -289,7 +390,7 @@ async def fixed_rate(url: str, rate: float, n: int) -> tuple[list[float], list[f
         t0 = time.perf_counter()
         for i in range(n):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(session)))
+            tasks.append(asyncio.create_task(one(session, bodies[i % len(bodies)])))
         await asyncio.gather(*tasks)
     return ttfb, total
 
@@ -303,6 +404,11 @@ class LatencyResult:
     ttfb_p99_ms: float
     total_p50_ms: float
     total_p99_ms: float
+    # The router's added time to the last byte (its total less the direct path's); None: direct.
+    added_p50_ms: float | None = None
+    added_p99_ms: float | None = None
+    # Share of the requests that reached the engine holding their prompt; None: not counted.
+    on_holding_engine: float | None = None
 
 
 def latency_result(path: str, rate: float, ttfb: list[float], total: list[float]) -> LatencyResult:
@@ -334,15 +440,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--load-factor", type=float, default=1.25, help="the routers' bound")
     p.add_argument("--prefix-length", type=int, default=128,
                    help="router --prefix-length for the prefix-key run")  # fmt: skip
-    p.add_argument("--rate", type=float, default=50.0, help="added-latency request rate")
+    p.add_argument("--rate", type=float, default=500.0, help="added-latency request rate")
     p.add_argument("--latency-requests", type=int, default=1000)
+    p.add_argument("--latency-engines", type=int, default=4, help="stub engines")
+    p.add_argument("--latency-prompts", type=int, default=64,
+                   help="distinct chat prompts, spread over the stub engines' caches")  # fmt: skip
+    p.add_argument("--latency-prompt-words", type=int, default=1600,
+                   help="words of each prompt's system message (about 2.4k tokens)")  # fmt: skip
+    p.add_argument("--latency-only", action="store_true",
+                   help="the added latency alone, without the affinity runs")  # fmt: skip
     p.add_argument("--cache-dir", type=Path, help="where the bench model is built (default: temp)")
     p.add_argument("--result-json", type=Path)
-    p.add_argument("--stub-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--stub-ports", help=argparse.SUPPRESS)
+    p.add_argument("--stub-blocks", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def print_tables(affinity: list[AffinityResult], latency: list[LatencyResult]) -> None:
+    if affinity:
+        print_affinity(affinity)
+    print_latency(latency)
+
+
+def print_affinity(affinity: list[AffinityResult]) -> None:
     rr = next(r for r in affinity if r.policy == "round robin")
     print("| policy | requests | prefix-cache hit rate | vs round robin | TTFT p50 ms "
           "| TTFT p90 ms | seconds | spilled |")  # fmt: skip
@@ -354,11 +474,20 @@ def print_tables(affinity: list[AffinityResult], latency: list[LatencyResult]) -
               f"| {r.ttft_p50_ms:.1f} | {r.ttft_p90_ms:.1f} | {r.seconds:.1f} "
               f"| {spilled} |")  # fmt: skip
     print()
-    print("| path | requests | rate/s | TTFB p50 ms | TTFB p99 ms | total p50 ms | total p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+
+
+def print_latency(latency: list[LatencyResult]) -> None:
+    print("| path | requests | rate/s | TTFB p50 ms | TTFB p99 ms | total p50 ms | total p99 ms "
+          "| added p50 ms | added p99 ms | on holding engine |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def f(x: float | None, fmt: str) -> str:
+        return "" if x is None else format(x, fmt)
+
     for r in latency:
         print(f"| {r.path} | {r.requests} | {r.rate:g} | {r.ttfb_p50_ms:.2f} | {r.ttfb_p99_ms:.2f} "
-              f"| {r.total_p50_ms:.2f} | {r.total_p99_ms:.2f} |")  # fmt: skip
+              f"| {r.total_p50_ms:.2f} | {r.total_p99_ms:.2f} | {f(r.added_p50_ms, '.2f')} "
+              f"| {f(r.added_p99_ms, '.2f')} | {f(r.on_holding_engine, '.1%')} |")  # fmt: skip
 
 
 async def affinity_runs(
@@ -366,25 +495,25 @@ async def affinity_runs(
 ) -> list[AffinityResult]:
     urls = [u for _, u in engine_procs]
     hosts = [u.removeprefix("http://") for u in urls]
-    session_port, prefix_port = free_port(), free_port()
+    common = ("--tokenizer", tokenizer, "--load-factor", str(ns.load_factor))
+    scorings = {"session": "approximate", "prefix": "approximate", "precise": "precise"}
+    ports = {name: free_port() for name in scorings}
     routers = [
-        start_router(hosts, session_port, log_dir / "router-session.log", "--tokenizer", tokenizer,
-                     "--load-factor", str(ns.load_factor)),
-        start_router(hosts, prefix_port, log_dir / "router-prefix.log", "--tokenizer", tokenizer,
-                     "--prefix-length", str(ns.prefix_length), "--load-factor",
-                     str(ns.load_factor)),
+        start_router(hosts, ports[name], log_dir / f"router-{name}.log", *common,
+                     "--prefix-length", str(ns.prefix_length), "--prefix-scoring", scoring)
+        for name, scoring in scorings.items()
     ]  # fmt: skip
     try:
-        session_url, prefix_url = (f"http://127.0.0.1:{p}" for p in (session_port, prefix_port))
-        wait_ready([session_url, prefix_url], "/health", procs=routers)
+        router_urls = {name: f"http://127.0.0.1:{p}" for name, p in ports.items()}
+        wait_ready(list(router_urls.values()), "/health", procs=routers)
         with watched([*routers, *(p for p, _ in engine_procs)]):
-            return await _affinity(ns, urls, session_url, prefix_url)
+            return await _affinity(ns, urls, router_urls)
     finally:
         stop(routers)
 
 
 async def _affinity(
-    ns: argparse.Namespace, urls: list[str], session_url: str, prefix_url: str
+    ns: argparse.Namespace, urls: list[str], routers: dict[str, str]
 ) -> list[AffinityResult]:
     def workload(seed: int) -> list[Conversation]:
         return make_conversations(ns.conversations, ns.turns, ns.system_prompts,
@@ -392,12 +521,13 @@ async def _affinity(
 
     # Warm-up: the first requests of a process pay one-off costs (allocator, lazy imports).
     await run_conversations(workload(99)[: ns.engines * 2], round_robin(urls), 4)
+    session, prefix, precise = routers["session"], routers["prefix"], routers["precise"]
     runs: list[tuple[str, Target, str | None]] = [
         ("round robin", round_robin(urls), None),
         ("router, session header",
-         lambda i: (session_url, {"x-session-id": f"conv-{i}"}), session_url),
-        (f"router, prefix key ({ns.prefix_length} tokens)",
-         lambda _i: (prefix_url, {}), prefix_url),
+         lambda i: (session, {"x-session-id": f"conv-{i}"}), session),
+        (f"router, prefix key ({ns.prefix_length} tokens)", lambda _i: (prefix, {}), prefix),
+        ("router, precise", lambda _i: (precise, {}), precise),
     ]  # fmt: skip
     results = []
     for seed, (policy, target, router_url) in enumerate(runs):
@@ -409,38 +539,81 @@ async def _affinity(
     return results
 
 
-async def latency_runs(ns: argparse.Namespace, log_dir: Path) -> list[LatencyResult]:
-    stub_port, router_port = free_port(), free_port()
-    stub = subprocess.Popen(python_cmd(__file__, "--stub-port", str(stub_port)))
-    router = start_router([f"127.0.0.1:{stub_port}"], router_port, log_dir / "router-stub.log")
+async def latency_runs(
+    ns: argparse.Namespace, tokenizer: Path, log_dir: Path
+) -> list[LatencyResult]:
+    prompts = latency_prompts(ns.latency_prompts, ns.latency_prompt_words)
+    blocks, mean_tokens = snapshot_blocks(str(tokenizer), prompts, ns.latency_engines)
+    logger.info("latency prompts: %d of %.0f tokens on average", len(prompts), mean_tokens)
+    (log_dir / "stub-blocks.json").write_text(json.dumps(blocks))
+    stub_ports = [free_port() for _ in range(ns.latency_engines)]
+    stub = subprocess.Popen(
+        python_cmd(__file__, "--stub-ports", ",".join(map(str, stub_ports)),
+                   "--stub-blocks", str(log_dir / "stub-blocks.json"))
+    )  # fmt: skip
+    stubs = [f"http://127.0.0.1:{p}" for p in stub_ports]
+    hosts = [u.removeprefix("http://") for u in stubs]
+    plain_port, precise_port = free_port(), free_port()
+    routers = [
+        start_router(hosts, plain_port, log_dir / "router-stub.log"),
+        start_router(hosts, precise_port, log_dir / "router-stub-precise.log", "--tokenizer",
+                     str(tokenizer), "--prefix-scoring", "precise"),
+    ]  # fmt: skip
     try:
-        direct, routed = (f"http://127.0.0.1:{p}" for p in (stub_port, router_port))
-        wait_ready([direct, routed], "/health", procs=[stub, router])
+        plain, precise = (f"http://127.0.0.1:{p}" for p in (plain_port, precise_port))
+        wait_ready([*stubs, plain, precise], "/health", procs=[stub, *routers])
         out = []
-        with watched([stub, router]):
-            for path, url in [("direct", direct), ("router", routed)] * 2:
-                ttfb, total = await fixed_rate(url, ns.rate, ns.latency_requests)
-                out.append(latency_result(path, ns.rate, ttfb, total))
-                logger.info("%s", out[-1])
-        # The first pair warms both paths up; report the second.
-        return out[2:]
+        with watched([stub, *routers]):
+            paths = [("direct", stubs[0]), ("router", plain), ("router, precise", precise)]
+            # The first round warms every path up (and lets the precise router read the
+            # engines' snapshots); the second is reported.
+            for round_ in range(2):
+                for path, url in paths:
+                    before = await stub_counts(stubs)
+                    ttfb, total = await fixed_rate(url, ns.rate, ns.latency_requests, prompts)
+                    after = await stub_counts(stubs)
+                    if round_ == 0:
+                        continue
+                    r = latency_result(path, ns.rate, ttfb, total)
+                    if out:
+                        r.added_p50_ms = r.total_p50_ms - out[0].total_p50_ms
+                        r.added_p99_ms = r.total_p99_ms - out[0].total_p99_ms
+                    requests = after[0] - before[0]
+                    r.on_holding_engine = (after[1] - before[1]) / requests if requests else None
+                    out.append(r)
+                    logger.info("%s", r)
+        return out
     finally:
-        stop([stub, router])
+        stop([stub, *routers])
+
+
+async def stub_counts(stubs: Sequence[str]) -> tuple[int, int]:
+    """(requests, requests on their prompt's holding engine), summed over the stub engines."""
+    requests = on_holder = 0
+    async with aiohttp.ClientSession() as session:
+        for url in stubs:
+            async with session.get(f"{url}/stub_stats") as r:
+                doc = await r.json()
+                requests, on_holder = requests + doc["requests"], on_holder + doc["on_holder"]
+    return requests, on_holder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
-    if ns.stub_port:
-        web.run_app(stub_app(), host="127.0.0.1", port=ns.stub_port, print=None, access_log=None)
+    if ns.stub_ports:
+        ports = [int(p) for p in ns.stub_ports.split(",")]
+        asyncio.run(serve_stubs(ports, json.loads(ns.stub_blocks.read_text())))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    affinity: list[AffinityResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = Path(tmp)
         model = bench_model(ns.cache_dir or log_dir, ns.hidden_size, ns.layers)
         blocks = ("--num-gpu-blocks-override", str(ns.kv_blocks)) if ns.kv_blocks else ()
-        with engines(ns.engines, model, log_dir, *blocks) as procs:
-            affinity = asyncio.run(affinity_runs(ns, procs, str(model), log_dir))
-        latency = asyncio.run(latency_runs(ns, log_dir))
+        if not ns.latency_only:
+            with engines(ns.engines, model, log_dir, *blocks) as procs:
+                affinity = asyncio.run(affinity_runs(ns, procs, str(model), log_dir))
+        latency = asyncio.run(latency_runs(ns, model, log_dir))
     print_tables(affinity, latency)
     if ns.result_json:
         doc = {

@@ -4,25 +4,48 @@ table mapping a chained block hash to the block that holds those tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from kvfleet.engine.kv_event_log import KVEventLog
 from kvfleet.engine.lora_request import LoRARequest
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "lora_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "lora_id",
+        "lora_name",
+        "next_free",
+        "parent_hash",
+        "prev_free",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
-        # The LoRA adapter (lora_int_id; 0: the base model) whose KV a cached block holds.
+        # Of a cached block: the previous block's hash, and the LoRA adapter (lora_int_id, 0:
+        # the base model; its name) whose KV it holds.
+        self.parent_hash: bytes | None = None
         self.lora_id = 0
+        self.lora_name: str | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block evicted to be reused: what a host tier needs to keep a copy of it."""
+
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    lora_id: int
+    lora_name: str | None
 
 
 class FreeBlockQueue:
@@ -87,6 +110,9 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         # What the cache gained and lost, while someone subscribes to the engine's KV events.
         self.events = KVEventLog()
+        # The cached blocks get_new_blocks evicted, for a host tier to copy before they are
+        # written again; None: nobody keeps them.
+        self.evicted: list[EvictedBlock] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,6 +136,16 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if self.evicted is not None and block.block_hash is not None:
+                self.evicted.append(
+                    EvictedBlock(
+                        block.block_id,
+                        block.block_hash,
+                        block.parent_hash,
+                        block.lora_id,
+                        block.lora_name,
+                    )
+                )
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -148,11 +184,12 @@ class BlockPool:
         if block_hash in self.cached:
             return
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
         block.lora_id = lora.lora_int_id if lora is not None else 0
+        block.lora_name = lora.lora_name if lora is not None else None
         self.cached[block_hash] = block
         if self.events.enabled:
-            name = lora.lora_name if lora is not None else None
-            self.events.stored(block_hash, parent_hash, name, "gpu")
+            self.events.stored(block_hash, parent_hash, block.lora_name, "gpu")
 
     def _evict(self, block: KVBlock) -> None:
         # A block with a hash is the cache's entry for it: cache_block sets one only then.

@@ -148,6 +148,14 @@ class EngineArgs(BaseModel):
         f"memory limit binds, 1/{round(1 / CPU_KV_SHARE_UNDER_LIMIT)} of what the limit leaves), "
         "at least one --max-model-len sequence and at most --max-num-seqs of them",
     )
+    cpu_kv_cache_bytes: ByteSize = Field(
+        default=0,
+        ge=0,
+        description="host memory for a second tier of the prefix cache (0: none): full blocks "
+        "evicted from the device cache are copied there (pinned memory on a GPU) and a prefix "
+        "found there is copied back instead of computed again; like vLLM's kv_offloading_size "
+        "(its CPU offloading, formerly its swap space); needs prefix caching",
+    )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         default="auto",
         description="KV-cache element type; auto: the model dtype; fp8 (= fp8_e4m3): "
@@ -278,6 +286,11 @@ class EngineArgs(BaseModel):
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise ValueError(f"lora_modules names {repeated} more than once")
+        if self.cpu_kv_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "cpu_kv_cache_bytes needs enable_prefix_caching: the host tier keeps prefix-cache "
+                "blocks"
+            )
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales needs an fp8 KV cache (kv_cache_dtype='fp8')")
         if self.kv_cache_dtype != "auto" and self.resolved_device().type == "cuda":

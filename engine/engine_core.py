@@ -147,7 +147,10 @@ class EngineCore:
             cache_folder=self.cache_folder,
         )
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+            self.runner.num_blocks,
+            args.block_size,
+            args.enable_prefix_caching,
+            self.runner.num_host_blocks,
         )
         self.lora_slots = AdapterSlots(args.max_loras, args.cpu_loras) if args.enable_lora else None
         # Adapters whose folder has been checked (check_adapter), by lora_int_id.
@@ -282,7 +285,7 @@ class EngineCore:
         now; its slot and host copy too if no request of it is in the engine, else they age
         out as any unused one."""
         self._checked_loras.pop(lora.lora_int_id, None)
-        self.kv_cache_manager.pool.drop_adapter_blocks(lora.lora_int_id)
+        self.kv_cache_manager.drop_adapter_blocks(lora.lora_int_id)
         slots = self.lora_slots
         if slots is None:
             return
@@ -363,8 +366,10 @@ class EngineCore:
             outputs += self._fail(self.scheduler.settle_grammars(prev.out))
             self.runner.sample(prev)
         outputs += self._host_adapters()
+        self.scheduler.transfers_done(self.runner.take_kv_transfers_done())
         out = self.scheduler.schedule()
-        self.idle = out.empty and prev is None
+        # A request waiting for its copy from the host tier keeps the loop polling.
+        self.idle = out.empty and prev is None and not self.scheduler.loading
         # On a GPU this call also waits for the step still on the device; on the CPU that
         # step's forward pass ran in the call that launched it.
         on_gpu = self.device.type == "cuda"
@@ -452,11 +457,13 @@ class EngineCore:
     def cached_block_hashes(self) -> tuple[list[bytes], list[bytes]]:
         """Every block hash the engine holds, on the GPU and in host memory (a KV-events
         snapshot)."""
-        return self.kv_cache_manager.pool.cached_hashes(), []
+        kv = self.kv_cache_manager
+        return kv.pool.cached_hashes(), kv.cached_host_hashes()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; False, changing nothing, while a request holds blocks."""
-        return self.kv_cache_manager.pool.reset_prefix_cache()
+        """Forget every cached block, on the device and in host memory; False, changing nothing,
+        while a request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
@@ -470,6 +477,10 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            host_cache_queries=s.host_cache_queries,
+            host_cache_hits=s.host_cache_hits,
+            num_host_cache_blocks=self.kv_cache_manager.num_host_blocks,
+            host_cache_block_bytes=self.runner.block_bytes * self.args.tensor_parallel_size,
             prompt_tokens=self.output_processor.prompt_tokens_total,
             generation_tokens=self.output_processor.generation_tokens_total,
             lora=self._lora_stats(),

@@ -96,6 +96,17 @@ class _EngineStateCollector(Collector):
                       s.prefix_cache_queries)  # fmt: skip
         yield counter(metric_names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)  # fmt: skip
+        yield counter(metric_names.EXTERNAL_PREFIX_CACHE_QUERIES,
+                      "Prompt tokens the device's prefix cache missed, looked up in the host "
+                      "tier.", s.host_cache_queries)  # fmt: skip
+        yield counter(metric_names.EXTERNAL_PREFIX_CACHE_HITS,
+                      "Prompt tokens copied back from the host tier instead of computed.",
+                      s.host_cache_hits)  # fmt: skip
+        yield gauge(metric_names.CPU_KV_CACHE_BLOCKS, "KV blocks held in the host tier.",
+                    s.num_host_cache_blocks)  # fmt: skip
+        yield gauge(metric_names.CPU_KV_CACHE_USAGE_BYTES,
+                    "Host memory the KV blocks held in the host tier take.",
+                    s.num_host_cache_blocks * s.host_cache_block_bytes)  # fmt: skip
         yield counter(metric_names.PROMPT_TOKENS, "Prompt tokens processed.", s.prompt_tokens)
         yield counter(metric_names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens)
         yield counter(metric_names.PREEMPTIONS, "Requests preempted.", s.num_preemptions)

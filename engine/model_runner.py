@@ -23,8 +23,10 @@ from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.cuda_graphs import DecodeGraphs
 from kvfleet.engine.distributed import all_reduce_min, broadcast_from_rank0, tp_rank, tp_size
 from kvfleet.engine.graph_schedule import upfront_sizes
+from kvfleet.engine.host_kv_cache import HostKVCache
 from kvfleet.engine.host_memory import available_memory, cpu_kv_budget
 from kvfleet.engine.kv_cache_manager import cdiv
+from kvfleet.engine.kv_transfers import KVTransfers, TransfersDone
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
 from kvfleet.engine.layers.lora import LoRALayers, attach_lora, load_slot, lora_context
@@ -143,6 +145,26 @@ class StepPlan:
     # and those whose prompt ends this step, which rank 0 pools.
     pool_mean: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pool_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # KV blocks copied to and from the host tier before the forward pass.
+    kv_transfers: KVTransfers | None = None
+
+
+def transfers_plan(transfers: KVTransfers) -> StepPlan:
+    """A plan that runs no sequence, only the host tier's copies (a step whose only request
+    started a load)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return StepPlan(
+        rows=empty,
+        num_new=empty,
+        computed=empty,
+        input_ids=empty,
+        table_writes=[],
+        sampling=empty,
+        pending_ids=empty,
+        pending_src=empty,
+        num_prev_sampled=0,
+        kv_transfers=transfers,
+    )
 
 
 # A sequence's prompt tokens scored in one step: the position in the prompt of the first, and
@@ -281,6 +303,8 @@ class ModelRunner:
             self.num_blocks = self._num_kv_blocks()
         with startup.phase("kv_cache"):
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            self.host_kv = self._allocate_host_tier()
+        self.num_host_blocks = 0 if self.host_kv is None else self.host_kv.num_slots
         # Only rank 0 samples; the workers' logits are computed (the LM head is a collective)
         # and dropped.
         vocab = model_config.vocab_size
@@ -376,6 +400,48 @@ class ModelRunner:
                 f"{self.args.gpu_memory_utilization} of this GPU's {total / 2**30:.1f} GiB: "
                 "raise tensor_parallel_size (or gpu_memory_utilization)"
             )
+
+    def _allocate_host_tier(self) -> HostKVCache | None:
+        """The host tier of --cpu-kv-cache-bytes (None without it): its slots hold whole blocks
+        of every rank's heads, the flag being the engine's host memory, each rank pinning its
+        share."""
+        args = self.args
+        num = args.cpu_kv_cache_bytes // (self.block_bytes * tp_size())
+        if not num or not args.enable_prefix_caching or self.pooling:
+            return None
+        self._check_host_tier_fits(num)
+        host_kv = HostKVCache(self.kv_caches, num, self.device, track=tp_rank() == 0)
+        if tp_rank() == 0:
+            logger.info(
+                "host KV tier: %d blocks (%.2f GiB of host memory%s)",
+                num,
+                num * self.block_bytes * tp_size() / 2**30,
+                ", pinned" if self.device.type == "cuda" else "",
+            )
+        return host_kv
+
+    def _check_host_tier_fits(self, num_blocks: int) -> None:
+        """The host tier is allocated (and pinned) whole at start: one larger than the memory
+        the host has available is refused now rather than killed later. Under a container's
+        memory limit the headroom left counts the page cache (the weights just read) as used,
+        though the kernel reclaims it: there a tier past it is only warned of."""
+        need = num_blocks * self.block_bytes * tp_size()
+        available = available_memory()
+        if need <= available.bytes:
+            return
+        if available.under_limit:
+            logger.warning(
+                "the host KV tier takes %.1f GiB; the container's memory limit leaves %.1f GiB "
+                "beyond what the cgroup holds now, page cache included: if the tier does not "
+                "fit, lower --cpu-kv-cache-bytes",
+                need / 2**30,
+                available.bytes / 2**30,
+            )
+            return
+        raise ValueError(
+            f"cpu_kv_cache_bytes asks for {need / 2**30:.1f} GiB of host memory but "
+            f"{available.bytes / 2**30:.1f} GiB are available: lower it"
+        )
 
     def capture_next_graph(self, idle: bool) -> bool:
         """Between steps: capture the decode graph the schedule picks now (graph_schedule), if
@@ -548,6 +614,7 @@ class ModelRunner:
             return
         self._bind_kv_cache([])
         self.kv_caches = []
+        self.host_kv = None
         self.graphs = None
         del self.model
         self.released = True
@@ -604,6 +671,11 @@ class ModelRunner:
         for rid in out.preempted:
             self._release(rid)
         if not out.scheduled:
+            if out.kv_transfers:
+                plan = transfers_plan(out.kv_transfers)
+                if self.send_plan is not None:
+                    self.send_plan(plan)
+                self.forward(plan)
             return Step(out, [], None, {})
         plan = self.plan(out, prev)
         if self.send_plan is not None:
@@ -754,6 +826,7 @@ class ModelRunner:
             lora_slots=np.array(lora_slots, dtype=np.int32) if max(lora_slots) >= 0 else None,
             lora_changes=out.lora_changes or None,
             lora_host_changes=self._take_lora_host_changes(),
+            kv_transfers=out.kv_transfers or None,
         )
 
     def _cascade_prefix(self, tables: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -776,6 +849,12 @@ class ModelRunner:
                 self._set_host_copy(key, adapter)
         if plan.lora_changes is not None:
             self._apply_lora_changes(plan.lora_changes)
+        if plan.kv_transfers is not None:
+            if self.host_kv is None:
+                raise RuntimeError("host KV copies were planned for a runner without a host tier")
+            self.host_kv.apply(plan.kv_transfers)
+        if not len(plan.rows):
+            return None, {}, {}
         bs = self.block_size
         table = self.block_table
         for row, start, blocks in plan.table_writes:
@@ -928,6 +1007,10 @@ class ModelRunner:
                 load_slot(self.lora, slot, adapter)
             if self.sampler is not None:  # rank 0's metrics; the workers keep no record
                 self.lora_load_seconds.append((lora.lora_name, time.perf_counter() - started))
+
+    def take_kv_transfers_done(self) -> TransfersDone:
+        """The host tier's copies (rank 0's) complete since the last call."""
+        return TransfersDone() if self.host_kv is None else self.host_kv.take_done()
 
     def take_lora_load_seconds(self) -> list[tuple[str, float]]:
         """(adapter name, seconds) of each slot load since the last call."""

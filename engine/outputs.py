@@ -137,6 +137,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
+    host_cache_queries: int  # prompt tokens the device missed, looked up in the host tier
+    host_cache_hits: int  # of those, tokens copied back from it
+    num_host_cache_blocks: int  # blocks held in the host tier
+    host_cache_block_bytes: int  # host memory a block there takes
     prompt_tokens: int
     generation_tokens: int
     lora: LoRAStats | None = None

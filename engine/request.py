@@ -56,6 +56,8 @@ class EngineRequest:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Its prefix's KV blocks are being copied back from the host tier; it waits again after.
+    WAITING_FOR_HOST_KV = enum.auto()
     RUNNING = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()

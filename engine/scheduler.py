@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.kv_transfers import KVTransfers, TransfersDone
 from kvfleet.engine.lora_request import LoRARequest
 from kvfleet.engine.lora_slots import AdapterSlots, SlotChanges
 from kvfleet.engine.request import Request, RequestStatus
@@ -37,6 +38,8 @@ class SchedulerOutput:
     advanced: bool = False
     # LoRA adapters to copy into GPU slots (or drop from host memory) before this step runs.
     lora_changes: SlotChanges = field(default_factory=SlotChanges)
+    # KV blocks to copy to and from the host tier before this step runs.
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -52,6 +55,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    host_cache_queries: int = 0  # prompt tokens the device missed, looked up in the host tier
+    host_cache_hits: int = 0  # of those, tokens found (copied back instead of computed)
 
 
 class Scheduler:
@@ -77,6 +82,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests whose prefix is being copied back from the host tier, by id.
+        self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished: list[str] = []
@@ -101,7 +108,20 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
+
+    def transfers_done(self, done: TransfersDone) -> None:
+        """Copies to and from the host tier completed: stored blocks become servable, and each
+        request whose prefix came back waits at the front, in the order of its load, to find
+        it in the device cache."""
+        self.kv.host_stored(done.stored, done.store_failed)
+        returned = []
+        for load_id, ok in done.loaded:
+            req = self.loading.pop(self.kv.finish_load(load_id, ok), None)
+            if req is not None:  # not aborted meanwhile
+                req.status = RequestStatus.WAITING
+                returned.append(req)
+        self.waiting.extendleft(reversed(returned))
 
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -160,6 +180,16 @@ class Scheduler:
                 w += 1
                 continue
             hits, num_cached = self.kv.get_computed_blocks(req)
+            host_hits = self.kv.get_host_blocks(req, len(hits))
+            if host_hits:
+                if not self.kv.start_load(req, hits, host_hits):
+                    break
+                del self.waiting[w]
+                req.status = RequestStatus.WAITING_FOR_HOST_KV
+                self.loading[req.request_id] = req
+                if req.num_cached_tokens < 0:
+                    self._count_lookup(req, num_cached, len(host_hits) * self.kv.block_size)
+                continue
             num_new = min(req.num_tokens - num_cached, budget)
             num_new = self._until_grammar(req, num_cached, num_new, out)
             if num_new == 0:
@@ -175,10 +205,9 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
+                self._count_lookup(req, num_cached, 0)
+            if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-                self.stats.prefix_cache_queries += req.num_tokens
-                self.stats.prefix_cache_hits += num_cached
             self.running.append(req)
             out.scheduled.append((req, num_new))
             out.new_block_ids[req.request_id] = block_ids
@@ -186,7 +215,18 @@ class Scheduler:
             budget -= num_new
         if self.lora_slots is not None:
             out.lora_changes = self.lora_slots.take_changes()
+        out.kv_transfers = self.kv.take_transfers()
         return out
+
+    def _count_lookup(self, req: Request, device_hits: int, host_hits: int) -> None:
+        """A request's first lookup in the prefix cache, counted once in its life: tokens found
+        on the device, then of those missed there, tokens found in the host tier."""
+        req.num_cached_tokens = device_hits + host_hits
+        self.stats.prefix_cache_queries += req.num_tokens
+        self.stats.prefix_cache_hits += device_hits
+        if self.kv.host is not None:
+            self.stats.host_cache_queries += req.num_tokens - device_hits
+            self.stats.host_cache_hits += host_hits
 
     def starved_lora(self) -> LoRARequest | None:
         """The adapter of the first waiting request that its adapter's want of a slot (or of
@@ -322,6 +362,9 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_HOST_KV:
+            # Its load keeps the blocks it copies into until the copy is done.
+            del self.loading[req.request_id]
         else:
             self.waiting.remove(req)
         req.status = status

@@ -6,6 +6,7 @@ The engine's own flags, which extraArgs are checked against, are in engine_flags
 
 from __future__ import annotations
 
+from kvfleet.operator.cpu_kv_cache import cpu_kv_cache_bytes
 from kvfleet.operator.spec import InferenceServiceSpec, RoutingSpec, served_model_name
 
 
@@ -46,6 +47,8 @@ def engine_args(spec: InferenceServiceSpec, model_path: str | None, *, port: int
         args += ["--tool-call-parser", e.tool_call_parser]
     if e.runner is not None:
         args += ["--runner", e.runner]
+    if host_kv := cpu_kv_cache_bytes(spec):
+        args += ["--cpu-kv-cache-bytes", str(host_kv)]
     if spec.adapters:
         # The adapters themselves (--lora-modules) are not here: they come from the adapters
         # ConfigMap when the container starts (resources.py), so that changing them changes

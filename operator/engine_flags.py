@@ -44,6 +44,7 @@ SERVE_FLAGS: dict[str, Nargs] = {
     "--num-gpu-blocks-override": None,
     "--gpu-memory-utilization": None,
     "--kv-cache-memory-bytes": None,
+    "--cpu-kv-cache-bytes": None,
     "--kv-cache-dtype": None,
     "--calculate-kv-scales": 0,
     "--no-calculate-kv-scales": 0,

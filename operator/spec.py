@@ -104,8 +104,12 @@ MANAGED_FLAGS = (
     "--max-cpu-loras",
     "--enable-runtime-lora-updating",
     "--runner",
+    "--cpu-kv-cache-bytes",
     "-h",
     "--help",
+)
+MSG_CPU_KV_CACHE = (
+    "engine.cpuKvCacheBytes needs enablePrefixCaching: the host tier keeps prefix-cache blocks"
 )
 MSG_MANAGED_FLAGS = (
     "extraArgs must not set, or abbreviate, a flag the operator manages: "
@@ -291,6 +295,9 @@ class EngineSpec(_Model):
     max_loras: int = Field(default=4, ge=1, le=256)
     max_cpu_loras: int = Field(default=16, ge=1, le=1024)
     max_lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK)
+    # Host memory for the KV cache's host tier (--cpu-kv-cache-bytes); "0" turns it off. None:
+    # sized from resources.memory (operator/cpu_kv_cache.py).
+    cpu_kv_cache_bytes: Quantity | None = None
     startup_timeout_seconds: int = Field(default=1800, ge=60, le=86400)
     extra_args: list[Annotated[str, StringConstraints(max_length=256)]] = Field(
         default_factory=list, max_length=64
@@ -312,6 +319,8 @@ class EngineSpec(_Model):
             raise ValueError("env names must be unique")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(MSG_CPU_LORAS)
+        if not self.enable_prefix_caching and self.cpu_kv_cache_bytes not in (None, "0"):
+            raise ValueError(MSG_CPU_KV_CACHE)
         return self
 
 

@@ -25,6 +25,14 @@ MAX_NUM_SEQS = "kvfleet_engine_max_num_seqs"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+# The host tier of the prefix cache (--cpu-kv-cache-bytes): vLLM counts the tokens its KV
+# connectors (CPU offloading among them) are asked for and find under these names; here, the
+# prompt tokens the device cache missed, and of those, the tokens copied back from host memory.
+# The blocks the tier holds and the host memory they take.
+EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
+EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
+CPU_KV_CACHE_BLOCKS = "kvfleet_engine_cpu_kv_cache_blocks"
+CPU_KV_CACHE_USAGE_BYTES = "kvfleet_engine_cpu_kv_cache_usage_bytes"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
 PREEMPTIONS = "vllm:num_preemptions"
@@ -48,7 +56,9 @@ REQUEST_INFERENCE_TIME = "vllm:request_inference_time_seconds"
 
 ENGINE_METRICS = (
     RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_BLOCKS, MAX_NUM_SEQS, CACHE_CONFIG_INFO,
-    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS,
+    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, EXTERNAL_PREFIX_CACHE_QUERIES,
+    EXTERNAL_PREFIX_CACHE_HITS, CPU_KV_CACHE_BLOCKS, CPU_KV_CACHE_USAGE_BYTES, PROMPT_TOKENS,
+    GENERATION_TOKENS, PREEMPTIONS,
     STRUCTURED_OUTPUTS_AVAILABLE, GRAMMAR_CACHE_ENTRIES, GRAMMAR_CACHE_BYTES, GRAMMAR_COMPILES,
     GRAMMAR_COMPILER_CRASHES, REQUEST_SUCCESS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME,

@@ -1,7 +1,8 @@
 """Plots of fleet harness results (bench/fleet/run.py --result-json), as PNG for bench/RESULTS.md.
 
-* ``routing.png`` from fixed-rate runs: output tok/s and TTFT p90 against the request rate, one
-  line per policy, the SLO drawn across the latency panel;
+* ``routing.png`` from fixed-rate runs: output tok/s, TTFT p90 and the engines' prefix-cache
+  hit rate against the request rate, one line per policy, the SLO drawn across the latency
+  panel and each policy's rate at the SLO (bench/fleet/capacity.py) in its legend;
 * ``ramp.png`` from a run under a ramp: offered rate, replicas (desired, ready) and each
   request's TTFT over time, with the SLO.
 
@@ -27,12 +28,23 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on the machines that draw these
 import matplotlib.pyplot as plt
 
+# bench/ for the harness's modules, run as a script or loaded by path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet.capacity import capacities, fixed_rate, series_name
+
 # The printed table's columns that the routing plot reads, by their heading.
-TABLE_COLUMNS = {"output tok/s": "output_tok_s", "TTFT p90 ms": "ttft_p90_ms"}
+TABLE_COLUMNS = {
+    "output tok/s": "output_tok_s",
+    "TTFT p90 ms": "ttft_p90_ms",
+    "hit rate": "prefix_cache_hit_rate",
+}
 
 
 def _number(cell: str) -> float | None:
     cell = cell.strip().replace(",", "")
+    if cell.endswith("%"):
+        return float(cell[:-1]) / 100
     return float(cell) if cell else None
 
 
@@ -73,31 +85,33 @@ def read_runs(path: Path) -> tuple[list[dict[str, Any]], float | None]:
     return runs, next((r.get("ttft_slo_s") for r in runs if r.get("ttft_slo_s")), None)
 
 
-def fixed_rate(load: str) -> float | None:
-    """The rate of a one-phase load such as ``40x12``; None for a ramp."""
-    phases = load.split(",")
-    return float(phases[0].partition("x")[2]) if len(phases) == 1 else None
-
-
 def plot_routing(runs: list[dict[str, Any]], slo_s: float | None, out: Path) -> bool:
-    series: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    series: dict[str, list[tuple[float, float, float, float | None]]] = defaultdict(list)
     for r in runs:
         rate = fixed_rate(r["load"])
         if rate is not None and r.get("output_tok_s") is not None:
-            series[r["policy"]].append((rate, r["output_tok_s"], r["ttft_p90_ms"]))
+            hit_rate = r.get("prefix_cache_hit_rate")
+            series[series_name(r)].append((rate, r["output_tok_s"], r["ttft_p90_ms"], hit_rate))
     if not series:
         return False
-    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    at_slo = {c.policy: c.describe() for c in capacities(runs, slo_s)} if slo_s else {}
+    fig, (tput, ttft, hits) = plt.subplots(1, 3, figsize=(15, 4.2))
     for policy, points in sorted(series.items()):
         points.sort()
         rates = [p[0] for p in points]
+        label = f"{policy} ({at_slo[policy]} req/s at SLO)" if policy in at_slo else policy
         tput.plot(rates, [p[1] for p in points], marker="o", label=policy)
-        ttft.plot(rates, [p[2] / 1000 for p in points], marker="o", label=policy)
+        ttft.plot(rates, [p[2] / 1000 for p in points], marker="o", label=label)
+        known = [(p[0], p[3]) for p in points if p[3] is not None]
+        hits.plot([k[0] for k in known], [k[1] * 100 for k in known], marker="o", label=policy)
     tput.set(xlabel="request rate (req/s)", ylabel="output tok/s", title="Throughput")
     ttft.set(xlabel="request rate (req/s)", ylabel="TTFT p90 (s)", title="TTFT p90", yscale="log")
+    hits.set(
+        xlabel="request rate (req/s)", ylabel="%", title="Prefix-cache hit rate", ylim=(0, 100)
+    )
     if slo_s:
         ttft.axhline(slo_s, color="grey", linestyle="--", label=f"SLO {slo_s:g} s")
-    for ax in (tput, ttft):
+    for ax in (tput, ttft, hits):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -144,7 +158,7 @@ def plot_ramp(run: dict[str, Any], phases: list[dict[str, float]], out: Path) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("inputs", nargs="+", type=Path, help="result JSON files or printed tables")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--prefix", default="", help="prepended to the PNG names")

@@ -12,7 +12,25 @@ rates on the same warm fleet, which saves the engines' start on GPUs):
 
 * ``round-robin``: straight to the ready engines in turn (the baseline, no router);
 * ``session``: through the router, each chat session's id in the session header;
-* ``prefix``: through the router, keyed by the prompt's prefix.
+* ``prefix``: through the router, keyed by the prompt's prefix (``--prefix-scoring
+  approximate``: a hash of its first characters on a ring of the engines);
+* ``precise``: through the router scoring each engine by the longest prefix of the prompt it
+  holds, from the engines' KV events (``--prefix-scoring precise``).
+
+Each router policy gets its own routers for each run, started as the operator's router
+Deployment says (its arguments, plus ``--prefix-scoring``, for precise scoring the model's
+tokenizer, and any ``--router-arg``): ``--router-replicas N`` of them, behind a client-side
+round robin over them that stands for their Service; ``--router-replicas 1,3`` runs each router
+policy with one and with three, on the same requests (its rows named ``precise x3``). The
+engines run at their own defaults (the batch bound included: ``--max-num-seqs`` is passed only
+when given), as in production.
+
+Two workloads (the same requests for every policy of a call, seeded): ``--workload chat``,
+multi-turn sessions sharing a few long system prompts, each turn sending the whole history;
+``--workload tenants``, llm-d's benchmark shape: many tenants each with a long system prompt,
+one short question a request and a short answer, tenants drawn by a Zipf or uniform popularity.
+A rate sweep (``--phases "60x8;60x16;60x24"``) reports the rate each policy serves at the TTFT
+SLO (its p90 TTFT crossing ``--ttft-slo``) and the ratio to round robin's.
 
 CPU, the tiny random model, a ramp under the builtin autoscaler (1 to 2 replicas and back)::
 
@@ -26,6 +44,13 @@ GPUs, dummy weights (a tokenizer from bench/dummy_tokenizer.py), a fixed fleet o
         --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --phases 120x8 \\
         --system-words 3000 --result-json llama8b-fleet.json
 
+The tenant workload, a rate sweep, precise scoring through one router and through three::
+
+    python bench/fleet/run.py --model /tmp/llama8b --engine-arg=--load-format=dummy \\
+        --gpus 0,1,2,3 --min-replicas 4 --max-replicas 4 --workload tenants --tenants 128 \\
+        --phases "60x20;60x40;60x60" --policies precise --router-replicas 1,3 \\
+        --result-json tenants.json
+
 LoRA adapters (``--adapters N``): N random rank-``--adapter-rank`` adapters of the model in
 spec.adapters, each session talking to one of them with a Zipf popularity (``--adapter-zipf``),
 ``--max-loras`` of them in each engine's GPU slots. ``prefix`` then places each adapter's
@@ -38,12 +63,12 @@ ignores where adapters are; the same requests each. On two to four GPUs::
         --result-json llama8b-lora-fleet.json
 
 Reported per policy (a table, and JSON with --result-json): output tok/s, TTFT and latency
-p50/p90, TTFT SLO attainment, the engines' prefix-cache hit rate (vllm:prefix_cache_hits /
-queries deltas, gone engines counted as they were before their SIGTERM), the router's spill,
-retry and rejection counters, adapter loads into GPU slots per minute (with adapters), failed
-requests, replicas over time, replica-seconds (GPU-seconds
-on GPUs) against static provisioning at the peak, and each scale-up split into the operator's
-decision delay and the engine's start.
+p50/p90, TTFT SLO attainment, the rate at the SLO over a sweep (bench/fleet/capacity.py), the
+engines' prefix-cache hit rate (vllm:prefix_cache_hits / queries deltas, gone engines counted
+as they were before their SIGTERM), the router's spill, retry and rejection counters summed
+over its replicas, adapter loads into GPU slots per minute (with adapters), failed requests,
+replicas over time, replica-seconds (GPU-seconds on GPUs) against static provisioning at the
+peak, and each scale-up split into the operator's decision delay and the engine's start.
 """
 
 from __future__ import annotations
@@ -72,14 +97,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import device_name, free_port, git_commit, stop
 from fleet.adapters import LoadCounter, gpu_adapters, write_random_adapter
-from fleet.cluster import ISVCS, Emulator, call, emulated_cluster, resource_url
+from fleet.capacity import Capacity, capacities, series_name
+from fleet.cluster import ISVCS, PODS, Emulator, call, emulated_cluster, resource_url
 from fleet.pods import PodRunner, register_router
 from fleet.scale_zero import measure as measure_from_zero
 from fleet.scale_zero import print_table as print_from_zero
 from fleet.workload import (
+    Phase,
     Record,
     Target,
     Workload,
+    make_tenant_workload,
     make_workload,
     parse_phases,
     percentiles_ms,
@@ -90,9 +118,21 @@ logger = logging.getLogger("kvfleet.bench.fleet")
 
 NAMESPACE = "fleet"
 SERVICE = "bench"
-POLICIES = ("round-robin", "session", "prefix")
+POLICIES = ("round-robin", "session", "prefix", "precise")
+# The router's --prefix-scoring of each router policy: precise scores engines from their KV
+# events; approximate is the hash of the prompt's head on the ring (session keys ignore both).
+PREFIX_SCORING = {"session": "approximate", "prefix": "approximate", "precise": "precise"}
+WORKLOADS = ("chat", "tenants")
+# Answer lengths: the chat's turns carry replies; a tenant's question gets a short answer.
+MAX_TOKENS = {"chat": 64, "tenants": 24}
+MAX_ROUTER_REPLICAS = 16
 SCENARIOS = ("workload", "scale-from-zero")
-PREFIX_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+# Device hits, prompt tokens looked up, and hits in the engines' host tier (--cpu-kv-cache).
+PREFIX_COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+)
 ROUTER_COUNTERS = {
     "spilled": "kvfleet_router_spilled_total",
     "retries": "kvfleet_router_retries_total",
@@ -117,13 +157,20 @@ def inference_service(
 ) -> dict[str, Any]:
     """adapters: name -> folder, in spec.adapters."""
     source = model_dir(ns)
-    engine: dict[str, Any] = {"maxNumSeqs": ns.max_num_seqs, "extraArgs": ns.engine_arg,
-                              "shutdownTimeoutSeconds": ns.shutdown_timeout}  # fmt: skip
+    engine: dict[str, Any] = {
+        "extraArgs": ns.engine_arg,
+        "shutdownTimeoutSeconds": ns.shutdown_timeout,
+    }
+    # Production settings: the engine's own batch bound unless the call names one.
+    if ns.max_num_seqs is not None:
+        engine["maxNumSeqs"] = ns.max_num_seqs
     if adapters:
         engine.update(maxLoras=ns.max_loras, maxCpuLoras=ns.max_cpu_loras,
                       maxLoraRank=ns.adapter_rank)  # fmt: skip
     if ns.max_model_len:
         engine["maxModelLen"] = ns.max_model_len
+    if ns.cpu_kv_cache is not None:
+        engine["cpuKvCacheBytes"] = ns.cpu_kv_cache
     isvc: dict[str, Any] = {
         "apiVersion": "kvfleet.dev/v1alpha1",
         "kind": "InferenceService",
@@ -162,12 +209,26 @@ def inference_service(
 
 
 class Fleet:
-    def __init__(self, k: Emulator, runner: PodRunner, router_url: str, model: str) -> None:
-        self.k, self.runner, self.router_url, self.model = k, runner, router_url, model
+    def __init__(
+        self,
+        k: Emulator,
+        runner: PodRunner,
+        router_deployment: dict[str, Any],
+        model: str,
+        env: dict[str, str],
+        work: Path,
+    ) -> None:
+        """router_deployment: the operator's, whose arguments the routers run with."""
+        self.k, self.runner, self.model = k, runner, model
+        self.router_deployment, self.env, self.work = router_deployment, env, work
+        (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
+        self.router_args: list[str] = container["args"]
 
-    def target(self, policy: str) -> Target:
+    def target(self, policy: str, routers: Sequence[str]) -> Target:
+        """Where each request goes: the next ready engine (round robin), or the next of the
+        routers, round robin over them as their Service spreads connections."""
+        turn = itertools.count()
         if policy == "round-robin":
-            turn = itertools.count()
 
             def next_engine(_session: int) -> tuple[str, dict[str, str]]:
                 urls = self.runner.ready_urls()
@@ -175,22 +236,70 @@ class Fleet:
 
             return next_engine
         if policy == "session":
-            return lambda session: (self.router_url, {"x-session-id": f"session-{session}"})
-        return lambda _session: (self.router_url, {})
+            return lambda session: (
+                routers[next(turn) % len(routers)],
+                {"x-session-id": f"session-{session}"},
+            )
+        return lambda _session: (routers[next(turn) % len(routers)], {})
 
     def status(self) -> dict[str, Any]:
         """The InferenceService's status as the API holds it now."""
         return (self.k.live(ISVCS, NAMESPACE, SERVICE) or {}).get("status") or {}
 
-    async def router_counters(self) -> dict[str, float]:
+    @contextlib.asynccontextmanager
+    async def routers(
+        self, policy: str, replicas: int, ns: argparse.Namespace
+    ) -> AsyncIterator[list[str]]:
+        """``replicas`` router processes for one run of a router policy, each answering and
+        registered as a Ready pod of the router Deployment (the operator scrapes its held
+        requests, the signal that scales from zero) while it runs; none for round robin."""
+        if policy == "round-robin":
+            yield []
+            return
+        procs, urls, pods = [], [], []
+        try:
+            for i in range(replicas):
+                port = free_port()
+                args = _replace(
+                    _replace(self.router_args, "--host", "127.0.0.1"), "--port", str(port)
+                )
+                with (self.work / f"router-{policy}-{replicas}.{i}.log").open("ab") as log:
+                    procs.append(subprocess.Popen(
+                        _command("router", *args, *policy_router_args(policy, ns), *ns.router_arg),
+                        env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                    ))  # fmt: skip
+                urls.append(f"http://127.0.0.1:{port}")
+            await _eventually(lambda: all(map(_answers, urls)), f"the {policy} routers", 60, procs)
+            for url in urls:
+                port = int(url.rpartition(":")[2])
+                pods.append(await register_router(self.k, NAMESPACE, self.router_deployment, port))
+            yield urls
+        finally:
+            # The pods first: the operator must not scrape routers that are gone.
+            for pod in pods:
+                await call(self.k, "delete", resource_url(PODS, NAMESPACE, pod))
+            stop(procs)
+
+    async def router_counters(self, routers: Sequence[str]) -> dict[str, float]:
+        """The router counters summed over the replicas."""
         sums = dict.fromkeys(ROUTER_COUNTERS, 0.0)
         names = {v: k for k, v in ROUTER_COUNTERS.items()}
-        async with aiohttp.ClientSession() as http, http.get(f"{self.router_url}/metrics") as r:
-            for line in (await r.text()).splitlines():
-                sample, _, value = line.rpartition(" ")
-                if (name := names.get(sample.partition("{")[0])) is not None:
-                    sums[name] += float(value)
+        async with aiohttp.ClientSession() as http:
+            for url in routers:
+                async with http.get(f"{url}/metrics") as r:
+                    for line in (await r.text()).splitlines():
+                        sample, _, value = line.rpartition(" ")
+                        if (name := names.get(sample.partition("{")[0])) is not None:
+                            sums[name] += float(value)
         return sums
+
+
+def policy_router_args(policy: str, ns: argparse.Namespace) -> list[str]:
+    """What a router policy adds to the operator's router arguments: its prefix scoring, and
+    for precise scoring the model's tokenizer, which it needs. The others run as the operator
+    deploys the router today, without one (prefix keys of characters)."""
+    args = ["--prefix-scoring", PREFIX_SCORING[policy]]
+    return [*args, "--tokenizer", model_dir(ns)] if policy == "precise" else args
 
 
 def _command(package: str, *args: str) -> list[str]:
@@ -233,8 +342,7 @@ def write_adapters(ns: argparse.Namespace, work: Path) -> dict[str, Path]:
 async def fleet(
     ns: argparse.Namespace, work: Path, adapters: dict[str, Path] | None = None
 ) -> AsyncIterator[Fleet]:
-    """The emulated cluster, the operator, the pod runner and the router, the first engine
-    ready."""
+    """The emulated cluster, the operator and the pod runner, the first engines ready."""
     kubeconfig = work / "kubeconfig"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     async with emulated_cluster(NAMESPACE, kubeconfig) as k:
@@ -254,15 +362,6 @@ async def fleet(
                 lambda: k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-router"),
                 "the operator's router Deployment", 60, procs,
             )  # fmt: skip
-            (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
-            port = free_port()
-            args = _replace(_replace(container["args"], "--host", "127.0.0.1"), "--port", str(port))
-            args = [*args, *ns.router_arg]
-            router = subprocess.Popen(
-                _command("router", *args),
-                env=env, stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            procs.append(router)
             # A service of minReplicas 0 starts at one replica too (the operator's seed).
             await runner.wait_ready(ns.min_replicas or 1, ns.start_timeout)
             engine = k.live("apps/v1/deployments", NAMESPACE, f"{SERVICE}-engine")
@@ -272,12 +371,9 @@ async def fleet(
             ]
             args = engine_container["args"]
             model = args[args.index("--served-model-name") + 1]
-            router_url = f"http://127.0.0.1:{port}"
-            await _eventually(lambda: _answers(router_url), "the router", 30, procs)
-            await register_router(k, NAMESPACE, router_deployment, port)
-            yield Fleet(k, runner, router_url, model)
+            yield Fleet(k, runner, router_deployment, model, env, work)
         finally:
-            # The operator and router first: the engines going is no scale-down to act on.
+            # The operator first: the engines going is no scale-down to act on.
             stop(procs)
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
@@ -411,17 +507,30 @@ async def sample_adapter_loads(f: Fleet, loads: LoadCounter) -> None:
 
 
 async def run_policy(
-    f: Fleet, policy: str, workload: Workload, tag: str, ns: argparse.Namespace
+    f: Fleet, policy: str, replicas: int, workload: Workload, tag: str, ns: argparse.Namespace
+) -> dict[str, Any]:
+    """One run of ``policy``, through ``replicas`` routers (0 for round robin)."""
+    async with f.routers(policy, replicas, ns) as routers:
+        return {**await _run_policy(f, policy, routers, workload, tag, ns), "routers": replicas}
+
+
+async def _run_policy(
+    f: Fleet,
+    policy: str,
+    routers: list[str],
+    workload: Workload,
+    tag: str,
+    ns: argparse.Namespace,
 ) -> dict[str, Any]:
     h0 = await f.runner.totals(PREFIX_COUNTERS)
-    r0 = await f.router_counters()
+    r0 = await f.router_counters(routers)
     replicas: list[list[float]] = []
     decisions: list[dict[str, Any]] = []
     loads = LoadCounter()
     t0 = time.monotonic()
     sampler = asyncio.create_task(sample_replicas(f, t0, replicas, decisions))
     load_sampler = asyncio.create_task(sample_adapter_loads(f, loads)) if ns.adapters else None
-    records = await run_workload(workload, f.target(policy), f.model, tag)
+    records = await run_workload(workload, f.target(policy, routers), f.model, tag)
     t_end = time.monotonic()
     seconds = t_end - t0
     if load_sampler is not None:
@@ -436,10 +545,10 @@ async def run_policy(
     sampler.cancel()
     await asyncio.gather(sampler, return_exceptions=True)
     h1 = await f.runner.totals(PREFIX_COUNTERS)
-    r1 = await f.router_counters()
-    hits, queries = (h1[n] - h0[n] for n in PREFIX_COUNTERS)
-    summary = summarize(policy, records, seconds, hits, queries,
-                        {k: int(r1[k] - r0[k]) for k in r0} if policy != "round-robin" else None,
+    r1 = await f.router_counters(routers)
+    hits, queries, host_hits = (h1[n] - h0[n] for n in PREFIX_COUNTERS)
+    summary = summarize(policy, records, seconds, (hits, host_hits), queries,
+                        {k: int(r1[k] - r0[k]) for k in r0} if routers else None,
                         replicas, scale_events(f, workload, t0, time.monotonic()),
                         ns.ttft_slo)  # fmt: skip
     summary["scaling"] = with_signals(summary["scaling"], decisions)
@@ -458,7 +567,7 @@ def summarize(
     policy: str,
     records: list[Record],
     seconds: float,
-    hits: float,
+    hits: tuple[float, float],
     queries: float,
     router: dict[str, int] | None,
     replicas: list[list[float]],
@@ -490,7 +599,10 @@ def summarize(
         "latency_p90_ms": lat_p90,
         "ttft_slo_s": ttft_slo,
         "slo_attainment": sum(t <= ttft_slo for t in ttfts) / len(records) if records else None,
-        "prefix_cache_hit_rate": hits / queries if queries else None,
+        # Of the prompt tokens, those found on the device, and those copied back from host
+        # memory (the engines' host tier).
+        "prefix_cache_hit_rate": hits[0] / queries if queries else None,
+        "host_cache_hit_rate": hits[1] / queries if queries else None,
         "router": router,
         "replicas": replicas,  # [seconds, desired, ready, running]
         "peak_replicas": peak,
@@ -544,9 +656,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--engine-load-interval=0)",
     )
     p.add_argument(
+        "--router-replicas",
+        default="1",
+        help="router processes of each router policy's run, behind a client-side round robin "
+        "(their Service); several, comma-separated (1,3), run each router policy once with "
+        "each count, on the same requests" + d,
+    )
+    p.add_argument(
         "--gpus", default="", help="comma-separated GPU ids, one per replica; none: CPU engines"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="spec.engine.maxNumSeqs; not given: the engines run at their own default, as in "
+        "production",
+    )
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's")
     p.add_argument(
         "--shutdown-timeout", type=int, default=30, help="seconds an engine drains on SIGTERM" + d
@@ -599,14 +723,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="SECONDSxREQUESTS_PER_S,...: a fixed rate (60x2) or a ramp (30x1,60x8,30x1); "
         "several separated by ';' (60x8;60x16) are measured one after another" + d,
     )
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="chat",
+        help="chat: multi-turn sessions over a few shared system prompts (the --turns ... "
+        "--think-time flags); tenants: one-turn questions under many tenants' system prompts "
+        "(the --tenant... and --question-words flags)" + d,
+    )
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-prompts", type=int, default=4)
     p.add_argument("--system-words", type=int, default=1500, help="shared prefix" + d)
     p.add_argument("--user-words", type=int, default=60)
     p.add_argument("--reply-words", type=int, default=60, help="per assistant turn carried")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="output tokens a request (default: "
+        + ", ".join(f"{w} {n}" for w, n in MAX_TOKENS.items())
+        + ")",
+    )
     p.add_argument("--think-time", type=float, default=2.0, help="mean seconds between turns")
-    p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds, for attainment")
+    p.add_argument("--tenants", type=int, default=128, help="tenants' system prompts" + d)
+    p.add_argument(
+        "--tenant-words",
+        type=int,
+        default=1000,
+        help="words of each tenant's system prompt (1,000: about 2k tokens with the dummy "
+        "Llama 3 tokenizer)" + d,
+    )
+    p.add_argument("--question-words", type=int, default=20, help="a tenant's question" + d)
+    p.add_argument(
+        "--tenant-popularity",
+        choices=("zipf", "uniform"),
+        default="zipf",
+        help="how a request's tenant is drawn" + d,
+    )
+    p.add_argument(
+        "--tenant-zipf", type=float, default=1.0, help="Zipf exponent of the popularity" + d
+    )
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=1.0,
+        help="seconds: attainment, and the p90 TTFT at which a sweep reads each policy's rate",
+    )
     p.add_argument(
         "--settle",
         type=float,
@@ -628,6 +789,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter-rank", type=int, default=16, help="their rank (maxLoraRank)" + d)
     p.add_argument("--max-loras", type=int, default=4, help="spec.engine.maxLoras" + d)
     p.add_argument("--max-cpu-loras", type=int, default=16, help="spec.engine.maxCpuLoras" + d)
+    p.add_argument(
+        "--cpu-kv-cache",
+        help="spec.engine.cpuKvCacheBytes, the engines' host KV tier: a quantity, 0 for none "
+        "(default: the operator sizes it from the memory request)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here (default: temp)")
     p.add_argument("--result-json", type=Path)
@@ -641,6 +807,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ns.policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
     if bad := [x for x in ns.policies if x not in POLICIES]:
         p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
+    if "precise" in ns.policies and ns.model == "default":
+        p.error("precise scoring needs the model's tokenizer in the router: --model tiny or a path")
+    try:
+        ns.router_replicas = [int(x) for x in ns.router_replicas.split(",")]
+    except ValueError:
+        ns.router_replicas = []
+    replicas = ns.router_replicas
+    if not replicas or len(set(replicas)) < len(replicas):
+        p.error(f"--router-replicas is a list of distinct counts, e.g. 1,3, got {replicas}")
+    if not all(1 <= n <= MAX_ROUTER_REPLICAS for n in replicas):
+        p.error(f"--router-replicas counts are 1 to {MAX_ROUTER_REPLICAS}")
+    if ns.workload == "tenants" and (ns.adapters or ns.tenants < 1):
+        p.error("--workload tenants takes --tenants >= 1 and no --adapters")
+    if ns.max_tokens is None:
+        ns.max_tokens = MAX_TOKENS[ns.workload]
     if not 0 <= ns.min_replicas <= ns.max_replicas or ns.max_replicas < 1:
         p.error("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
     if ns.scenario == "scale-from-zero" and (ns.min_replicas != 0 or ns.repeats < 1):
@@ -669,12 +850,16 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         router = r["router"] or {}
-        print(f"| {r['load']} | {r['policy']} | {r['requests']} | {r['failed']} "
+        print(f"| {r['load']} | {series_name(r)} | {r['requests']} | {r['failed']} "
               f"| {f(r['output_tok_s'])} "
               f"| {f(r['ttft_p50_ms'])} | {f(r['ttft_p90_ms'])} | {f(r['latency_p90_ms'])} "
               f"| {f(r['prefix_cache_hit_rate'], '.1%')} | {router.get('spilled', '')} "
               f"| {router.get('retries', '')} | {r['peak_replicas']} | {r['replica_seconds']} "
               f"| {r['static_peak_replica_seconds']} |")  # fmt: skip
+    for r in runs:
+        if r.get("host_cache_hit_rate"):
+            print(f"{r['policy']}: {r['host_cache_hit_rate']:.1%} of prompt tokens copied back "
+                  "from the engines' host KV tier")  # fmt: skip
     for r in runs:
         if "adapter_loads" in r:
             print(f"{r['policy']}: {r['adapter_loads']} adapter loads into GPU slots, "
@@ -695,16 +880,51 @@ def print_table(runs: list[dict[str, Any]]) -> None:
             print(f"{r['policy']}: decision at {d['at_s']} s: {json.dumps(d['decision'])}")
 
 
+def make(ns: argparse.Namespace, phases: list[Phase], adapters: list[str]) -> Workload:
+    """The requests of one load, the same for every policy."""
+    if ns.workload == "tenants":
+        return make_tenant_workload(
+            phases, tenants=ns.tenants, system_words=ns.tenant_words,
+            question_words=ns.question_words, max_tokens=ns.max_tokens,
+            popularity=ns.tenant_popularity, zipf=ns.tenant_zipf, seed=ns.seed,
+        )  # fmt: skip
+    return make_workload(
+        phases, turns=ns.turns, systems=ns.system_prompts, system_words=ns.system_words,
+        user_words=ns.user_words, reply_words=ns.reply_words, think_s=ns.think_time,
+        max_tokens=ns.max_tokens, seed=ns.seed, adapters=adapters, zipf=ns.adapter_zipf,
+    )  # fmt: skip
+
+
+def print_capacities(found: list[Capacity], runs: list[dict[str, Any]], slo_s: float) -> None:
+    """The rate each policy serves at the SLO, against round robin's and approximate
+    scoring's, with its hit rate over the sweep."""
+    by_policy = {c.policy: c for c in found}
+
+    def ratio(c: Capacity, base: str) -> str:
+        other = by_policy.get(base)
+        if c.policy == base or other is None or c.rate is None or not other.rate:
+            return ""
+        exact = c.crossed and other.crossed
+        return f"{c.rate / other.rate:.2f}x" + ("" if exact else " (a bound)")
+
+    print(f"\nRate at the TTFT SLO (p90 <= {slo_s:g} s, failed requests counted as over it):")
+    print("| policy | rates swept | rate at SLO req/s | vs round-robin | vs prefix | hit rate "
+          "| spilled | failed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for c in found:
+        mine = [r for r in runs if series_name(r) == c.policy]
+        hits = [r["prefix_cache_hit_rate"] for r in mine if r["prefix_cache_hit_rate"] is not None]
+        spilled = sum((r["router"] or {}).get("spilled", 0) for r in mine)
+        print(f"| {c.policy} | {', '.join(f'{x:g}' for x in c.swept)} | {c.describe()} "
+              f"| {ratio(c, 'round-robin')} | {ratio(c, 'prefix')} "
+              f"| {min(hits, default=0):.1%} - {max(hits, default=0):.1%} "
+              f"| {spilled if any(r['router'] for r in mine) else ''} "
+              f"| {sum(r['failed'] for r in mine)} |")  # fmt: skip
+
+
 async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     adapters = write_adapters(ns, work) if ns.adapters else {}
-    workloads = [
-        make_workload(
-            phases, turns=ns.turns, systems=ns.system_prompts, system_words=ns.system_words,
-            user_words=ns.user_words, reply_words=ns.reply_words, think_s=ns.think_time,
-            max_tokens=ns.max_tokens, seed=ns.seed, adapters=list(adapters), zipf=ns.adapter_zipf,
-        )
-        for phases in ns.phases
-    ]  # fmt: skip
+    workloads = [make(ns, phases, list(adapters)) for phases in ns.phases]
     header = {
         "date": time.strftime("%Y-%m-%d"),
         "device": device_name() if ns.gpus else "CPU",
@@ -714,20 +934,22 @@ async def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     async with fleet(ns, work, adapters) as f:
         if ns.scenario == "scale-from-zero":
-            return {**header, **await measure_from_zero(f, ns)}
+            async with f.routers("prefix", 1, ns) as (router,):
+                return {**header, **await measure_from_zero(f, ns, router)}
         runs = []
         for j, (phases, workload) in enumerate(zip(ns.phases, workloads, strict=True)):
             load = ",".join(f"{p.seconds:g}x{p.rate:g}" for p in phases)
             for i, policy in enumerate(ns.policies):
-                # A tag per run: no run may hit the blocks an earlier one left.
-                run = await run_policy(f, policy, workload, f"run{j}.{i}-{ns.seed}", ns)
-                logger.info(
-                    "%s at %s: %d requests, %d failed", policy, load, run["requests"], run["failed"]
-                )
-                runs.append({"load": load, "sessions": len(workload.sessions), **run})
+                for n in [0] if policy == "round-robin" else ns.router_replicas:
+                    # A tag per run: no run may hit the blocks an earlier one left.
+                    tag = f"run{j}.{i}.{n}-{ns.seed}"
+                    run = await run_policy(f, policy, n, workload, tag, ns)
+                    logger.info("%s at %s: %d requests, %d failed",
+                                series_name(run), load, run["requests"], run["failed"])  # fmt: skip
+                    runs.append({"load": load, "sessions": len(workload.sessions), **run})
         if f.runner.failures:
             raise RuntimeError("; ".join(f.runner.failures))
-    return {**header, "runs": runs}
+    return {**header, "runs": runs, "capacity": [asdict(c) for c in capacities(runs, ns.ttft_slo)]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -743,6 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_from_zero(report)
     else:
         print_table(report["runs"])
+        print_capacities([Capacity(**c) for c in report["capacity"]], report["runs"], ns.ttft_slo)
     if ns.result_json:
         ns.result_json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

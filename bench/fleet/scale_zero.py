@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -40,12 +41,11 @@ class Fleet(Protocol):
     """What the scenario uses of the harness's fleet (run.Fleet)."""
 
     runner: PodRunner
-    router_url: str
     model: str
 
     def status(self) -> dict[str, Any]: ...
 
-    async def router_counters(self) -> dict[str, float]: ...
+    async def router_counters(self, routers: Sequence[str]) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,10 @@ async def at_zero(runner: PodRunner, timeout: float) -> None:
 
 
 async def first_request(
-    f: Fleet, ns: argparse.Namespace, tag: str, timeout: float
+    f: Fleet, router: str, ns: argparse.Namespace, tag: str, timeout: float
 ) -> tuple[Trial | None, Record]:
-    """One streamed chat completion through the router of a fleet at zero, and its split (None
-    when the request failed)."""
+    """One streamed chat completion through the router (its URL) of a fleet at zero, and its
+    split (None when the request failed)."""
     decided: list[float] = []
 
     async def watch_decision() -> None:
@@ -122,7 +122,7 @@ async def first_request(
     arrival = time.monotonic()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
-            await chat(http, f.router_url, {}, body, record)
+            await chat(http, router, {}, body, record)
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as e:
         record.error = f"{type(e).__name__}: {e}"
     finally:
@@ -143,25 +143,25 @@ async def first_request(
     return trial, record
 
 
-async def measure(f: Fleet, ns: argparse.Namespace) -> dict[str, Any]:
-    """``ns.repeats`` trials from zero on the fleet ``f``, and whether
-    anything failed on the way."""
+async def measure(f: Fleet, ns: argparse.Namespace, router: str) -> dict[str, Any]:
+    """``ns.repeats`` trials from zero on the fleet ``f`` through ``router`` (its URL), and
+    whether anything failed on the way."""
     # Idle for the scale-to-zero delay and the scale-down window, then the operator's interval,
     # the preStop sleep and the drain: generously bounded.
     to_zero_s = ns.scale_to_zero_delay + ns.scale_down_window + 4 * ns.autoscale_interval + 120
-    r0 = await f.router_counters()
+    r0 = await f.router_counters([router])
     trials: list[dict[str, Any]] = []
     failed: list[str] = []
     for i in range(ns.repeats):
         await at_zero(f.runner, to_zero_s)
-        trial, record = await first_request(f, ns, f"zero{i}-{ns.seed}", ns.start_timeout)
+        trial, record = await first_request(f, router, ns, f"zero{i}-{ns.seed}", ns.start_timeout)
         if trial is None:
             failed.append(record.error or "no scale decision seen")
             continue
         if record.output_tokens != ns.max_tokens:
             failed.append(f"{record.output_tokens} tokens, not {ns.max_tokens}")
         trials.append(asdict(trial))
-    r1 = await f.router_counters()
+    r1 = await f.router_counters([router])
     failed += f.runner.failures  # engines that exited on their own
     return {
         "scenario": "scale-from-zero",

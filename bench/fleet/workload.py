@@ -12,6 +12,12 @@ in the engines' prefix caches.
 With adapters, each session talks to one LoRA adapter (its requests' ``model``), drawn with a
 Zipf popularity: the adapter of rank i (from 1) is chosen with weight 1 / i**s, so a few adapters
 take most sessions and a long tail the rest, as tenants' fine-tunes do.
+
+The tenant workload (make_tenant_workload) is the other shape, llm-d's benchmark of prefix-aware
+routing: many tenants, each with its own long system prompt, and a stream of one-turn requests,
+each a short question of one tenant's user with a short answer. Tenants are drawn per request,
+uniformly or with a Zipf popularity, so the prefixes a fleet must hold are the tenants' prompts
+and almost all of a request's prompt is one of them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 import numpy as np
@@ -41,6 +48,7 @@ _WORDS = """
 VOCABULARY = tuple(_WORDS.split())
 
 Target = Callable[[int], tuple[str, dict[str, str]]]  # session -> (base URL, headers)
+Popularity = Literal["zipf", "uniform"]
 
 
 @dataclass(frozen=True)
@@ -121,12 +129,70 @@ def make_workload(
     rng = random.Random(seed)
     # Its own generator: the sessions' text stays what it is without adapters.
     adapter_rng = random.Random(seed + 1)
-    weights = [1 / (i + 1) ** zipf for i in range(len(adapters))]
+    weights = zipf_weights(len(adapters), zipf)
+    prompts = tuple(text(rng, system_words) for _ in range(systems))
+    sessions = tuple(
+        Session(
+            index=i,
+            system=rng.randrange(systems),
+            start=start,
+            users=tuple(text(rng, user_words) for _ in range(turns)),
+            replies=tuple(text(rng, reply_words) for _ in range(turns)),
+            thinks=tuple(think(rng, think_s) for _ in range(turns)),
+            adapter=adapter_rng.choices(adapters, weights)[0] if adapters else None,
+        )
+        for i, start in enumerate(arrivals(rng, phases, turns))
+    )
+    return Workload(prompts, sessions, tuple(phases), max_tokens)
 
-    def text(n: int) -> str:
-        return " ".join(rng.choice(VOCABULARY) for _ in range(n))
 
-    prompts = tuple(text(system_words) for _ in range(systems))
+def make_tenant_workload(
+    phases: Sequence[Phase],
+    *,
+    tenants: int,
+    system_words: int,
+    question_words: int,
+    max_tokens: int,
+    popularity: Popularity,
+    zipf: float,
+    seed: int,
+) -> Workload:
+    """One-turn requests arriving as a Poisson process at each phase's rate, each a question of
+    ``question_words`` under one of ``tenants`` system prompts of ``system_words``. The tenant of
+    a request is drawn uniformly or, with ``popularity`` zipf, the tenant of rank i (from 1)
+    with weight 1 / i**zipf: tenant 0 is the most popular."""
+    if tenants < 1:
+        raise ValueError(f"a tenant workload needs at least one tenant, got {tenants}")
+    rng = random.Random(seed)
+    # Its own generator: the tenants' prompts and the arrivals do not depend on the popularity.
+    tenant_rng = random.Random(seed + 1)
+    weights = zipf_weights(tenants, zipf if popularity == "zipf" else 0.0)
+    prompts = tuple(text(rng, system_words) for _ in range(tenants))
+    sessions = tuple(
+        Session(
+            index=i,
+            system=tenant_rng.choices(range(tenants), weights)[0],
+            start=start,
+            users=(text(rng, question_words),),
+            replies=(),
+            thinks=(0.0,),
+        )
+        for i, start in enumerate(arrivals(rng, phases, 1))
+    )
+    return Workload(prompts, sessions, tuple(phases), max_tokens)
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(VOCABULARY) for _ in range(words))
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    """The weight of rank i (from 0) is 1 / (i + 1)**exponent; exponent 0: uniform."""
+    return [1 / (i + 1) ** exponent for i in range(n)]
+
+
+def arrivals(rng: random.Random, phases: Sequence[Phase], turns: int) -> list[float]:
+    """Session starts as a Poisson process of rate ``phase.rate / turns`` in each phase."""
     starts: list[float] = []
     t0 = 0.0
     for phase in phases:
@@ -137,19 +203,7 @@ def make_workload(
                 break
             starts.append(t)
         t0 += phase.seconds
-    sessions = tuple(
-        Session(
-            index=i,
-            system=rng.randrange(systems),
-            start=start,
-            users=tuple(text(user_words) for _ in range(turns)),
-            replies=tuple(text(reply_words) for _ in range(turns)),
-            thinks=tuple(think(rng, think_s) for _ in range(turns)),
-            adapter=adapter_rng.choices(adapters, weights)[0] if adapters else None,
-        )
-        for i, start in enumerate(starts)
-    )
-    return Workload(prompts, sessions, tuple(phases), max_tokens)
+    return starts
 
 
 def think(rng: random.Random, mean_s: float) -> float:

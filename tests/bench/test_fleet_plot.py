@@ -38,10 +38,13 @@ def _ramp_report() -> dict:
 
 def test_reads_the_printed_table() -> None:
     runs = plot.read_table(TABLE)
-    assert [(r["load"], r["policy"], r["output_tok_s"], r["ttft_p90_ms"]) for r in runs] == [
-        ("40x8", "round-robin", 393, 146),
-        ("40x8", "prefix", 394, 126),
-        ("40x20", "prefix", 1305, 302),
+    assert [
+        (r["load"], r["policy"], r["output_tok_s"], r["ttft_p90_ms"], r["prefix_cache_hit_rate"])
+        for r in runs
+    ] == [
+        ("40x8", "round-robin", 393, 146, pytest.approx(0.659)),
+        ("40x8", "prefix", 394, 126, pytest.approx(0.835)),
+        ("40x20", "prefix", 1305, 302, pytest.approx(0.807)),
     ]
     with pytest.raises(ValueError, match="no table"):
         plot.read_table("| policy | requests |\n| prefix | 3 |\n")

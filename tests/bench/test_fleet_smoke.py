@@ -78,3 +78,46 @@ def test_phases_name_a_rate_sweep_and_refuse_nonsense() -> None:
     for bad in ("p99:0.9:1", "ttft:1.5:1", "ttft:0.9", "ttft:0.9:0"):
         with pytest.raises(SystemExit):
             fleet.parse_args(["--latency-target", bad])
+
+
+def test_engines_at_their_defaults_and_policies_routers_and_workloads_chosen() -> None:
+    ns = fleet.parse_args([])
+    assert ns.policies == ["round-robin", "session", "prefix", "precise"]
+    assert (ns.workload, ns.max_tokens, ns.router_replicas) == ("chat", 64, [1])
+    # Production settings: no batch bound unless the call gives one.
+    assert "maxNumSeqs" not in fleet.inference_service(ns)["spec"]["engine"]
+    bounded = fleet.parse_args(["--max-num-seqs", "64"])
+    assert fleet.inference_service(bounded)["spec"]["engine"]["maxNumSeqs"] == 64
+    tenants = fleet.parse_args(["--workload", "tenants", "--router-replicas", "1,3"])
+    assert (tenants.max_tokens, tenants.router_replicas) == (24, [1, 3])
+    workload = fleet.make(tenants, tenants.phases[0], [])
+    assert len(workload.systems) == 128 and {len(s.users) for s in workload.sessions} == {1}
+    # Approximate routers run as the operator deploys them; precise scoring needs a tokenizer.
+    prefix, precise = (fleet.policy_router_args(p, ns) for p in ("prefix", "precise"))
+    assert prefix == ["--prefix-scoring", "approximate"]
+    assert precise[:3] == ["--prefix-scoring", "precise", "--tokenizer"]
+    assert Path(precise[3]).is_dir()
+    for bad in (
+        ["--policies", "prefix,exact"],
+        ["--router-replicas", "0"],
+        ["--router-replicas", "1,17"],
+        ["--router-replicas", "3,3"],
+        ["--router-replicas", "three"],
+        ["--workload", "tenants", "--tenants", "0"],
+        ["--workload", "tenants", "--adapters", "2"],
+        ["--model", "default", "--policies", "precise"],
+    ):
+        with pytest.raises(SystemExit):
+            fleet.parse_args(bad)
+
+
+def test_router_policies_spread_requests_over_the_replicas_in_turn() -> None:
+    deployment = {"spec": {"template": {"spec": {"containers": [{"args": []}]}}}}
+    f = fleet.Fleet(None, None, deployment, "m", {}, Path())
+    routers = ["http://r0", "http://r1", "http://r2"]
+    prefix = f.target("prefix", routers)
+    assert [prefix(7)[0] for _ in range(4)] == [*routers, routers[0]]
+    session = f.target("session", routers)
+    assert [session(5) for _ in range(2)] == [
+        (url, {"x-session-id": "session-5"}) for url in routers[:2]
+    ]

@@ -28,22 +28,37 @@ def test_router_bench_runs_each_policy_and_the_added_latency(
             *("--system-words", "20", "--user-words", "10", "--max-tokens", "4"),
             *("--hidden-size", "64", "--layers", "1", "--kv-blocks", "64", "--think-time", "0"),
             *("--latency-requests", "20", "--rate", "100", "--cache-dir", str(tmp_path)),
+            *("--latency-engines", "2", "--latency-prompts", "4", "--latency-prompt-words", "60"),
             *("--result-json", str(out)),
         ]
     )
     assert rc == 0
     doc = json.loads(out.read_text())
     policies = [r["policy"] for r in doc["affinity"]]
-    assert policies == ["round robin", "router, session header", "router, prefix key (128 tokens)"]
+    assert policies == [
+        "round robin",
+        "router, session header",
+        "router, prefix key (128 tokens)",
+        "router, precise",
+    ]
     for r in doc["affinity"]:
         assert r["requests"] == 2 * 2 and 0 <= r["hit_rate"] <= 1
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"]
     round_robin, *routed = doc["affinity"]
     assert round_robin["spilled"] is None
     assert all(isinstance(r["spilled"], int) for r in routed)
-    assert [r["path"] for r in doc["latency"]] == ["direct", "router"]
+    assert [r["path"] for r in doc["latency"]] == ["direct", "router", "router, precise"]
     for r in doc["latency"]:
         assert r["requests"] == 20 and 0 < r["total_p50_ms"] <= r["total_p99_ms"]
+    direct, plain, precise = doc["latency"]
+    assert direct["added_p99_ms"] is None and plain["added_p50_ms"] is not None
+    assert precise["added_p99_ms"] == pytest.approx(
+        precise["total_p99_ms"] - direct["total_p99_ms"]
+    )
+    # Direct goes to the first stub engine, which holds half the prompts; the precise router
+    # sends every request to the engine whose KV events name its prompt's blocks.
+    assert direct["on_holding_engine"] == 0.5
+    assert precise["on_holding_engine"] == 1.0
     assert "| router, session header |" in capsys.readouterr().out
 
 

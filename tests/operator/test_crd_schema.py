@@ -530,6 +530,13 @@ INVALID: list[tuple[str, str, dict[str, Any], str | None]] = [
     ),
     ("cpu-loras", "llm", {"engine": {"maxLoras": 8, "maxCpuLoras": 4}}, M.MSG_CPU_LORAS),
     (
+        "cpu-kv-cache-without-prefix-caching",
+        "llm",
+        {"engine": {"cpuKvCacheBytes": "1Gi", "enablePrefixCaching": False}},
+        M.MSG_CPU_KV_CACHE,
+    ),
+    ("cpu-kv-cache-size", "llm", {"engine": {"cpuKvCacheBytes": "lots"}}, None),
+    (
         "pooling-ttft",
         "llm",
         {"engine": {"runner": "pooling"}, "autoscaling": {"latencyTarget": {"targetSeconds": 1}}},
