@@ -92,6 +92,37 @@ def test_a_cut_prompt_tokenizes_as_the_head_of_the_whole(fleet: dict[str, Any]) 
     assert token_prefix_key(cut.chat(longer, True, None), 256) == token_prefix_key(whole, 256)
 
 
+class _Counting:
+    """A tokenizer that counts its calls (tokenizations), everything else its own."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.calls = tok, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.tok(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+
+def test_a_repeated_head_is_tokenized_once(fleet: dict[str, Any]) -> None:
+    """Prompts that differ only past the cut (one tenant's system prompt, other questions) are
+    tokenized once, and get the tokens they would have got anew."""
+    cut = EngineTokenizer(str(fleet["model"]), max_chars=RouterSettings().tokenized_chars)
+    fresh = EngineTokenizer(str(fleet["model"]), max_chars=RouterSettings().tokenized_chars)
+    counting = cut._tok = _Counting(cut._tok)
+    system = "a system prompt that runs long " * 200
+    first = cut.chat(chat_body(system, "hi")["messages"], True, None)
+    second = cut.chat(chat_body(system, "what else?")["messages"], True, None)
+    assert counting.calls == 1 and first == second
+    assert second == fresh.chat(chat_body(system, "what else?")["messages"], True, None)
+    # Short prompts are tokenized whole, each time: nothing of theirs is kept.
+    cut.chat(chat_body("short", "hi")["messages"], True, None)
+    cut.chat(chat_body("short", "hi")["messages"], True, None)
+    assert counting.calls == 3
+
+
 _ID = re.compile(rb'"id":"[^"]*"|"created":\d+')
 
 
