@@ -1,6 +1,7 @@
 """Prompt tokens for token prefix keys and precise prefix scoring, computed by the chat rendering
 the engine uses (kvfleet.protocol.chat_template) from a local HF tokenizer directory
-(``--tokenizer``); without one the router keys on characters.
+(``--tokenizer``, or the engines' own tokenizer written into one: fetched_tokenizer.py); without
+one the router keys on characters.
 
 Only the head of a prompt matters to routing, and tokenizing is the router's largest cost per
 request (milliseconds for a few thousand tokens, where the rest of routing takes tens of
@@ -38,8 +39,8 @@ class EngineTokenizer:
     tokenizer directory."""
 
     def __init__(self, path: str, max_chars: int | None = None) -> None:
-        # Imported here: transformers and jinja2 are needed for this mode only, which the
-        # router's image does without.
+        # Imported here: only a router that tokenizes loads transformers (the operator, which
+        # runs from the same image, never does).
         from transformers import AutoTokenizer
 
         from kvfleet.protocol.chat_template import ChatMessage, conversation_of, render_chat_text
