@@ -4,7 +4,11 @@ by the operator carries no model files, and must tokenize prompts exactly as the
 their block hashes to match.
 
 The first ready engine that answers gives it; until then, and for good where no engine can, the
-router scores approximately (keys of characters, no KV events followed). Each failed round is
+router scores approximately (keys of characters, no KV events followed). Afterwards each engine
+that starts (a new endpoint, or a new engine at one: its KV events say) is asked whether its
+tokenizer is still that one (the bundle's ETag); one that has another (a rollout to another
+model or chat template) gives the router its tokenizer, since the engines that start are the
+ones that stay. Each failed round is
 counted by reason (FETCH_FAILURES) and logged, and the next comes after a backoff with jitter.
 The bundle is semi-trusted input: read up to its bound, validated, written into a private
 temporary folder (mode 0700) under its plain file names, loaded there by transformers off the
@@ -19,6 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 from pydantic import ValidationError
@@ -64,15 +69,29 @@ def load_bundle(body: bytes, max_chars: int | None) -> EngineTokenizer:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+class Fetched(NamedTuple):
+    tokenizer: EngineTokenizer
+    etag: str | None
+    endpoint: str
+
+
 async def fetch_bundle(
-    session: aiohttp.ClientSession, endpoint: str, headers: dict[str, str]
-) -> bytes:
-    """The bundle's bytes from one engine, at most MAX_BUNDLE_BYTES; raises FetchFailed."""
+    session: aiohttp.ClientSession,
+    endpoint: str,
+    headers: dict[str, str],
+    etag: str | None = None,
+) -> tuple[bytes, str | None] | None:
+    """The bundle's bytes from one engine, at most MAX_BUNDLE_BYTES, and its ETag; None where
+    it is ``etag`` still; raises FetchFailed."""
+    if etag is not None:
+        headers = {**headers, "If-None-Match": etag}
     try:
         async with (
             asyncio.timeout(FETCH_TIMEOUT_S),
             session.get(f"http://{endpoint}{PATH}", headers=headers) as response,
         ):
+            if response.status == 304 and etag is not None:
+                return None
             if response.status != 200:
                 raise FetchFailed("status", f"{PATH} answered {response.status}")
             declared = response.content_length
@@ -83,7 +102,7 @@ async def fetch_bundle(
                 body += chunk
                 if len(body) > MAX_BUNDLE_BYTES:
                     raise FetchFailed("too_large", f"over {MAX_BUNDLE_BYTES} bytes")
-            return bytes(body)
+            return bytes(body), response.headers.get("ETag")
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
         raise FetchFailed("connect", f"{type(e).__name__}: {e}") from None
 
@@ -94,7 +113,7 @@ async def fetch_tokenizer(
     headers: dict[str, str],
     max_chars: int | None,
     on_failure: Callable[[str], None],
-) -> EngineTokenizer:
+) -> Fetched:
     """The tokenizer of the first engine of ``endpoints()`` that gives one, trying them in turn
     each round (waiting for ``ready`` when there is none), rounds apart by a backoff."""
     backoff = Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
@@ -103,13 +122,29 @@ async def fetch_tokenizer(
             await ready.wait()
             for endpoint in endpoints():
                 try:
-                    body = await fetch_bundle(session, endpoint, headers)
-                    tokenizer = await asyncio.to_thread(load_bundle, body, max_chars)
+                    fetched = await fetch_from(session, endpoint, headers, max_chars)
                 except FetchFailed as e:
                     on_failure(e.reason)
                     logger.warning("tokenizer from %s: %s; prefix scoring approximate",
                                    endpoint, e)  # fmt: skip
                     continue
+                assert fetched is not None
                 logger.info("prefix keys from tokens: the engines' tokenizer, from %s", endpoint)
-                return tokenizer
+                return fetched
             await backoff.sleep()
+
+
+async def fetch_from(
+    session: aiohttp.ClientSession,
+    endpoint: str,
+    headers: dict[str, str],
+    max_chars: int | None,
+    etag: str | None = None,
+) -> Fetched | None:
+    """One engine's tokenizer; None where its ETag is ``etag`` still; raises FetchFailed."""
+    fetched = await fetch_bundle(session, endpoint, headers, etag)
+    if fetched is None:
+        return None
+    body, new_etag = fetched
+    tokenizer = await asyncio.to_thread(load_bundle, body, max_chars)
+    return Fetched(tokenizer, new_etag, endpoint)

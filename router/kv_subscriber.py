@@ -93,7 +93,8 @@ async def parsed(line: bytes) -> Snapshot | EventBatch | Heartbeat:
 
 class KvSubscriber:
     """Follows every engine's stream into ``index``; ``on_applied(n)``, ``on_resync(reason)``:
-    the router's metrics; ``headers``: sent on each request (the engines' API key)."""
+    the router's metrics; ``headers``: sent on each request (the engines' API key);
+    ``on_new_engine(endpoint)``: a stream's snapshot came from an engine not seen there before."""
 
     def __init__(
         self,
@@ -105,9 +106,11 @@ class KvSubscriber:
         max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         headers: dict[str, str] | None = None,
+        on_new_engine: Callable[[str], None] | None = None,
     ) -> None:
         self.index = index
         self.headers = {**(headers or {}), "Accept-Encoding": "identity"}
+        self.on_new_engine = on_new_engine
         self.on_applied = on_applied
         self.on_resync = on_resync
         self.initial_backoff_s = initial_backoff_s
@@ -185,9 +188,12 @@ class KvSubscriber:
                 if first:
                     if not isinstance(line, Snapshot):
                         raise StreamBroken("invalid", f"the stream began with a {line.type}")
-                    if self._engine_ids.get(endpoint, line.engine_id) != line.engine_id:
+                    known = self._engine_ids.get(endpoint)
+                    if known is not None and known != line.engine_id:
                         logger.info("KV events of %s: a new engine (%s)", endpoint, line.engine_id)
                     self._engine_ids[endpoint] = line.engine_id
+                    if known != line.engine_id and self.on_new_engine is not None:
+                        self.on_new_engine(endpoint)
                     view = await asyncio.to_thread(build_view, endpoint, line, now,
                                                    self.index.max_blocks)  # fmt: skip
                     self.index.install(endpoint, view)

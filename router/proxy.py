@@ -69,7 +69,13 @@ from kvfleet.router.engine_load import (
     estimated_load,
     has_free_slots,
 )
-from kvfleet.router.fetched_tokenizer import FETCH_FAILURES, fetch_tokenizer
+from kvfleet.router.fetched_tokenizer import (
+    FETCH_FAILURES,
+    Fetched,
+    FetchFailed,
+    fetch_from,
+    fetch_tokenizer,
+)
 from kvfleet.router.hash_ring import HashRing
 from kvfleet.router.kv_index import KvIndex
 from kvfleet.router.kv_subscriber import RESYNC_REASONS, KvSubscriber
@@ -635,6 +641,9 @@ class Router:
         self.subscriber: KvSubscriber | None = None
         precise = settings.prefix_scoring == "precise"
         self.fetch_tokenizer = precise and tokenizer is None and fetch_tokenizer
+        # The fetched tokenizer's ETag, and one check of a new engine's at a time.
+        self._tokenizer_etag: str | None = None
+        self._tokenizer_check = asyncio.Lock()
         if precise and (tokenizer is not None or self.fetch_tokenizer):
             self.index = KvIndex(settings.kv_events_stale_after, settings.kv_index_max_blocks)
             self.subscriber = KvSubscriber(
@@ -642,6 +651,7 @@ class Router:
                 self.metrics.kv_events_applied.inc,
                 lambda reason: self.metrics.kv_resyncs.labels(reason).inc(),
                 headers=self.engine_headers,
+                on_new_engine=self._engine_started,
             )
             self.metrics.registry.register(_KvIndexCollector(self.balancer, self.index))
         if tokenizer is None:
@@ -707,17 +717,40 @@ class Router:
         await self.session.close()
 
     async def _fetch_tokenizer(self) -> None:
-        tokenizer = await fetch_tokenizer(
+        fetched = await fetch_tokenizer(
             lambda: self.balancer.endpoints,
             self._ready,
             self.engine_headers,
             self.settings.tokenized_chars,
             lambda reason: self.metrics.tokenizer_fetch_failures.labels(reason).inc(),
         )
-        self.tokenizer = tokenizer
+        self._use_tokenizer(fetched)
         self.metrics.set_prefix_key_mode("tokens")
         if self.subscriber is not None:
             self.subscriber.start()
+
+    def _use_tokenizer(self, fetched: Fetched) -> None:
+        self.tokenizer = fetched.tokenizer
+        self._tokenizer_etag = fetched.etag
+
+    def _engine_started(self, endpoint: str) -> None:
+        if self.fetch_tokenizer and self._tokenizer_etag is not None:
+            self._background(self._check_tokenizer(endpoint))
+
+    async def _check_tokenizer(self, endpoint: str) -> None:
+        """Whether a new engine's tokenizer is the one fetched: one that is not replaces it."""
+        async with self._tokenizer_check, aiohttp.ClientSession() as session:
+            try:
+                fetched = await fetch_from(session, endpoint, self.engine_headers,
+                                           self.settings.tokenized_chars,
+                                           self._tokenizer_etag)  # fmt: skip
+            except FetchFailed as e:
+                self.metrics.tokenizer_fetch_failures.labels(e.reason).inc()
+                logger.warning("tokenizer of the new engine at %s: %s", endpoint, e)
+                return
+            if fetched is not None:
+                logger.warning("the engines' tokenizer changed: now the one of %s", endpoint)
+                self._use_tokenizer(fetched)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limits = self.settings.body

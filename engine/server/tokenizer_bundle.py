@@ -1,12 +1,14 @@
 """GET /tokenizer: the tokenizer the engine loaded (its --chat-template included; a GGUF model's
 too, which the engine builds as an HF tokenizer), as the files ``save_pretrained`` writes, in one
 JSON bundle (kvfleet.protocol.tokenizer_bundle), so that a router tokenizes prompts as the
-engine does. Built once, on the first request, off the event loop. Not under /v1, so the
-router's proxy never forwards it; behind the API key when one is set."""
+engine does. Built once, on the first request, off the event loop; its ETag (the body's
+digest) lets a router ask a newly started engine whether its tokenizer is still the one it has.
+Not under /v1, so the router's proxy never forwards it; behind the API key when one is set."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -42,19 +44,25 @@ def bundle_bytes(tokenizer: Any) -> bytes:
     return body
 
 
+def etag_of(body: bytes) -> str:
+    return f'"{hashlib.sha256(body).hexdigest()[:32]}"'
+
+
 class TokenizerBundleCache:
-    """The bundle, built at most once (a failure is remembered too: it would fail again)."""
+    """The bundle and its ETag, built at most once (a failure is remembered too: it would fail
+    again)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._lock = asyncio.Lock()
-        self._built: bytes | TokenizerNotServable | None = None
+        self._built: tuple[bytes, str] | TokenizerNotServable | None = None
 
-    async def get(self) -> bytes:
+    async def get(self) -> tuple[bytes, str]:
         async with self._lock:
             if self._built is None:
                 try:
-                    self._built = await asyncio.to_thread(bundle_bytes, self.tokenizer)
+                    body = await asyncio.to_thread(bundle_bytes, self.tokenizer)
+                    self._built = body, etag_of(body)
                 except TokenizerNotServable as e:
                     self._built = e
         if isinstance(self._built, TokenizerNotServable):
@@ -70,8 +78,10 @@ async def serve_tokenizer(request: web.Request) -> web.Response:
         raise APIError(404, "this server runs without a tokenizer", "not_found_error",
                        code="no_tokenizer")  # fmt: skip
     try:
-        body = await request.app[TOKENIZER_BUNDLE].get()
+        body, etag = await request.app[TOKENIZER_BUNDLE].get()
     except TokenizerNotServable as e:
         raise APIError(500, f"the engine's tokenizer cannot be served: {e}", "server_error",
                        code="tokenizer_not_servable") from None  # fmt: skip
-    return web.Response(body=body, content_type="application/json")
+    if request.headers.get("If-None-Match") == etag:
+        return web.Response(status=304, headers={"ETag": etag})
+    return web.Response(body=body, content_type="application/json", headers={"ETag": etag})

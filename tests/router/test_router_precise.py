@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -244,3 +245,32 @@ async def test_without_a_tokenizer_the_router_fetches_the_engines_then_routes_pr
         # The router's key went to the engines' own endpoints only, never with clients'.
         assert a.authorizations + b.authorizations
         assert set(a.authorizations + b.authorizations) == {None}
+
+
+@pytest.mark.asyncio
+async def test_a_new_engine_with_another_tokenizer_gives_the_router_its_own(
+    tiny_tokenizer: tuple[bytes, EngineTokenizer], tmp_path: Path
+) -> None:
+    """A rollout to another model: the engines that start have another tokenizer, and the
+    router takes theirs; engines that start with the same one are asked by ETag (304)."""
+    bundle, first = tiny_tokenizer
+    other = build_tokenizer(tmp_path, vocab_size=300)
+    async with engines("a", "b") as fleet:
+        (_, a), (_, b) = fleet.items()
+        a.tokenizer = b.tokenizer = bundle
+        settings = RouterSettings(kv_events_stale_after=1.0, engine_load_interval=0)
+        router = Router(settings, fetch_tokenizer=True)
+        router.set_endpoints(fleet)
+        async with serving(build_app(router)) as addr:
+            r = Replica(router, addr)
+            await until(lambda: r.live() == set(fleet))
+            await until(lambda: 304 in a.tokenizer_statuses + b.tokenizer_statuses)
+            assert router.tokenizer is not None
+            text = "Where is the cache?"
+            assert router.tokenizer.text(text) == first.text(text)
+            # Engine b is replaced by one of another model.
+            b.engine_id, b.tokenizer = "e2", bundle_bytes(other)
+            b.disconnect()
+            await until(lambda: router.tokenizer is not None and
+                        router.tokenizer.text(text) == other(text).input_ids)  # fmt: skip
+            assert b.tokenizer_statuses[-1] == 200

@@ -278,7 +278,7 @@ def test_api_key_headers(server):
 def test_the_tokenizer_bundle_is_the_engines_and_behind_the_key(server, model_dirs):
     """GET /tokenizer: 401 without the key; with it, a bundle that a router loads and that
     tokenizes a chat prompt to the ids the engine's /tokenize gives (its chat template included),
-    the same bytes on each call."""
+    the same bytes on each call, 304 for its ETag."""
     status, _, raw = http_call(server.url + "/tokenizer", method="GET")
     assert assert_openai_error(status, raw, 401)["code"] == "invalid_api_key"
     status, headers, raw = http(server.url + "/tokenizer", method="GET")
@@ -292,6 +292,9 @@ def test_the_tokenizer_bundle_is_the_engines_and_behind_the_key(server, model_di
     assert tokenizer.chat(msgs, True, None) == json.loads(tokenized)["tokens"]
     assert tokenizer.text("plain text") == server.srv.engine.tokenizer("plain text").input_ids
     assert http(server.url + "/tokenizer", method="GET")[2] == raw
+    # A router asking whether it is still the same gets no body.
+    etag = {"If-None-Match": headers["ETag"]}
+    assert http(server.url + "/tokenizer", method="GET", headers=etag)[0] == 304
 
 
 def test_models_do_not_show_the_model_path(server, model_dirs):

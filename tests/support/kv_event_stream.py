@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvfleet.engine.server.tokenizer_bundle import etag_of
 from kvfleet.protocol.block_hash import prompt_block_hashes
 
 IDLE_METRICS = (
@@ -58,8 +59,10 @@ class FakeKvEngine:
         self.served = 0
         # Sent in place of the snapshot when set: a broken or hostile engine's stream.
         self.garbage: bytes | None = None
-        # GET /tokenizer's body (404 while None), and the key it and /kv_events require.
+        # GET /tokenizer's body (404 while None; an ETag of its digest, 304 for a request
+        # that has it), the statuses it answered, and the key it and /kv_events require.
         self.tokenizer: bytes | None = None
+        self.tokenizer_statuses: list[int] = []
         self.api_key: str | None = None
         # The Authorization header of each /v1 request (None: none).
         self.authorizations: list[str | None] = []
@@ -130,10 +133,16 @@ class FakeKvEngine:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({})
 
-    async def serve_tokenizer(self, _request: web.Request) -> web.Response:
+    async def serve_tokenizer(self, request: web.Request) -> web.Response:
         if self.tokenizer is None:
-            return web.json_response({"error": {"code": "no_tokenizer"}}, status=404)
-        return web.Response(body=self.tokenizer, content_type="application/json")
+            response = web.json_response({"error": {"code": "no_tokenizer"}}, status=404)
+        elif request.headers.get("If-None-Match") == (etag := etag_of(self.tokenizer)):
+            response = web.Response(status=304, headers={"ETag": etag})
+        else:
+            response = web.Response(body=self.tokenizer, content_type="application/json",
+                                    headers={"ETag": etag})  # fmt: skip
+        self.tokenizer_statuses.append(response.status)
+        return response
 
     async def answer(self, request: web.Request) -> web.Response:
         await request.read()
