@@ -5,6 +5,8 @@ Skipped where no GPU is visible (CI); run on a GPU machine with
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,23 +20,13 @@ def test_blocks_come_back_from_pinned_memory_with_hf_tokens(model_dirs, prompts,
     """Two passes over prompts that overflow a 19-block device cache, all at once: the second
     finds blocks in host memory, copied back while other requests decode, and every token is
     HF's."""
-    llm = LLM(
-        str(model_dirs["llama"]),
-        dtype="float32",
-        device="cuda",
-        num_gpu_blocks_override=20,
-        max_num_batched_tokens=48,
-    )
+    model = str(model_dirs["llama"])
+    kwargs: dict[str, Any] = dict(dtype="float32", device="cuda", num_gpu_blocks_override=20,
+                                  max_num_batched_tokens=48)  # fmt: skip
+    llm = LLM(model, **kwargs)
     block_bytes = llm.engine.runner.block_bytes
     del llm
-    llm = LLM(
-        str(model_dirs["llama"]),
-        dtype="float32",
-        device="cuda",
-        num_gpu_blocks_override=20,
-        max_num_batched_tokens=48,
-        cpu_kv_cache_bytes=64 * block_bytes,
-    )
+    llm = LLM(model, **kwargs, cpu_kv_cache_bytes=64 * block_bytes)
     core = llm.engine
     host_kv = core.runner.host_kv
     assert host_kv is not None and host_kv.host.is_pinned() and host_kv.stream is not None
