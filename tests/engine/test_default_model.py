@@ -11,6 +11,7 @@ import subprocess
 import urllib.request
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -107,7 +108,12 @@ def test_offline_is_one_line_with_the_manual_command(cache, tmp_path, monkeypatc
 def test_llm_without_a_model_loads_the_default(cache, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(WHEEL_ENV, str(_fake_wheel(tmp_path)))
     loaded: list[str] = []
-    monkeypatch.setattr(llm_module, "EngineCore", lambda args: loaded.append(args.model))
+
+    def engine_core(args):  # what LLM asks of its engine once it is built
+        loaded.append(args.model)
+        return SimpleNamespace(runner=SimpleNamespace(capture_all_graphs=lambda: None))
+
+    monkeypatch.setattr(llm_module, "EngineCore", engine_core)
     LLM(dtype="float32")
     assert loaded == [str(default_model_path())]
 
