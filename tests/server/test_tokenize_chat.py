@@ -11,22 +11,12 @@ from typing import Any
 import pytest
 
 from kvfleet.router.fetched_tokenizer import load_bundle
+from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
 from tests.support.servers import DEFAULT_SERVED_NAME
 
 MODEL = DEFAULT_SERVED_NAME
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = WEATHER_TOOL
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
