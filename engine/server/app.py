@@ -264,7 +264,7 @@ def build_app(
         engine, names, settings.max_waiting_requests, adapters=registry.by_name
     )
     app[METRICS] = metrics
-    app[TOKENIZER_BUNDLE] = TokenizerBundleCache(tokenizer)
+    app[TOKENIZER_BUNDLE] = TokenizerBundleCache(tokenizer, app[TOOL_SETTINGS].parser)
     app[STARTED] = now()
     app[BODY_TIMEOUT] = settings.body_timeout
     app[BODY_LIMIT] = settings.max_request_body_bytes
