@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from kvfleet.engine.checkpoint_path import find_checkpoint
 from kvfleet.engine.engine_args import EngineArgs
 from kvfleet.engine.server.settings import ServerSettings, resolve_api_key
+from kvfleet.protocol.unused_packages import keep_out_unused_packages
 from kvfleet.telemetry.logs import add_log_flags, configure_logging
 from kvfleet.telemetry.settings_flags import DEFAULT, add_model_flags, flag_values, one_line
 from kvfleet.telemetry.tracing import TracingUnavailable, add_tracing_flag, tracing_from
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(ns, "model_tag", None) and ns.model is None:
         ns.model = ns.model_tag
     configure_logging(ns.log_level, ns.log_format)
+    # Before anything imports transformers.
+    keep_out_unused_packages()
     try:
         return ns.func(ns)
     except ValidationError as e:

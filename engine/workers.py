@@ -24,6 +24,7 @@ from tqdm import tqdm
 from kvfleet.engine.config import EngineArgs, ModelConfig
 from kvfleet.engine.distributed import init_tensor_parallel, rank_device
 from kvfleet.engine.model_runner import ModelRunner, StepPlan
+from kvfleet.protocol.unused_packages import keep_out_unused_packages
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def _worker_main(
     # bars, all disabled, need no lock across processes.
     tqdm.set_lock(threading.RLock())
     conn.send_bytes(_HELLO)
+    # A process of the engine's, as spawned: its model config would import them as rank 0's would.
+    keep_out_unused_packages()
     args = EngineArgs.model_validate_json(args_json)
     device = rank_device(args.resolved_device(), rank)
     init_tensor_parallel(rank, world_size, port, device)

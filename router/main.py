@@ -12,6 +12,7 @@ from aiohttp import web
 from kubernetes_asyncio.config import ConfigException
 from pydantic import ValidationError
 
+from kvfleet.protocol.unused_packages import keep_out_unused_packages
 from kvfleet.router.endpoints import EndpointSliceWatcher, in_cluster_namespace, load_configuration
 from kvfleet.router.prompt_tokenizer import load_tokenizer
 from kvfleet.router.proxy import Router, build_runner
@@ -106,6 +107,8 @@ async def serve(ns: argparse.Namespace, tracing: Tracing | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     configure_logging(ns.log_level, ns.log_format)
+    # Before the tokenizer's load imports transformers.
+    keep_out_unused_packages()
     try:
         tracing = tracing_from(ns.otlp_traces_endpoint, "router")
     except (ValueError, TracingUnavailable) as e:
