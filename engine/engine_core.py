@@ -77,30 +77,34 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Any) -> frozenset[int]:
 class EngineCore:
     def __init__(self, args: EngineArgs, tokenizer: Any | None = None) -> None:
         # The phases of the start, from here to ready (the server adds its own, and logs them).
-        self.startup = StartupTimer()
-        started = time.perf_counter()
-        self.device = rank_device(args.resolved_device(), 0)
-        # Resolved once, here: the workers, the runner and the metrics see the same values.
-        self.args = args = args.for_device(self.device)
+        self.startup = startup = StartupTimer()
+        # The first CUDA calls (is there a GPU, its properties) start CUDA's driver.
+        with startup.step("config", "device"):
+            self.device = rank_device(args.resolved_device(), 0)
+            # Resolved once, here: the workers, the runner and the metrics see the same values.
+            self.args = args = args.for_device(self.device)
         # Before anything compiles and before the workers start (they inherit the setting).
-        self.cache_folder = self._open_compile_cache(args)
-        self.model_config = ModelConfig.from_args(args, self.device)
-        self.startup.record("config", time.perf_counter() - started)
-        started = time.perf_counter()
+        with startup.step("config", "compile_cache"):
+            self.cache_folder = self._open_compile_cache(args)
+        # The first use of transformers: its import and the config class's.
+        with startup.step("config", "model_config"):
+            self.model_config = ModelConfig.from_args(args, self.device)
         self.tokenizer = tokenizer
-        if tokenizer is None and not args.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
+        with startup.step("tokenizer", "tokenizer"):
+            if tokenizer is None and not args.skip_tokenizer_init:
+                self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+            self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.vocab_size = self.model_config.vocab_size
         self.workers: TensorParallelWorkers | None = None
         # Whatever fails from here on (the grammar compiler's tokenizer, a worker, the runner's
         # load) must not leave the compiler's processes, the workers, the weights or the KV
         # cache behind. The grammar compiler starts first: its failure costs no model load.
         try:
-            self._start_structured_outputs()
+            with startup.step("tokenizer", "grammar_compiler"):
+                self._start_structured_outputs()
             if args.tensor_parallel_size > 1:
-                self.workers = TensorParallelWorkers(args)
-            self.startup.record("tokenizer", time.perf_counter() - started)
+                with startup.step("tokenizer", "workers"):
+                    self.workers = TensorParallelWorkers(args)
             self._build(args)
         except BaseException:
             self.close()

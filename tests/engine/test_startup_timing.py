@@ -41,6 +41,34 @@ def test_phases_add_up_and_after_ready_is_not_part_of_the_start(caplog):
     assert line.index("weights") < line.index("warm_up 2.50s") and AFTER_READY not in line
 
 
+def test_the_steps_of_a_phase_make_it_up_and_are_logged_with_it(caplog):
+    timer = StartupTimer(process_seconds=1.0)
+    with timer.step("config", "device"):
+        pass
+    with timer.step("config", "model_config"):
+        pass
+    timer.steps["config"] = {"device": 6.0, "model_config": 3.0}  # readable numbers below
+    timer.seconds["config"] = 9.0
+    assert set(timer.steps) == {"config"}
+    with caplog.at_level(logging.INFO, "kvfleet.engine.startup_timing"):
+        timer.log_ready()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "config 9.00s (device 6.00s, model_config 3.00s)" in line
+    assert "process 1.00s," in line
+
+
+def test_a_step_adds_to_its_phase():
+    timer = StartupTimer(process_seconds=0.0)
+    timer.record("config", 1.0)
+    with timer.step("config", "device"):
+        pass
+    assert timer.seconds["config"] == pytest.approx(1.0 + timer.steps["config"]["device"], abs=1e-3)
+
+
 def test_an_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="unknown start-up phase"), StartupTimer().phase("nap"):
         pass
+    timer = StartupTimer()
+    with pytest.raises(ValueError, match="unknown start-up phase"), timer.step("nap", "x"):
+        pass
+    assert timer.steps == {}
