@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,9 +178,13 @@ def python_cmd(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def start_process(cmd: Sequence[str], log: Path) -> Proc:
+def start_process(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Proc:
+    """``cmd`` with its output to ``log``; ``env``: variables set for it on top of this
+    process's."""
     with log.open("ab") as out:
-        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            list(cmd), stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
 
 def engine_cmd(model: str | Path, port: int, *extra: str, served_name: str) -> list[str]:
@@ -190,9 +194,16 @@ def engine_cmd(model: str | Path, port: int, *extra: str, served_name: str) -> l
                       *extra)  # fmt: skip
 
 
-def start_engine(model: str | Path, port: int, log: Path, *extra: str, served_name: str) -> Proc:
+def start_engine(
+    model: str | Path,
+    port: int,
+    log: Path,
+    *extra: str,
+    served_name: str,
+    env: Mapping[str, str] | None = None,
+) -> Proc:
     """``kvfleet-engine serve`` on 127.0.0.1:``port``, output to ``log``."""
-    return start_process(engine_cmd(model, port, *extra, served_name=served_name), log)
+    return start_process(engine_cmd(model, port, *extra, served_name=served_name), log, env)
 
 
 def router_cmd(endpoints: Sequence[str], port: int, *extra: str) -> list[str]:

@@ -11,7 +11,10 @@ gives the steady TPOT.
         --cache-dir /tmp/kvfleet-compile --result-json startup.json -- --load-format dummy \\
         --dtype bfloat16 --max-model-len 8192
 
-Arguments after `--` go to `serve` as they are.
+Arguments after `--` go to `serve` as they are. `--importtime` adds one more start, run with
+Python's import profiler (`-X importtime`, which slows imports and so is not one of the timed
+starts): its heaviest imports, each with its own heaviest imports, are printed and kept in the
+result; they say which packages a phase's imports (transformers' in "config") bring in.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +86,67 @@ def streamed(url: str, max_tokens: int) -> dict[str, float]:
     }
 
 
+@dataclass
+class Import:
+    """One line of `-X importtime`: a module and the imports it made, in microseconds."""
+
+    name: str
+    self_us: int
+    cumulative_us: int
+    children: list[Import] = field(default_factory=list)
+
+
+_IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( +)(\S+)\s*$")
+
+
+def import_tree(lines: Iterable[str]) -> list[Import]:
+    """The outermost imports of `-X importtime` output, with their children; other lines are
+    skipped. Python writes an import's line after those of the imports it made, each level
+    two spaces deeper."""
+    pending: dict[int, list[Import]] = {}
+    top: list[Import] = []
+    for line in lines:
+        found = _IMPORT_LINE.match(line)
+        if found is None:
+            continue
+        self_us, cumulative_us, indent, name = found.groups()
+        depth = (len(indent) - 1) // 2
+        node = Import(name, int(self_us), int(cumulative_us), pending.pop(depth + 1, []))
+        (top if depth == 0 else pending.setdefault(depth, [])).append(node)
+    return top
+
+
+def heaviest_imports(lines: Iterable[str], count: int = 15, children: int = 3) -> list[str]:
+    """The `count` outermost imports that took longest, each with its `children` heaviest
+    imports, one line each."""
+    out = []
+    for node in sorted(import_tree(lines), key=lambda n: -n.cumulative_us)[:count]:
+        inner = sorted(node.children, key=lambda n: -n.cumulative_us)[:children]
+        within = ", ".join(f"{c.name} {c.cumulative_us / 1e6:.2f}s" for c in inner)
+        out.append(
+            f"{node.cumulative_us / 1e6:6.2f}s {node.name}" + (f" ({within})" if within else "")
+        )
+    return out
+
+
+def profiled_start(args: argparse.Namespace, out_dir: Path) -> list[str]:
+    """One more start under `-X importtime` (PYTHONPROFILEIMPORTTIME, which the grammar
+    sandbox's workers inherit too); its heaviest imports."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = out_dir / "startup_server_importtime.log"
+    log.unlink(missing_ok=True)
+    extra = [*args.serve_args, "--compile-cache-dir", str(args.cache_dir)]
+    env = {"PYTHONPROFILEIMPORTTIME": "1"}
+    proc = start_engine(args.model, port, log, *extra, served_name=SERVED, env=env)
+    try:
+        wait_ready([url], "/ready", timeout_s=args.ready_timeout, procs=[proc])
+    finally:
+        stop([proc])
+    with log.open(errors="replace") as f:
+        return heaviest_imports(f)
+
+
 def one_start(args: argparse.Namespace, run: int, out_dir: Path) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -126,7 +193,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a model folder with a tokenizer")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, required=True, help="--compile-cache-dir")
@@ -136,6 +203,9 @@ def main() -> None:
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--out-dir", type=Path, default=Path("."))
     parser.add_argument("--result-json", type=Path)
+    parser.add_argument(
+        "--importtime", action="store_true", help="one more start, profiling its imports"
+    )
     parser.add_argument("serve_args", nargs="*", help="after --: serve's own flags")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -147,10 +217,15 @@ def main() -> None:
         results.append(one_start(args, run, args.out_dir))
         logger.info("start %d: ready in %.2f s", run, results[-1]["ready_s"])
     print(table(results))
+    imports = profiled_start(args, args.out_dir) if args.importtime else []
+    if imports:
+        print("heaviest imports of a start under -X importtime (seconds as profiled):")
+        print("\n".join(imports))
     if args.result_json:
         meta = {"device": device_name(), "commit": git_commit(), "model": args.model,
                 "serve_args": args.serve_args, "fresh": args.fresh}  # fmt: skip
-        args.result_json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        found = {"meta": meta, "results": results, "heaviest_imports": imports}
+        args.result_json.write_text(json.dumps(found, indent=2))
 
 
 if __name__ == "__main__":
