@@ -4,6 +4,7 @@ package, renamed to HF's names and with llama.cpp's rope permutation of q/k undo
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import re
@@ -72,13 +73,12 @@ def _reader(file: Path) -> Any:
     """The file's reader, shared by the config, the tokenizer check and the tensors of one load:
     GGUFReader parses every metadata field up front, ~5 s for the default model's 49k-token
     vocabulary on a busy 2-core machine. iter_tensors lets it go when the weights are in."""
-    stat = file.stat()
-    return _open_reader(file.resolve(), stat.st_mtime_ns, stat.st_size)
+    _, mtime_ns, size = _file_key(file)
+    return _open_reader(file.resolve(), mtime_ns, size)
 
 
 @functools.lru_cache(maxsize=1)
 def _open_reader(file: Path, mtime_ns: int, size: int) -> Any:
-    # mtime and size in the key: a file replaced at the same path is read anew.
     from gguf import GGUFReader
 
     try:
@@ -117,8 +117,23 @@ def _check_quant_types(reader: Any, file: Path) -> None:
         )
 
 
+def _file_key(file: Path) -> tuple[Path, int, int]:
+    # mtime and size in the key: a file replaced at the same path is read anew. The path as
+    # given, not resolved: a hub cache's link names the file its messages speak of.
+    stat = file.stat()
+    return file.absolute(), stat.st_mtime_ns, stat.st_size
+
+
 def load_config(file: Path) -> Any:
-    """The HF config of a GGUF checkpoint, after checking its architecture and tensor types."""
+    """The HF config of a GGUF checkpoint, after checking its architecture and tensor types.
+    A copy of the one built at this file's first load in the process: transformers parses every
+    metadata field again for it (~4 s for the default model), and the perplexity benchmark and
+    the tests load one file many times."""
+    return copy.deepcopy(_loaded_config(*_file_key(file)))
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_config(file: Path, mtime_ns: int, size: int) -> Any:
     from transformers import AutoConfig
 
     reader = _reader(file)
@@ -135,7 +150,14 @@ def load_config(file: Path) -> Any:
 
 
 def load_tokenizer(file: Path) -> Any:
-    """The tokenizer the GGUF metadata carries; a file without one needs --tokenizer."""
+    """The tokenizer the GGUF metadata carries; a file without one needs --tokenizer. A copy of
+    the one built at this file's first load in the process, as load_config's (a server sets its
+    chat template on it)."""
+    return copy.deepcopy(_loaded_tokenizer(*_file_key(file)))
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_tokenizer(file: Path, mtime_ns: int, size: int) -> Any:
     from transformers import AutoTokenizer
 
     if _field(_reader(file), "tokenizer.ggml.model") is None:

@@ -96,6 +96,42 @@ def test_gguf_without_tokenizer_needs_the_override(model_dirs, gguf_root) -> Non
         assert llm.get_tokenizer()("hello").input_ids[0] == 0
 
 
+def test_a_files_config_and_tokenizer_are_built_once_and_handed_out_as_copies(
+    model_dirs, gguf_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading a file again in the process reuses its config and tokenizer (transformers
+    parses every metadata field for each); each load gets its own copy to change, and a file
+    replaced at the same path is read anew."""
+    import shutil
+
+    import transformers
+
+    from kvfleet.engine.models import gguf_checkpoint
+
+    built = []
+    from_pretrained = transformers.AutoConfig.from_pretrained
+
+    def counted(*args, **kwargs):
+        built.append(kwargs.get("gguf_file"))
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counted)
+    file = tmp_path / "model.gguf"
+    shutil.copy(_written(gguf_root, model_dirs["llama"], "llama", "F32"), file)
+    first, first_tok = gguf_checkpoint.load_config(file), gguf_checkpoint.load_tokenizer(file)
+    first.architectures = ["Changed"]
+    first_tok.chat_template = "changed"
+    again, again_tok = gguf_checkpoint.load_config(file), gguf_checkpoint.load_tokenizer(file)
+    assert built == ["model.gguf"]
+    assert again.architectures == ["LlamaForCausalLM"]
+    assert again_tok.chat_template != "changed"
+    assert again_tok("hello").input_ids == first_tok("hello").input_ids
+
+    shutil.copy(_written(gguf_root, model_dirs["qwen2"], "qwen2", "F32"), file)
+    assert gguf_checkpoint.load_config(file).architectures == ["Qwen2ForCausalLM"]
+    assert len(built) == 2
+
+
 def _tiny_gguf(path: Path, arch: str, qtype: gguf.GGMLQuantizationType) -> Path:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
