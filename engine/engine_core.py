@@ -85,6 +85,8 @@ class EngineCore:
         # Before anything compiles and before the workers start (they inherit the setting).
         self.cache_folder = self._open_compile_cache(args)
         self.model_config = ModelConfig.from_args(args, self.device)
+        self.startup.record("config", time.perf_counter() - started)
+        started = time.perf_counter()
         self.tokenizer = tokenizer
         if tokenizer is None and not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -98,7 +100,7 @@ class EngineCore:
             self._start_structured_outputs()
             if args.tensor_parallel_size > 1:
                 self.workers = TensorParallelWorkers(args)
-            self.startup.record("config", time.perf_counter() - started)
+            self.startup.record("tokenizer", time.perf_counter() - started)
             self._build(args)
         except BaseException:
             self.close()

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 logger = logging.getLogger(__name__)
 
 # The phases in the order a start runs them. "process": from the process's start to the
-# engine's construction (the interpreter, imports, argument parsing); "config": the model's
-# config and tokenizer, the grammar compiler, the tensor-parallel workers; "weights": building
+# engine's construction (the interpreter, imports, argument parsing); "config": the device, the
+# compile cache and the model's config; "tokenizer": the tokenizer, the end-of-sequence ids, the
+# grammar compiler and the tensor-parallel workers; "weights": building
 # the model and reading (or generating) its weights; "memory_profile": the forward pass at the
 # largest batch that sizes the KV cache; "kv_cache": allocating it; "warm_up": the kernels'
 # first launches at each decode width (Triton compiles, or loads from its cache); "graph_capture":
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 PHASES = (
     "process",
     "config",
+    "tokenizer",
     "weights",
     "memory_profile",
     "kv_cache",

@@ -51,13 +51,14 @@ class MoeTile:
 # (largest token count, tile), ascending. Decode sizes give each active expert a few rows: the
 # smallest BLOCK_M the tensor cores take, narrow column blocks so that the few active experts
 # still make a program per SM to stream their weights; prefill sizes give each expert hundreds
-# of rows: larger blocks, so that each weight tile is reused more.
+# of rows: larger blocks, so that each weight tile is reused more. The rows from 512 tokens up
+# are the H200 sweep's best at Qwen3-30B-A3B's shapes (bench/moe_kernel.py --sweep, RESULTS).
 TILES: tuple[tuple[int, MoeTile], ...] = (
     (32, MoeTile(16, 32, 128, 1, 4, 4)),
     (128, MoeTile(16, 64, 128, 4, 4, 4)),
-    (512, MoeTile(32, 64, 128, 8, 4, 3)),
-    (2048, MoeTile(64, 64, 64, 8, 4, 3)),
-    (1 << 62, MoeTile(128, 64, 64, 8, 8, 3)),
+    (512, MoeTile(64, 64, 64, 8, 4, 3)),
+    (2048, MoeTile(128, 128, 64, 8, 8, 3)),
+    (1 << 62, MoeTile(128, 128, 64, 8, 8, 3)),
 )
 
 

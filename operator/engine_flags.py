@@ -21,7 +21,7 @@ from typing import NoReturn
 # nargs: None = one value, 0 = a switch, "+" = one or more values.
 Nargs = int | str | None
 
-# The values of --tool-call-parser (kvfleet.engine.server.tool_parsers.TOOL_CALL_PARSERS), for
+# The values of --tool-call-parser (kvfleet.protocol.tool_prompt.TOOL_CALL_PARSERS), for
 # spec.engine.toolCallParser; tests/operator/test_tool_call_parser.py fails when they differ.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 

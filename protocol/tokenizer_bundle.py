@@ -1,7 +1,9 @@
 """The wire format of an engine's tokenizer (``GET /tokenizer``): the files Hugging Face's
 ``save_pretrained`` writes for the tokenizer the engine loaded (tokenizer.json, its config with
-the chat template, the special tokens), as one JSON object ``{"files": {name: text}}``. A router
-without a tokenizer of its own fetches it, so that it tokenizes prompts exactly as the engines do.
+the chat template, the special tokens), as one JSON object ``{"files": {name: text}}``, with the
+engine's tool-call parser family (``tool_call_parser``: the format a template that reads no tools
+gets a request's tools in, kvfleet.protocol.tool_prompt). A router without a tokenizer of its own
+fetches it, so that it tokenizes prompts exactly as the engines do.
 
 The bundle is semi-trusted input to the router: its size, its number of files and their names
 are bounded here, and a name is a plain file name (no folder, no dot file), so writing the files
@@ -10,9 +12,11 @@ into a folder of the router's own can put nothing elsewhere.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, StringConstraints, field_validator
+
+from kvfleet.protocol.tool_prompt import TOOL_CALL_PARSERS
 
 PATH = "/tokenizer"
 # The largest tokenizers in use (Gemma's tokenizer.json: about 34 MB) fit with room.
@@ -26,6 +30,7 @@ class TokenizerBundle(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     files: dict[FileName, str]
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # type: ignore[valid-type]
 
     @field_validator("files")
     @classmethod

@@ -62,7 +62,7 @@ def load_bundle(body: bytes, max_chars: int | None) -> EngineTokenizer:
         for name, text in bundle.files.items():
             (folder / name).write_text(text, encoding="utf-8")
         try:
-            return EngineTokenizer(str(folder), max_chars)
+            return EngineTokenizer(str(folder), max_chars, bundle.tool_call_parser)
         except Exception as e:  # transformers' failures on a file it cannot read are of any kind
             raise FetchFailed("load", f"transformers cannot load it: {e!r}") from None
     finally:

@@ -57,7 +57,9 @@ def settings_from(ns: argparse.Namespace) -> RouterSettings:
 async def serve(ns: argparse.Namespace, tracing: Tracing | None = None) -> int:
     serving = serving_from(ns)
     settings = settings_from(ns)
-    tokenizer = load_tokenizer(serving.tokenizer, settings.tokenized_chars)
+    tokenizer = load_tokenizer(
+        serving.tokenizer, settings.tokenized_chars, serving.tool_call_parser
+    )
     router = Router(
         settings,
         tokenizer,

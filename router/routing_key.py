@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 from kvfleet.protocol.block_hash import BLOCK_SIZE
 from kvfleet.protocol.responses_input import chat_messages, parse_input
+from kvfleet.protocol.tool_prompt import responses_tool_as_chat
 
 CHARS_PER_TOKEN = 4
 
@@ -52,13 +53,15 @@ LEAST_LOADED_PATHS = frozenset({"/v1/embeddings"})
 
 
 class PromptTokenizer(Protocol):
-    """The prompt tokens exactly as the engine computes them."""
+    """The prompt tokens exactly as the engine computes them. chat's tools: the chat tools
+    (JSON) the prompt shows, None for none."""
 
     def chat(
         self,
         messages: list[Any],
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[Any] | None = None,
     ) -> list[int]: ...
 
     def text(self, prompt: str) -> list[int]: ...
@@ -128,14 +131,28 @@ def _messages(body: Mapping[str, Any]) -> list[Any] | None:
     return messages if isinstance(messages, list) and messages else None
 
 
+def _shown_tools(body: Mapping[str, Any]) -> list[Any] | None:
+    """The tools a chat (or Responses) request's prompt shows, as chat tools: every tool_choice
+    but none shows them, as the engine renders them; a Responses request's function tools as
+    the chat tools they stand for."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools or body.get("tool_choice") == "none":
+        return None
+    if "input" in body:
+        return [responses_tool_as_chat(t) if isinstance(t, dict) else t for t in tools]
+    return tools
+
+
 def prompt_tokens(body: Mapping[str, Any], tokenizer: PromptTokenizer) -> list[int] | None:
-    """The prompt's tokens as the engine computes them (chat template applied); a batch's first
-    prompt's; None for a body without a prompt. Raises what the template or tokenizer raise."""
+    """The prompt's tokens as the engine computes them (chat template, tools and tool messages
+    applied); a batch's first prompt's; None for a body without a prompt. Raises what the
+    template or tokenizer raise, and on what the engine refuses to render."""
     if (messages := _messages(body)) is not None:
         return tokenizer.chat(
             messages,
             bool(body.get("add_generation_prompt", True)),
             body.get("chat_template_kwargs"),
+            _shown_tools(body),
         )
     prompt = _first_prompt(body.get("prompt"))
     if isinstance(prompt, list):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvfleet.protocol.byte_size import ByteSize
 from kvfleet.protocol.json_body import JsonLimits
+from kvfleet.protocol.tool_prompt import TOOL_CALL_PARSERS
 from kvfleet.router.breaker import BreakerPolicy
 from kvfleet.router.endpoints import parse_static
 from kvfleet.router.kv_index import MAX_BLOCKS
@@ -70,6 +71,12 @@ class ServingSettings(BaseModel):
         description="local HF tokenizer directory for token prefix keys; default: the engines' "
         "own (GET /tokenizer) with --prefix-scoring precise, prefix keys of characters until "
         "it is fetched",
+    )
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="the engines' --tool-call-parser, in whose format a --tokenizer's template "
+        "that reads no tools gets a request's tools (default: the one the template points to, "
+        "as the engines default; a fetched tokenizer comes with the engines' own)",
     )
 
     @model_validator(mode="after")

@@ -46,7 +46,6 @@ from kvfleet.engine.server.tokenizer_bundle import (
     TokenizerBundleCache,
     serve_tokenizer,
 )
-from kvfleet.engine.server.tool_parsers import parser_for_template
 from kvfleet.engine.server.tools import TOOL_SETTINGS, ToolSettings, plan_prompt
 from kvfleet.engine.server.validation import (
     BODY_BYTES,
@@ -58,6 +57,7 @@ from kvfleet.engine.server.validation import (
 from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused, check_content_encoding
 from kvfleet.protocol.kv_events import PATH as KV_EVENTS_PATH
 from kvfleet.protocol.tokenizer_bundle import PATH as TOKENIZER_PATH
+from kvfleet.protocol.tool_prompt import parser_for_template
 from kvfleet.telemetry.http import JsonErrorsRunner, echo_request_id, observe_requests
 from kvfleet.telemetry.tracing import Tracing
 
@@ -264,7 +264,7 @@ def build_app(
         engine, names, settings.max_waiting_requests, adapters=registry.by_name
     )
     app[METRICS] = metrics
-    app[TOKENIZER_BUNDLE] = TokenizerBundleCache(tokenizer)
+    app[TOKENIZER_BUNDLE] = TokenizerBundleCache(tokenizer, app[TOOL_SETTINGS].parser)
     app[STARTED] = now()
     app[BODY_TIMEOUT] = settings.body_timeout
     app[BODY_LIMIT] = settings.max_request_body_bytes

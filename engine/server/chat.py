@@ -32,9 +32,7 @@ from kvfleet.engine.server.tools import (
     ToolPlan,
     ToolSettings,
     choice_message,
-    conversation_with_tools,
     plan_tools,
-    template_reads_tools,
 )
 from kvfleet.engine.server.validation import BODY_BYTES, invalid_as_400, parse_body, refused
 from kvfleet.protocol.chat_template import (
@@ -45,6 +43,7 @@ from kvfleet.protocol.chat_template import (
     render_chat_text,
 )
 from kvfleet.protocol.json_body import OFF_LOOP_BYTES, RequestRefused
+from kvfleet.protocol.tool_prompt import chat_inputs, template_reads_tools
 from kvfleet.telemetry.genai import CHAT
 
 
@@ -58,7 +57,7 @@ async def render_chat_served(
     """kvfleet.protocol's render_chat for the server: large conversations are rendered and
     tokenized off the event loop, and a text too long to fit the context is refused before
     tokenizing. tools: the request's tool plan, rendered by the template when it reads tools,
-    else as text in the parser's format (kvfleet.engine.server.tools)."""
+    else as text in the parser's format (kvfleet.protocol.tool_prompt)."""
     if ctx.tokenizer is None:
         raise bad_request("this server runs without a tokenizer: chat is unavailable")
     shown = None
@@ -68,12 +67,11 @@ async def render_chat_served(
     else:
         plan, settings = tools
         native = template_reads_tools(ctx.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE)
-        tool_chars = plan.chars
-        conversation = await ctx.parse_off_loop(
-            tool_chars, OFF_LOOP_CHARS, conversation_with_tools, messages, plan, native,
+        tool_chars = plan.prompt.chars
+        conversation, shown = await ctx.parse_off_loop(
+            tool_chars, OFF_LOOP_CHARS, chat_inputs, messages, plan.prompt, native,
             settings.parser,
         )  # fmt: skip
-        shown = plan.tools if native else None
     size = sum(len(entry["content"]) for entry in conversation)
     ctx.check_prompt_chars(size, "messages")
     try:

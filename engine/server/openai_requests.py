@@ -32,6 +32,7 @@ from kvfleet.engine.sampling_params import (
     check_tag_shape,
 )
 from kvfleet.protocol.chat_template import ChatMessage
+from kvfleet.protocol.tool_prompt import ChatTool
 
 # The sampler's generator takes a signed 64-bit seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -308,19 +309,6 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling(max_tokens, self.logprobs)
-
-
-class FunctionDefinition(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    # A JSON schema of the arguments, an object; checked further in kvfleet.engine.server.tools.
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
 
 
 class FunctionName(_Strict):

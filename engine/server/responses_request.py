@@ -16,8 +16,6 @@ from kvfleet.engine.server.openai_requests import (
     MAX_TOKENS_CAP,
     MAX_TOOLS,
     ChatCompletionRequest,
-    ChatTool,
-    FunctionDefinition,
     FunctionName,
     JsonSchemaFormat,
     NamedToolChoice,
@@ -31,6 +29,7 @@ from kvfleet.protocol.responses_input import (
     chat_messages,
     check_item_types,
 )
+from kvfleet.protocol.tool_prompt import ChatTool, responses_tool_as_chat
 
 # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512.
 MAX_METADATA_PAIRS = 16
@@ -50,13 +49,7 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
     def chat_tool(self) -> ChatTool:
-        function = FunctionDefinition(
-            name=self.name,
-            description=self.description,
-            parameters=self.parameters,
-            strict=self.strict,
-        )
-        return ChatTool(type="function", function=function)
+        return ChatTool.model_validate(responses_tool_as_chat(self.model_dump(exclude_none=True)))
 
 
 class FunctionToolChoice(_Strict):

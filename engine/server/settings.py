@@ -10,8 +10,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfleet.engine.liveness import CPU_SECONDS_PER_TOKEN, GPU_SECONDS_PER_TOKEN
-from kvfleet.engine.server.tool_parsers import TOOL_CALL_PARSERS
 from kvfleet.protocol.byte_size import ByteSize
+from kvfleet.protocol.tool_prompt import TOOL_CALL_PARSERS
 from kvfleet.telemetry.ports import ENGINE_PORT
 
 API_KEY_ENV = "KVFLEET_API_KEY"

@@ -24,8 +24,9 @@ class TokenizerNotServable(Exception):
     """The engine's tokenizer has no bundle a router could load."""
 
 
-def bundle_bytes(tokenizer: Any) -> bytes:
-    """The tokenizer's files as a bundle; raises TokenizerNotServable."""
+def bundle_bytes(tokenizer: Any, tool_call_parser: str | None = None) -> bytes:
+    """The tokenizer's files as a bundle, with the server's tool-call parser family; raises
+    TokenizerNotServable."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-tokenizer-") as folder:
         # legacy_format False: tokenizer.json alone, no slow tokenizer's vocabulary files.
         tokenizer.save_pretrained(folder, legacy_format=False)
@@ -36,7 +37,8 @@ def bundle_bytes(tokenizer: Any) -> bytes:
             except UnicodeDecodeError:
                 raise TokenizerNotServable(f"{path.name} is not a text file") from None
     try:
-        body = TokenizerBundle(files=files).model_dump_json().encode()
+        bundle = TokenizerBundle(files=files, tool_call_parser=tool_call_parser)
+        body = bundle.model_dump_json().encode()
     except ValueError as e:
         raise TokenizerNotServable(str(e)) from None
     if len(body) > MAX_BUNDLE_BYTES:
@@ -52,8 +54,9 @@ class TokenizerBundleCache:
     """The bundle and its ETag, built at most once (a failure is remembered too: it would fail
     again)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tool_call_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tool_call_parser = tool_call_parser
         self._lock = asyncio.Lock()
         self._built: tuple[bytes, str] | TokenizerNotServable | None = None
 
@@ -61,7 +64,9 @@ class TokenizerBundleCache:
         async with self._lock:
             if self._built is None:
                 try:
-                    body = await asyncio.to_thread(bundle_bytes, self.tokenizer)
+                    body = await asyncio.to_thread(
+                        bundle_bytes, self.tokenizer, self.tool_call_parser
+                    )
                     self._built = body, etag_of(body)
                 except TokenizerNotServable as e:
                     self._built = e

@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.protocol.json_body import JsonLimits, RequestRefused, decode_json_text
-
-HERMES = "hermes"
-LLAMA3_JSON = "llama3_json"
-MISTRAL = "mistral"
-TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)
+from kvfleet.protocol.tool_prompt import HERMES, LLAMA3_JSON, MISTRAL
 
 _WS = " \t\r\n"
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
@@ -48,17 +44,6 @@ def tool_call_id(family: str | None, taken: Container[str] = ()) -> str:
             call_id = f"call_{uuid.uuid4().hex[:24]}"
         if call_id not in taken:
             return call_id
-
-
-def parser_for_template(template: str | None) -> str:
-    """The family a chat template's special tokens point to; ChatML (and no template) is Hermes,
-    as Qwen's and Hermes' templates are ChatML with ``<tool_call>`` tags."""
-    text = template or ""
-    if "<|python_tag|>" in text or "<|start_header_id|>" in text:
-        return LLAMA3_JSON
-    if "[TOOL_CALLS]" in text or "[INST]" in text:
-        return MISTRAL
-    return HERMES
 
 
 @dataclass

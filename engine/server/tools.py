@@ -1,11 +1,9 @@
 """Tool calling for chat completions: what a request's tools, tool_choice and tool messages mean
 for its prompt, its sampling and the parsing of its output.
 
-- The prompt: a chat template that reads ``tools`` gets them (and assistant ``tool_calls`` and
-  ``tool`` messages) as Hugging Face templates expect. A template without tool support (plain
-  ChatML, as SmolLM2's) gets them written into the system message in the format of the parser
-  family, assistant calls written back in that format, and tool results as user messages, so the
-  model is asked for exactly what the parser reads.
+- The prompt: the tools it shows (every tool_choice but ``none`` shows them), checked here, and
+  written into the conversation by kvfleet.protocol.tool_prompt (which the router renders its
+  prompts' tokens with too).
 - ``tool_choice`` ``auto``: the output is parsed by the family's parser. ``required`` and a named
   function: a JSON schema (an array of 1+ calls, or that function's arguments) constrains the
   output by grammar, as vLLM does, and the JSON is read back into calls. ``none``: the tools are
@@ -25,7 +23,7 @@ from kvfleet.engine.outputs import CompletionOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.engine.schema_keywords import keyword_problem, rebase_refs
 from kvfleet.engine.server.errors import bad_request
-from kvfleet.engine.server.openai_requests import ChatCompletionRequest, ChatTool, NamedToolChoice
+from kvfleet.engine.server.openai_requests import ChatCompletionRequest, NamedToolChoice
 from kvfleet.engine.server.openai_responses import (
     AssistantMessage,
     ChatDelta,
@@ -34,16 +32,11 @@ from kvfleet.engine.server.openai_responses import (
     FunctionCall,
     ToolCall,
 )
-from kvfleet.engine.server.tool_parsers import (
-    HERMES,
-    LLAMA3_JSON,
-    MISTRAL,
-    ToolCallDelta,
-    ToolCallParser,
-)
-from kvfleet.engine.server.validation import JSON_LIMITS
-from kvfleet.protocol.chat_template import ChatMessage, conversation_of
-from kvfleet.protocol.json_body import RequestRefused, decode_json_text
+from kvfleet.engine.server.tool_parsers import MISTRAL, ToolCallDelta, ToolCallParser
+from kvfleet.engine.server.validation import JSON_LIMITS, refused
+from kvfleet.protocol.chat_template import ChatMessage
+from kvfleet.protocol.json_body import RequestRefused
+from kvfleet.protocol.tool_prompt import ChatTool, ToolPrompt, tool_prompt
 
 
 @dataclass(frozen=True)
@@ -59,10 +52,10 @@ TOOL_SETTINGS = web.AppKey("tool_settings", ToolSettings)
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tools change: the tools its prompt shows (None: none), how its output
-    is parsed (None: not at all) and the grammar that constrains it."""
+    """What a request's tools change: its prompt (the tools it shows, the calls of its
+    history), how its output is parsed (None: not at all) and the grammar that constrains it."""
 
-    tools: list[dict[str, Any]] | None
+    prompt: ToolPrompt
     parse_mode: str | None = None
     function_name: str | None = None
     # The grammar of a forced call (required, or a named function).
@@ -76,14 +69,6 @@ class ToolPlan:
     # The ids of the conversation's calls and of this response's: a new call's id is none of
     # them (one plan per request, so the choices of a response share it).
     call_ids: set[str] = field(default_factory=set, compare=False, repr=False)
-    # The conversation's calls by message index, each {id, name, arguments}, the arguments
-    # parsed once (when checked) for the template.
-    history: dict[int, list[dict[str, Any]]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    # Characters of JSON the prompt may render besides the messages' content: the history's
-    # arguments and the tools (what decides whether rendering leaves the event loop).
-    chars: int = field(default=0, compare=False, repr=False)
 
     def parser(self) -> ToolCallParser | None:
         if self.parse_mode is None:
@@ -104,15 +89,10 @@ class ToolPlan:
 def plan_prompt(tools: list[ChatTool], messages: list[ChatMessage]) -> ToolPlan:
     """Check tools and tool messages (400s naming the parameter) and plan the prompt alone: the
     tools shown as every tool_choice but none shows them (what /tokenize counts)."""
-    history = check_tool_messages(messages)
-    made = {c["id"] for calls in history.values() for c in calls}
-    chars = sum(
-        len(c["function"]["arguments"])
-        for m in messages
-        for c in (m.model_extra or {}).get("tool_calls") or ()
-    )
-    if not tools:
-        return ToolPlan(None, call_ids=made, history=history, chars=chars)
+    try:
+        prompt = tool_prompt(tools, messages, JSON_LIMITS)
+    except RequestRefused as e:
+        raise refused(e) from None
     names = [t.function.name for t in tools]
     for i, tool in enumerate(tools):
         if names.index(tool.function.name) != i:
@@ -121,9 +101,7 @@ def plan_prompt(tools: list[ChatTool], messages: list[ChatMessage]) -> ToolPlan:
                 param=f"tools.{i}.function.name",
             )
         _check_parameters(tool, i)
-    shown = [t.model_dump(exclude_none=True) for t in tools]
-    chars += len(json.dumps(shown))
-    return ToolPlan(shown, call_ids=made, history=history, chars=chars)
+    return ToolPlan(prompt, call_ids=prompt.call_ids())
 
 
 def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
@@ -137,7 +115,7 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
             raise bad_request("tool_choice needs tools", param="tool_choice")
         return plan
     if choice == "none":
-        return replace(plan, tools=None)
+        return replace(plan, prompt=replace(plan.prompt, tools=None))
     if choice in (None, "auto"):
         if not settings.enable_auto_tool_choice:
             raise bad_request(
@@ -253,144 +231,6 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     if not parallel:
         schema["maxItems"] = 1
     return schema
-
-
-def check_tool_messages(messages: list[ChatMessage]) -> dict[int, list[dict[str, Any]]]:
-    """Assistant tool_calls are well formed; each tool message answers a call made before it.
-    Returns the calls made, by message index, each {id, name, arguments (parsed)}."""
-    history: dict[int, list[dict[str, Any]]] = {}
-    made: set[str] = set()
-    for i, m in enumerate(messages):
-        extra = m.model_extra or {}
-        calls = extra.get("tool_calls")
-        if calls is not None:
-            if m.role != "assistant":
-                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
-                                  param=f"messages.{i}.tool_calls")  # fmt: skip
-            history[i] = _tool_calls(calls, i)
-            made.update(c["id"] for c in history[i])
-        if m.role != "tool":
-            continue
-        call_id = extra.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise bad_request(f"messages[{i}]: a tool message needs its tool_call_id",
-                              param=f"messages.{i}.tool_call_id")  # fmt: skip
-        if call_id not in made:
-            raise bad_request(
-                f"messages[{i}]: tool_call_id {call_id!r} answers no tool call of an earlier "
-                "assistant message",
-                param=f"messages.{i}.tool_call_id",
-            )
-    return history
-
-
-def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls checked, each as {id, name, arguments (parsed under
-    the request body's bounds: a client's text, nested and sized as a body may be)}."""
-    param = f"messages.{i}.tool_calls"
-    if not isinstance(calls, list):
-        raise bad_request(f"messages[{i}].tool_calls must be a list", param=param)
-    parsed = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not (
-            isinstance(fn, dict)
-            and isinstance(call.get("id"), str)
-            and call.get("type", "function") == "function"
-            and isinstance(fn.get("name"), str)
-            and isinstance(fn.get("arguments"), str)
-        ):
-            raise bad_request(
-                f"messages[{i}].tool_calls[{j}] must be {{id, type: function, function: "
-                "{name, arguments (a JSON string)}}",
-                param=f"{param}.{j}",
-            )
-        what = f"messages[{i}].tool_calls[{j}].function.arguments"
-        try:
-            arguments = decode_json_text(fn["arguments"], JSON_LIMITS, what)
-        except RequestRefused as e:
-            raise bad_request(e.message, param=f"{param}.{j}.function.arguments") from None
-        parsed.append({"id": call["id"], "name": fn["name"], "arguments": arguments})
-    return parsed
-
-
-def template_reads_tools(template: str | None) -> bool:
-    return template is not None and "tools" in template
-
-
-def conversation_with_tools(
-    messages: list[ChatMessage], plan: ToolPlan, native: bool, family: str
-) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them. native: the template reads tools,
-    tool_calls and tool messages itself; otherwise they are written as text (see the module)."""
-    conversation = conversation_of(messages)
-    names: dict[str, str] = {}
-    for i, (m, entry) in enumerate(zip(messages, conversation, strict=True)):
-        extra = m.model_extra or {}
-        calls = plan.history.get(i, [])
-        names.update((c["id"], c["name"]) for c in calls)
-        if native:
-            if calls:
-                entry["tool_calls"] = [
-                    {"id": _template_id(c["id"], family), "type": "function",
-                     "function": {"name": c["name"], "arguments": c["arguments"]}}
-                    for c in calls
-                ]  # fmt: skip
-            if m.role == "tool":
-                entry["tool_call_id"] = _template_id(extra["tool_call_id"], family)
-            continue
-        if calls:
-            text = render_calls(family, calls)
-            entry["content"] = f"{entry['content']}\n{text}" if entry["content"] else text
-        if m.role == "tool":
-            call_id = extra["tool_call_id"]
-            entry["role"] = "user"
-            entry["content"] = (
-                f"Result of {names.get(call_id, 'the function')} (call {call_id}):\n"
-                f"{entry['content']}"
-            )
-            entry.pop("name", None)
-    if not native and plan.tools:
-        instructions = tools_instructions(plan.tools, family)
-        if conversation[0]["role"] in ("system", "developer"):
-            conversation[0]["content"] = f"{conversation[0]['content']}\n\n{instructions}"
-        else:
-            conversation.insert(0, {"role": "system", "content": instructions})
-    return conversation
-
-
-def _template_id(call_id: str, family: str) -> str:
-    """A call's id as the family's template takes it. Mistral's templates take exactly 9
-    letters and digits, and clients send back ids made elsewhere (OpenAI's `call_` + 24): their
-    last 9 characters, as vLLM shortens them, keep each call paired with its result."""
-    return call_id[-9:] if family == MISTRAL else call_id
-
-
-def render_calls(family: str, calls: list[dict[str, Any]]) -> str:
-    """Calls written as the family's models write them (and its parser reads them)."""
-    if family == LLAMA3_JSON:
-        return "; ".join(
-            json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls
-        )
-    items = [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
-    if family == MISTRAL:
-        return "[TOOL_CALLS]" + json.dumps(items)
-    assert family == HERMES
-    return "\n".join(f"<tool_call>\n{json.dumps(item)}\n</tool_call>" for item in items)
-
-
-def tools_instructions(tools: list[dict[str, Any]], family: str) -> str:
-    """The tools as a system message tells a model whose template knows none."""
-    listing = "\n".join(json.dumps(t["function"]) for t in tools)
-    example = render_calls(family, [{"name": "<function name>", "arguments": {"<arg>": "<value>"}}])
-    return (
-        "You have access to the following functions, each given as a JSON object with its name, "
-        "what it does and the JSON schema of its arguments:\n"
-        f"{listing}\n\n"
-        "To call one or more of them, reply with only this, once per call:\n"
-        f"{example}\n"
-        "Otherwise, answer normally."
-    )
 
 
 def _finish_reason(finish: str | None, called: bool) -> str | None:

@@ -63,8 +63,10 @@ def test_fp8_base_weights_with_bf16_adapters(model_dirs, prompts, adapters):
     sp = SamplingParams(temperature=0, max_tokens=1)
 
     def first_tokens(**kwargs) -> list[int]:
+        # Eager and a short context: one token a request; graphs are the other test's.
         with LLM(base, dtype="bfloat16", device="cuda", enable_lora=True, max_loras=3,
-                 skip_tokenizer_init=True, **kwargs) as llm:  # fmt: skip
+                 skip_tokenizer_init=True, enforce_eager=True, max_model_len=512,
+                 **kwargs) as llm:  # fmt: skip
             outs = llm.generate(_prompts(prompts), sp, lora_request=loras)
         return [o.outputs[0].token_ids[0] for o in outs]
 

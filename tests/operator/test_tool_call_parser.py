@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet.engine.server import tool_parsers
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.engine_flags import TOOL_CALL_PARSERS
 from kvfleet.operator.resources import Owner, build_children
 from kvfleet.operator.spec import MANAGED_FLAGS, SpecError, parse_spec
+from kvfleet.protocol import tool_prompt
 from tests.support.kmock import (
     DEMO,
     DEPLOYMENTS,
@@ -62,7 +62,7 @@ def test_the_field_becomes_the_flag_and_extra_args_cannot_set_it() -> None:
 
 
 def test_the_names_are_the_engines_in_the_model_and_the_crd() -> None:
-    assert TOOL_CALL_PARSERS == tool_parsers.TOOL_CALL_PARSERS
+    assert TOOL_CALL_PARSERS == tool_prompt.TOOL_CALL_PARSERS
     for path in ("crds", "charts/kvfleet/crds"):
         crd = yaml.safe_load((ROOT / path / "inferenceservices.kvfleet.dev.yaml").read_text())
         schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

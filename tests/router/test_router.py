@@ -113,7 +113,9 @@ class FakeTokenizer:
     def __init__(self) -> None:
         self.calls: list[Any] = []
 
-    def chat(self, messages: list[Any], add_generation_prompt: bool, kwargs: Any) -> list[int]:
+    def chat(
+        self, messages: list[Any], add_generation_prompt: bool, kwargs: Any, tools: Any = None
+    ) -> list[int]:
         self.calls.append((messages, add_generation_prompt, kwargs))
         if messages[0].get("role") == "bogus":
             raise ValueError("the template rejects it")

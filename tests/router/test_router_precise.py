@@ -177,10 +177,11 @@ def test_the_prefix_key_and_the_hashes_come_from_one_tokenization() -> None:
 
     class Counting(CharTokenizer):
         def chat(
-            self, messages: list[Any], add_generation_prompt: bool, template_kwargs: Any
-        ) -> list[int]:
+            self, messages: list[Any], add_generation_prompt: bool, template_kwargs: Any,
+            tools: Any = None,
+        ) -> list[int]:  # fmt: skip
             calls.append(messages)
-            return super().chat(messages, add_generation_prompt, template_kwargs)
+            return super().chat(messages, add_generation_prompt, template_kwargs, tools)
 
     counting = Counting()
     router = Router(RouterSettings(engine_load_interval=0), counting)

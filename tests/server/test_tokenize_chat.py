@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from kvfleet.router.fetched_tokenizer import load_bundle
+from kvfleet.router.prompt_tokenizer import EngineTokenizer
+from kvfleet.router.routing_key import prompt_tokens
 from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
 from tests.support.servers import DEFAULT_SERVED_NAME
@@ -102,13 +104,30 @@ def test_tools_need_messages(url: str) -> None:
         assert "tools and chat_template_kwargs go with messages" in resp["error"]["message"]
 
 
-def test_a_gguf_models_tokenizer_is_served_as_the_engine_built_it(url):
-    """The default model is a GGUF file: the engine builds an HF tokenizer from it, and
-    GET /tokenizer serves that one, chat template included, for a router to tokenize alike."""
+@pytest.fixture(scope="module")
+def router_tokenizer(url: str) -> EngineTokenizer:
+    """The engine's tokenizer as a router fetches it (GET /tokenizer)."""
     status, _, raw = http_call(url + "/tokenizer", method="GET")
     assert status == 200
-    tokenizer = load_bundle(raw, None)
+    return load_bundle(raw, None)
+
+
+def test_a_gguf_models_tokenizer_is_served_as_the_engine_built_it(url, router_tokenizer):
+    """The default model is a GGUF file: the engine builds an HF tokenizer from it, and
+    GET /tokenizer serves that one, chat template included, for a router to tokenize alike."""
     chat = [{"role": "system", "content": "Be brief."}, *QUESTION]
     status, resp = _post(url, "/tokenize", {"model": MODEL, "messages": chat})
     assert status == 200, resp
-    assert tokenizer.chat(chat, True, None) == resp["tokens"]
+    assert router_tokenizer.chat(chat, True, None) == resp["tokens"]
+
+
+def test_an_agents_request_tokenizes_in_the_router_as_the_engine_prefills_it(
+    url: str, router_tokenizer: EngineTokenizer
+) -> None:
+    """Tools, an assistant's tool_calls and a tool's result: the router's prompt tokens (its
+    precise scoring's blocks) are the engine's, the tools written into the system message in
+    the format of the engine's parser family, which the bundle names."""
+    body = {"messages": [{"role": "system", "content": "Be brief."}, *HISTORY], "tools": [WEATHER]}
+    status, resp = _post(url, "/tokenize", {"model": MODEL, **body})
+    assert status == 200, resp
+    assert prompt_tokens(body, router_tokenizer) == resp["tokens"]

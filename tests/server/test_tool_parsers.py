@@ -14,8 +14,8 @@ from kvfleet.engine.server.tool_parsers import (
     LLAMA3_JSON,
     MISTRAL,
     ToolCallParser,
-    parser_for_template,
 )
+from kvfleet.protocol.tool_prompt import parser_for_template
 
 WEATHER = {"city": "Paris", "units": ["c", "f"], "deep": {"a": '}]\\"{['}}
 

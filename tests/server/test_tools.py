@@ -25,11 +25,11 @@ from kvfleet.engine.server.tools import (
     ToolPlan,
     ToolSettings,
     choice_message,
-    conversation_with_tools,
     plan_tools,
     required_schema,
 )
 from kvfleet.protocol.chat_template import render_chat_text
+from kvfleet.protocol.tool_prompt import ToolPrompt, conversation_with_tools
 from kvfleet.router.proxy import Router, RouterSettings, build_runner
 from tests.support.json_schemas import WEATHER_TOOL
 from tests.support.net import http_call
@@ -415,7 +415,7 @@ def test_required_resolves_each_tools_refs_against_its_own_parameters(text, acce
 
 def test_plans_per_tool_choice() -> None:
     assert _plan(tools=TOOLS).parse_mode == HERMES and _plan(tools=TOOLS).structured is None
-    assert _plan(tools=TOOLS, tool_choice="none") == ToolPlan(None)
+    assert _plan(tools=TOOLS, tool_choice="none") == ToolPlan(ToolPrompt(None))
     named = _plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert (named.parse_mode, named.function_name) == ("named", "get_time")
     assert named.structured.json == TIME["function"]["parameters"]
@@ -444,7 +444,7 @@ def test_fallback_prompt_asks_for_what_the_parser_reads(family: str) -> None:
         {"messages": _round_trip_messages("call_9"), "tools": TOOLS}
     )
     plan = plan_tools(req, ToolSettings(family))
-    conv = conversation_with_tools(req.messages, plan, native=False, family=family)
+    conv = conversation_with_tools(req.messages, plan.prompt, native=False, family=family)
     assert conv[0]["role"] == "system" and '"name": "get_time"' in conv[0]["content"]
     assert [e["role"] for e in conv] == ["system", "user", "assistant", "user"]
     assert "call_9" in conv[3]["content"] and '{"temperature": 21}' in conv[3]["content"]
@@ -467,7 +467,7 @@ def test_a_template_that_reads_tools_gets_them() -> None:
         {"messages": _round_trip_messages("call_9"), "tools": TOOLS}
     )
     plan = plan_tools(req, ToolSettings(HERMES))
-    conv = conversation_with_tools(req.messages, plan, native=True, family=HERMES)
+    conv = conversation_with_tools(req.messages, plan.prompt, native=True, family=HERMES)
 
     class Tokenizer:
         chat_template = NATIVE
@@ -478,7 +478,7 @@ def test_a_template_that_reads_tools_gets_them() -> None:
 
             return jinja2.Template(chat_template).render(messages=conversation, tools=tools)
 
-    text = render_chat_text(Tokenizer(), conv, tools=plan.tools)
+    text = render_chat_text(Tokenizer(), conv, tools=plan.prompt.tools)
     assert "TOOL get_weather\nTOOL get_time\n" in text
     assert "CALL get_weather Paris" in text and "<tool>" in text and "RESULT call_9" in text
 

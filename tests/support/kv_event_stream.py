@@ -27,7 +27,11 @@ class CharTokenizer:
     knows a prompt's tokens, and so its block hashes, without a model."""
 
     def chat(
-        self, messages: list[Any], add_generation_prompt: bool, template_kwargs: Any
+        self,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        template_kwargs: Any,
+        tools: Any = None,
     ) -> list[int]:
         return self.text("".join(f"{m['role']}:{m['content']}\n" for m in messages))
 

@@ -77,7 +77,15 @@ def test_the_start_is_exported_phase_by_phase(engine) -> None:
         if f.name == metric_names.STARTUP_SECONDS
     ]
     phases = {s.labels[metric_names.STARTUP_PHASE]: s.value for s in family.samples}
-    assert set(phases) == {"process", "config", "weights", "memory_profile", "kv_cache", "http"}
+    assert set(phases) == {
+        "process",
+        "config",
+        "tokenizer",
+        "weights",
+        "memory_profile",
+        "kv_cache",
+        "http",
+    }
     assert all(seconds > 0 for seconds in phases.values()), phases
 
 
