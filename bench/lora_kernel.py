@@ -1,6 +1,7 @@
 """What a LoRA batch adds to each projection on the GPU: the batched shrink + expand
-(kvfleet.kernels.lora) against the base model's GEMM of the same projection, at Llama-3.1-8B's
-shapes (qkv, o, gate/up, down), decode to prefill token counts, ranks 16 and 64, 8 and 16 slots.
+(kvfleet.kernels.lora.add_lora_slices) against the base model's GEMM of the same projection, at
+Llama-3.1-8B's shapes (qkv, o, gate/up, down), decode to prefill token counts, ranks 16 and 64,
+8 and 16 slots.
 Times are GPU time from CUDA-graph replays (fp8_linear_bench.graph_time) cycling through copies
 of the weights and adapters that overflow the L2 cache, as a step's distinct layers do.
 
@@ -69,8 +70,7 @@ def measure(projection: str, tokens: int, rank: int, num_slots: int) -> dict[str
     def with_lora(slots: torch.Tensor) -> torch.Tensor:
         tensors = next(adapters)
         a_i, b_i = tensors[: len(widths)], tensors[len(widths) :]
-        y = lora.lora_shrink_slices(x, a_i, slots)
-        lora.lora_expand_slices(y, b_i, slots, out, offsets)
+        lora.add_lora_slices(x, a_i, b_i, slots, out, offsets)
         return out
 
     base_us = graph_time(gemm)
@@ -85,8 +85,8 @@ def measure(projection: str, tokens: int, rank: int, num_slots: int) -> dict[str
         "lora_us": round(lora_us, 2),
         "lora_base_only_us": round(idle_us, 2),
         "overhead": round(lora_us / base_us, 3),
-        "shrink_tile": str(lora.shrink_tile(tokens, rank, k, x.element_size())),
-        "expand_tile": str(lora.expand_tile(tokens, rank)),
+        "shrink_tile": str(lora.shrink_tile_for(tokens, rank, k, x.element_size())),
+        "expand_tile": str(lora.expand_tile_for(tokens)),
     }
 
 
