@@ -73,20 +73,24 @@ def block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest side
 
 
-def fits_registers(block_m: int, block_r: int, block_k: int, num_warps: int) -> bool:
-    """Whether a thread loads at most 64 elements of x's and A's tiles (their addresses take
-    registers too; more spills)."""
-    return (block_m + block_r) * block_k <= 64 * 32 * num_warps
+def fits_registers(block_m: int, rank_tile: int, block_k: int, num_warps: int) -> bool:
+    """Whether a shrink thread loads at most 64 elements of x's and A's tiles (their addresses
+    take registers too; more spills)."""
+    return (block_m + rank_tile) * block_k <= 64 * 32 * num_warps
 
 
 @functools.cache
 def shrink_tile_for(num_tokens: int, rank: int, k: int, itemsize: int = 2) -> ShrinkTile:
-    """The table's tile for this token count, fitted to the rank, dtype and K. Its K tile is
-    for a 16-bit row and ranks to 32: a quarter the elements for an fp32 row (whose exact dots
-    stage more in shared memory), less for wider ranks (A's tile grows with the rank), so that
-    the stages fit an SM's shared memory and the loads its registers: 8 warps, then a narrower
-    K tile. K is split only while each split keeps two K tiles."""
-    tile = _bucket(num_tokens)[1]
+    """The table's tile for this token count, fitted to the rank, dtype and K."""
+    return fit_shrink_tile(_bucket(num_tokens)[1], rank, k, itemsize)
+
+
+def fit_shrink_tile(tile: ShrinkTile, rank: int, k: int, itemsize: int = 2) -> ShrinkTile:
+    """A table's tile (for a 16-bit row and ranks to 32) for this rank, dtype and K. Its K tile
+    takes a quarter the elements of an fp32 row (whose exact dots stage more in shared memory),
+    fewer for wider ranks (A's tile grows with the rank), so that the stages fit an SM's shared
+    memory and the loads its registers: 8 warps, then a narrower K tile. K is split only while
+    each split keeps two K tiles."""
     width = block_r(rank)
     block_k = max(16, tile.block_k // (1 if itemsize <= 2 else 4) // max(1, width // 32))
     warps = tile.num_warps
