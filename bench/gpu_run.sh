@@ -16,7 +16,7 @@
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
-#   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel   # batched LoRA kernels (issue 40)
+#   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel lora-kernel-sweep  # batched LoRA (issue 40)
 #   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
 #   bash bench/gpu_run.sh OUTDIR router-overhead   # the precise router's added latency (CPU)
 #   bash bench/gpu_run.sh OUTDIR startup llama8b  # an engine's start, cold then warm (issue 42)
@@ -152,6 +152,14 @@ for step in "$@"; do
         # What batched LoRA's shrink + expand add to each Llama-3.1-8B projection's GEMM, 1-2,048
         # tokens, ranks 16 and 64, 8 and 16 slots (lora_kernel.json).
         timeout 560 $py bench/lora_kernel.py --out-dir "$out" 2>&1 | tee "$out/lora_kernel.txt"
+        ;;
+    lora-kernel-sweep)
+        # Batched LoRA's candidate tiles per token-count bucket at Llama-3.1-8B's projections
+        # (rank 16, 8 slots), best first, and a TILES table for kernels/lora.py;
+        # LORA_SWEEP_TOKENS picks the token counts (each bucket's largest and 1 by default).
+        read -ra sweep_tokens <<<"${LORA_SWEEP_TOKENS:-1 16 32 128 512 2048}"
+        timeout 580 $py bench/lora_kernel.py --out-dir "$out" --sweep \
+            --sweep-tokens "${sweep_tokens[@]}" 2>&1 | tee "$out/lora_kernel_sweep.txt"
         ;;
     fp8-linear)
         # Where an fp8 linear's time goes at Llama-3-8B's shapes: bf16, W8A8 and its parts.

@@ -334,3 +334,16 @@ def lora_expand_slices(
     """lora_expand of each slice's y by its B into out's columns from that slice's offset."""
     for y_i, b, offset in zip(y, b_slices, offsets, strict=True):
         lora_expand(y_i, b, slots, out, offset)
+
+
+def add_lora_slices(
+    x: torch.Tensor,  # [T, K]
+    a_slices: Sequence[torch.Tensor],  # each [S, R, K]
+    b_slices: Sequence[torch.Tensor],  # each [S, N_i, R]
+    slots: torch.Tensor,  # [T] int32, in [-1, S)
+    out: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
+    """out[:, offsets[i]:offsets[i] + N_i] += (x @ A_i.T) @ B_i.T of each token's slot, in
+    place, for every slice i (the shrink rounded to x's dtype in between)."""
+    lora_expand_slices(lora_shrink_slices(x, a_slices, slots), b_slices, slots, out, offsets)

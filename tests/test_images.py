@@ -349,9 +349,11 @@ def test_engine_images_carry_the_default_model():
 
 
 def test_ci_builds_and_runs_the_images_after_the_suite():
-    """CI runs the image tests after `make test`, with docker required, so none skips there."""
+    """CI runs the image tests after `make test`, with docker required, so none skips there
+    (on the images it built meanwhile: -o images)."""
     ci = (ROOT / ".ci" / "run").read_text()
-    assert ci.index("make test\n") < ci.index("make image-test\n")
+    assert ci.index("make test\n") < ci.index("make -o images image-test\n")
+    assert ci.index("make images") < ci.index("make test\n")
     recipe = (ROOT / "Makefile").read_text().split("\nimage-test:", 1)[1].split("\n\n", 1)[0]
     assert "KVFLEET_REQUIRE_DOCKER=1" in recipe and "tests/images" in recipe
     assert "images" in recipe.splitlines()[0].split()  # the target builds them first

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvfleet.engine.distributed import tp_rank
-from kvfleet.engine.layers.batched_lora import lora_expand_slices, lora_shrink_slices
+from kvfleet.engine.layers.batched_lora import add_lora_slices
 from kvfleet.engine.lora_adapter import TARGET_MODULES, LoRAAdapter, TargetShape
 
 _slots: torch.Tensor | None = None
@@ -92,8 +92,7 @@ class LinearLoRA(nn.Module):
             return
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
-        shrunk = lora_shrink_slices(x2, self.a_slices, slots)
-        lora_expand_slices(shrunk, self.b, slots, out2, self.offsets)
+        add_lora_slices(x2, self.a_slices, self.b, slots, out2, self.offsets)
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Fill one slot with this rank's part of the adapter's A and B for this layer (zeros

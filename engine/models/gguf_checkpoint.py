@@ -4,10 +4,13 @@ package, renamed to HF's names and with llama.cpp's rope permutation of q/k undo
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import math
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +72,15 @@ _SKIPPED = frozenset({"rope_freqs.weight"})
 
 
 def _reader(file: Path) -> Any:
-    """The file's reader, shared by the config, the tokenizer check and the tensors of one load:
-    GGUFReader parses every metadata field up front, ~5 s for the default model's 49k-token
-    vocabulary on a busy 2-core machine. iter_tensors lets it go when the weights are in."""
-    stat = file.stat()
-    return _open_reader(file.resolve(), stat.st_mtime_ns, stat.st_size)
+    """The file's reader, shared by the config, the tokenizer check and the tensor table of one
+    load: GGUFReader parses every metadata field up front, ~5 s for the default model's
+    49k-token vocabulary on a busy 2-core machine. The tensor table lets it go."""
+    _, mtime_ns, size = _file_key(file)
+    return _open_reader(file.resolve(), mtime_ns, size)
 
 
 @functools.lru_cache(maxsize=1)
 def _open_reader(file: Path, mtime_ns: int, size: int) -> Any:
-    # mtime and size in the key: a file replaced at the same path is read anew.
     from gguf import GGUFReader
 
     try:
@@ -117,8 +119,23 @@ def _check_quant_types(reader: Any, file: Path) -> None:
         )
 
 
+def _file_key(file: Path) -> tuple[Path, int, int]:
+    # mtime and size in the key: a file replaced at the same path is read anew. The path as
+    # given, not resolved: a hub cache's link names the file its messages speak of.
+    stat = file.stat()
+    return file.absolute(), stat.st_mtime_ns, stat.st_size
+
+
 def load_config(file: Path) -> Any:
-    """The HF config of a GGUF checkpoint, after checking its architecture and tensor types."""
+    """The HF config of a GGUF checkpoint, after checking its architecture and tensor types.
+    A copy of the one built at this file's first load in the process: transformers parses every
+    metadata field again for it (~4 s for the default model), and the perplexity benchmark and
+    the tests load one file many times."""
+    return copy.deepcopy(_loaded_config(*_file_key(file)))
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_config(file: Path, mtime_ns: int, size: int) -> Any:
     from transformers import AutoConfig
 
     reader = _reader(file)
@@ -135,7 +152,14 @@ def load_config(file: Path) -> Any:
 
 
 def load_tokenizer(file: Path) -> Any:
-    """The tokenizer the GGUF metadata carries; a file without one needs --tokenizer."""
+    """The tokenizer the GGUF metadata carries; a file without one needs --tokenizer. A copy of
+    the one built at this file's first load in the process, as load_config's (a server sets its
+    chat template on it)."""
+    return copy.deepcopy(_loaded_tokenizer(*_file_key(file)))
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_tokenizer(file: Path, mtime_ns: int, size: int) -> Any:
     from transformers import AutoTokenizer
 
     if _field(_reader(file), "tokenizer.ggml.model") is None:
@@ -162,18 +186,59 @@ def _hf_name(name: str) -> str | None:
     return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
 
 
-def iter_tensors(file: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
-    progress: a bar on stderr when it is a terminal; False for none."""
-    from gguf.quants import dequantize
+@dataclass(frozen=True)
+class _TensorEntry:
+    name: str  # GGUF's
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # the tensor's, slowest-first as numpy's
+    offset: int  # of its data in the file
+    dtype: np.dtype  # of its stored data (bytes for a quantized type), and that data's shape
+    data_shape: tuple[int, ...]
 
+
+@dataclass(frozen=True)
+class _TensorTable:
+    arch: str
+    n_head: int
+    n_kv_head: int
+    tensors: tuple[_TensorEntry, ...]
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_table(file: Path, mtime_ns: int, size: int) -> _TensorTable:
+    """Where each tensor lies in the file, kept for the process's later loads of it: finding
+    them means parsing every metadata field again (GGUFReader has no other way). The reader
+    itself, and the mapping its fields hold, go once this is taken from it."""
     reader = _reader(file)
     arch = _gguf_architecture(reader, file)
     _check_quant_types(reader, file)
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv_head = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)
+    tensors = tuple(
+        # GGUF lists dimensions fastest-first; numpy (and torch) want them slowest-first.
+        _TensorEntry(
+            t.name,
+            t.tensor_type,
+            tuple(int(d) for d in reversed(t.shape)),
+            t.data_offset,
+            t.data.dtype,
+            t.data.shape,
+        )
+        for t in reader.tensors
+    )
+    _open_reader.cache_clear()
+    return _TensorTable(arch, n_head, n_kv_head, tensors)
+
+
+def iter_tensors(file: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time.
+    progress: a bar on stderr when it is a terminal; False for none."""
+    from gguf.quants import dequantize
+
+    table = _tensor_table(*_file_key(file))
+    mapped = np.memmap(file, mode="r")
     tensors = tqdm(
-        reader.tensors,
+        table.tensors,
         desc=f"Dequantizing {file.name}",
         unit="tensor",
         disable=None if progress else True,
@@ -184,13 +249,12 @@ def iter_tensors(file: Path, *, progress: bool = True) -> Iterator[tuple[str, to
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{file.name}: GGUF tensor {tensor.name!r} has no HF counterpart")
-        # GGUF lists dimensions fastest-first; numpy (and torch) want them slowest-first.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if arch in _PERMUTED and ".q_proj." in name:
-            values = _unpermute(values, n_head)
-        elif arch in _PERMUTED and ".k_proj." in name:
-            values = _unpermute(values, n_kv_head)
+        end = tensor.offset + math.prod(tensor.data_shape) * tensor.dtype.itemsize
+        data = mapped[tensor.offset : end].view(tensor.dtype).reshape(tensor.data_shape)
+        values = dequantize(data, tensor.tensor_type).reshape(tensor.shape)
+        if table.arch in _PERMUTED and ".q_proj." in name:
+            values = _unpermute(values, table.n_head)
+        elif table.arch in _PERMUTED and ".k_proj." in name:
+            values = _unpermute(values, table.n_kv_head)
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         yield name, torch.from_numpy(np.array(values, dtype=np.float32))
-    _open_reader.cache_clear()

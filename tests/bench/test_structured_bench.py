@@ -109,7 +109,7 @@ def test_smoke_against_the_engine(model_dirs, tmp_path: Path) -> None:
             [
                 *("--base-url", srv.url, "--model", "tiny", "--users", "4"),
                 *("--max-tokens", "12", "--items", "8", "--warmup-duration", "1"),
-                *("--duration", "3", "--result-json", str(out)),
+                *("--duration", "1", "--result-json", str(out)),
             ]
         )
     assert rc == 0

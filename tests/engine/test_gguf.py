@@ -5,10 +5,12 @@ transformers loading the same file; unsupported files are one-line errors."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from kvfleet.engine.llm import LLM
@@ -94,6 +96,53 @@ def test_gguf_without_tokenizer_needs_the_override(model_dirs, gguf_root) -> Non
         LLM(str(file), dtype="float32")
     with LLM(str(file), dtype="float32", tokenizer=str(model_dirs["llama"])) as llm:
         assert llm.get_tokenizer()("hello").input_ids[0] == 0
+
+
+def test_a_file_read_again_in_the_process_is_not_parsed_again(
+    model_dirs, gguf_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading a file again in the process reuses its config, tokenizer and tensor table
+    (parsing every metadata field again costs seconds for a real vocabulary); each load gets
+    its own config and tokenizer to change, and a file replaced at the same path is read anew."""
+    import shutil
+
+    from kvfleet.engine.models import gguf_checkpoint
+
+    parsed = []
+    reader = gguf.GGUFReader
+
+    def counted(path, *args, **kwargs):
+        parsed.append(Path(path).name)
+        return reader(path, *args, **kwargs)
+
+    # Ours and transformers' (the config's, the tokenizer's) import it when they parse.
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+
+    def load(file: Path) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+        # In the engine's order.
+        config, tok = gguf_checkpoint.load_config(file), gguf_checkpoint.load_tokenizer(file)
+        return config, tok, dict(gguf_checkpoint.iter_tensors(file, progress=False))
+
+    file = tmp_path / "model.gguf"
+    shutil.copy(_written(gguf_root, model_dirs["llama"], "llama", "Q8_0"), file)
+    config, tok, tensors = load(file)
+    assert parsed
+    first_parses = len(parsed)
+    config.architectures = ["Changed"]
+    tok.chat_template = "changed"
+    again, again_tok, again_tensors = load(file)
+    assert len(parsed) == first_parses
+    assert again.architectures == ["LlamaForCausalLM"]
+    assert again_tok.chat_template != "changed"
+    assert again_tok("hello").input_ids == tok("hello").input_ids
+    assert again_tensors.keys() == tensors.keys()
+    assert all(torch.equal(t, tensors[name]) for name, t in again_tensors.items())
+
+    shutil.copy(_written(gguf_root, model_dirs["qwen2"], "qwen2", "Q8_0"), file)
+    qwen2, _, qwen2_tensors = load(file)
+    assert len(parsed) == 2 * first_parses
+    assert qwen2.architectures == ["Qwen2ForCausalLM"]
+    assert "model.layers.0.self_attn.q_proj.bias" in qwen2_tensors
 
 
 def _tiny_gguf(path: Path, arch: str, qtype: gguf.GGMLQuantizationType) -> Path:

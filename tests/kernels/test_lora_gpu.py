@@ -59,13 +59,20 @@ def _slot_map(t: int, num_slots: int, seed: int) -> torch.Tensor:
     return slots.to(torch.int32).cuda()
 
 
-Shrink = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor], torch.Tensor]
-Expand = Callable[
-    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Sequence[int]], None
+AddLoRA = Callable[
+    [
+        torch.Tensor,
+        Sequence[torch.Tensor],
+        Sequence[torch.Tensor],
+        torch.Tensor,
+        torch.Tensor,
+        Sequence[int],
+    ],
+    None,
 ]
-KERNELS: tuple[Shrink, Expand] = (lora.lora_shrink_slices, lora.lora_expand_slices)
-ENGINE: tuple[Shrink, Expand] = (batched_lora.lora_shrink_slices, batched_lora.lora_expand_slices)
-TWINS: tuple[Shrink, Expand] = (reference.lora_shrink_slices, reference.lora_expand_slices)
+KERNELS: AddLoRA = lora.add_lora_slices
+ENGINE: AddLoRA = batched_lora.add_lora_slices
+TWIN: AddLoRA = reference.add_lora_slices
 
 
 def _run(
@@ -74,13 +81,11 @@ def _run(
     b_slices: list[torch.Tensor],
     slots: torch.Tensor,
     out: torch.Tensor,
-    ops: tuple[Shrink, Expand],
-) -> torch.Tensor:
-    """One projection's LoRA: the slices' shrink, then their expand side by side into out."""
+    add: AddLoRA,
+) -> None:
+    """One projection's LoRA: the slices side by side into out."""
     offsets = [sum(b.shape[1] for b in b_slices[:i]) for i in range(len(b_slices))]
-    y = ops[0](x, a_slices, slots)
-    ops[1](y, b_slices, slots, out, offsets)
-    return y
+    add(x, a_slices, b_slices, slots, out, offsets)
 
 
 def _assert_matches_twin(
@@ -91,14 +96,13 @@ def _assert_matches_twin(
     base_out: torch.Tensor,
 ) -> None:
     out, want = base_out.clone(), base_out.clone()
-    y = _run(x, a_slices, b_slices, slots, out, KERNELS)
-    want_y = _run(x, a_slices, b_slices, slots, want, TWINS)
+    _run(x, a_slices, b_slices, slots, out, KERNELS)
+    _run(x, a_slices, b_slices, slots, want, TWIN)
     base = slots == -1
-    assert torch.isfinite(out).all() and not y[:, base].any()
+    assert torch.isfinite(out).all()
     assert torch.equal(out[base], base_out[base])  # the base model's rows untouched
-    # bf16 y rounds the same fp32 sums in another order: a last-bit difference at most, and
-    # the deltas added to out within bf16's rounding of them.
-    torch.testing.assert_close(y.float(), want_y.float(), atol=2e-2, rtol=1e-2)
+    # The kernels' bf16 y rounds the same fp32 sums in another order (split-K partials): a
+    # last-bit difference at most, and the deltas added to out within bf16's rounding of them.
     delta, want_delta = (out - base_out).float(), (want - base_out).float()
     assert (delta - want_delta).norm() <= 1e-2 * want_delta.norm() + 1e-3
 
@@ -149,7 +153,7 @@ def test_kernels_replay_from_a_cuda_graph_as_the_slot_map_changes() -> None:
         slots.copy_(slot_map)
         graph.replay()
         want = base_out.clone()
-        _run(x, a_slices, b_slices, slots, want, TWINS)
+        _run(x, a_slices, b_slices, slots, want, TWIN)
         delta, want_delta = (out - base_out).float(), (want - base_out).float()
         assert (delta - want_delta).norm() <= 1e-2 * want_delta.norm() + 1e-3
         assert torch.equal(out[slots == -1], base_out[slots == -1])

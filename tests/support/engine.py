@@ -3,6 +3,7 @@ prompts the equivalence tests share, GPU comparison helpers, and a spy on cascad
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,29 @@ def idle_stats(**values: Any) -> EngineStats:
     return EngineStats(**(zeros | values))
 
 
+def _hf_causal_lm(model_dir: Path, gguf_file: str | None) -> Any:
+    """HF transformers' model of the checkpoint in fp32, for inference only. A GGUF file's is
+    shared with the next call on the same file (the last file's only): transformers parses and
+    dequantizes the whole file for each load, ~13 s for the default model, which two modules
+    compare the engine with."""
+    from transformers import AutoModelForCausalLM
+
+    if gguf_file is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stat = (model_dir / gguf_file).stat()
+    return _hf_gguf_model(model_dir.absolute(), gguf_file, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_gguf_model(model_dir: Path, gguf_file: str, mtime_ns: int, size: int) -> Any:
+    # mtime and size in the key: a file written again at the same path is loaded anew.
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf_file, dtype=torch.float32
+    ).eval()
+
+
 def hf_greedy(
     model_dir: Path,
     prompts: list[list[int]],
@@ -35,15 +59,17 @@ def hf_greedy(
     """Greedy continuation of each prompt by HF transformers, one prompt at a time (no padding),
     stopping at EOS as the engine does. ``gguf_file``: the checkpoint is that GGUF file in
     ``model_dir``. ``lora_dir``: with that PEFT LoRA adapter (PEFT applies it)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, gguf_file=gguf_file, dtype=torch.float32
-    ).eval()
-    if lora_dir is not None:
+    if lora_dir is None:
+        model = _hf_causal_lm(model_dir, gguf_file)
+    else:
         from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-        model = PeftModel.from_pretrained(model, lora_dir).eval()
+        # Not the shared model: PEFT adds the adapter's layers to the one it is given.
+        base = AutoModelForCausalLM.from_pretrained(
+            model_dir, gguf_file=gguf_file, dtype=torch.float32
+        )
+        model = PeftModel.from_pretrained(base, lora_dir).eval()
     eos = model.generation_config.eos_token_id
     outs = []
     with torch.no_grad():
@@ -85,11 +111,7 @@ def hf_prompt_logprobs(
 ) -> torch.Tensor:
     """HF transformers' log_softmax over the vocabulary at each position of the prompt, in fp32:
     row p scores prompt token p + 1."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, gguf_file=gguf_file, dtype=torch.float32
-    ).eval()
+    model = _hf_causal_lm(model_dir, gguf_file)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
