@@ -3,6 +3,7 @@
 # cannot install packages: kvfleet is put on the path through a shim, and the few pure-Python
 # packages it lacks come as wheels in .whl/ (see the device notes in bench/RESULTS.md).
 #   bash bench/gpu_run.sh OUTDIR check    # kernels at real sizes + GPU tests
+#   GPU_RUN_ARCHIVE=$OUT/run.tgz bash bench/gpu_run.sh /tmp/o STEPS...  # one file back from a device call
 #   bash bench/gpu_run.sh OUTDIR qwen3 llama8b requests latency ...   # throughput, latency
 #   bash bench/gpu_run.sh OUTDIR gemma-chat gpt2-burst llama2-13b      # issue 9's workloads
 #   bash bench/gpu_run.sh OUTDIR tp-tests tp-llama8b tp-70b            # two GPUs: tensor parallel
@@ -552,3 +553,8 @@ print(r.urlopen("http://127.0.0.1:8000/metrics").read().decode())' >"$out/lora_$
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done
+# A device call brings back at most 8 files: GPU_RUN_ARCHIVE=$OUT/run.tgz packs the whole output
+# folder (logs, JSON, server logs) into one.
+if [ -n "${GPU_RUN_ARCHIVE:-}" ]; then
+    tar czf "$GPU_RUN_ARCHIVE" -C "$(dirname "$out")" "$(basename "$out")"
+fi
