@@ -29,11 +29,12 @@ from kvfleet.engine.kv_cache_manager import cdiv
 from kvfleet.engine.kv_transfers import KVTransfers, TransfersDone
 from kvfleet.engine.layers.attention import Attention
 from kvfleet.engine.layers.fp8 import fp8_linear_layers
-from kvfleet.engine.layers.lora import LoRALayers, attach_lora, load_slot, lora_context
+from kvfleet.engine.layers.lora import LoRALayers, attach_lora, lora_context
 from kvfleet.engine.layers.moe import expert_parallel_layers
 from kvfleet.engine.lora_adapter import LoRAAdapter, check_weights, read_config
 from kvfleet.engine.lora_adapter import read_weights as read_lora_weights
 from kvfleet.engine.lora_request import LoRARequest
+from kvfleet.engine.lora_slot_loads import SlotLoads
 from kvfleet.engine.lora_slots import SlotChanges
 from kvfleet.engine.memory_profile_cache import (
     MemoryProfile,
@@ -286,11 +287,12 @@ class ModelRunner:
         self.pool_sums: dict[int, torch.Tensor] = {}
 
         torch.manual_seed(args.seed)
-        # LoRA: the projections adapters may target (by checkpoint module name), and the
-        # adapters held in host memory, by lora_int_id, with the seconds each took to load.
+        # LoRA: the projections adapters may target (by checkpoint module name) and their
+        # slots; the adapters held in host memory, by lora_int_id, each as its slot image (the
+        # bytes of one slot on this rank: a load is one copy); the loads in flight.
         self.lora: LoRALayers | None = None
-        self.lora_host: dict[int, LoRAAdapter] = {}
-        self.lora_load_seconds: list[tuple[str, float]] = []
+        self.lora_host: dict[int, torch.Tensor] = {}
+        self.lora_loads: SlotLoads | None = None
         # Rank 0 of several: lora_host's changes since the last plan, for the workers.
         self._lora_host_changes: dict[int, LoRAAdapter | None] = {}
         self.startup = startup = startup or StartupTimer(process_seconds=0.0)
@@ -382,6 +384,8 @@ class ModelRunner:
                     f"LoRA (enable_lora) is not supported for {mc.architecture}: it has none "
                     "of the q/k/v/o/gate/up/down projections adapters target"
                 )
+            # Rank 0's load times are the metrics; the workers keep no record.
+            self.lora_loads = SlotLoads(self.lora, timed=tp_rank() == 0)
         if not isinstance(model, LanguageModel):
             raise TypeError(f"{type(model).__name__} lacks what the runner calls on a model")
         return model
@@ -970,7 +974,8 @@ class ModelRunner:
         return read_lora_weights(lora.lora_path, config, self.lora.targets)
 
     def host_adapter(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
-        """Keep a read adapter in host memory, where slot loads copy it from (every rank)."""
+        """Keep a read adapter in host memory as its slot image, which slot loads copy (every
+        rank its own; rank 0 sends the workers the adapter's tensors with the next plan)."""
         self._set_host_copy(lora.lora_int_id, adapter)
         if self.send_plan is not None:
             self._lora_host_changes[lora.lora_int_id] = adapter
@@ -982,40 +987,41 @@ class ModelRunner:
             self._lora_host_changes[lora_int_id] = None
 
     def _set_host_copy(self, key: int, adapter: LoRAAdapter | None) -> None:
+        # The image alone stays: a slot load needs nothing else, and the tensors as read (a
+        # different dtype, unpadded, unsharded) would take host memory besides it.
         if adapter is None:
             self.lora_host.pop(key, None)
         else:
-            self.lora_host[key] = adapter
+            assert self.lora is not None
+            self.lora_host[key] = self.lora.image(adapter)
 
     def _take_lora_host_changes(self) -> dict[int, LoRAAdapter | None] | None:
         changes, self._lora_host_changes = self._lora_host_changes, {}
         return changes or None
 
     def _apply_lora_changes(self, changes: SlotChanges) -> None:
-        """Copy adapters into their slots from their host copies, which the engine core read
-        before it let their requests be scheduled: a step never reads the disk. Queued on the
-        device's stream behind the step before, which may still read the slot."""
-        assert self.lora is not None
+        """Copy adapters into their slots from their host images, which the engine core read
+        before it let their requests be scheduled: a step never reads the disk. One copy per
+        adapter, queued on the device's stream behind the step before, which may still read
+        the slot (SlotLoads)."""
+        assert self.lora_loads is not None
         for slot, lora in changes.loads:
-            started = time.perf_counter()
-            adapter = self.lora_host.get(lora.lora_int_id)
-            if adapter is None:
+            image = self.lora_host.get(lora.lora_int_id)
+            if image is None:
                 raise RuntimeError(
                     f"LoRA adapter {lora.lora_name!r} was scheduled without its host copy"
                 )
             with torch.inference_mode():
-                load_slot(self.lora, slot, adapter)
-            if self.sampler is not None:  # rank 0's metrics; the workers keep no record
-                self.lora_load_seconds.append((lora.lora_name, time.perf_counter() - started))
+                self.lora_loads.load(slot, lora.lora_name, image)
 
     def take_kv_transfers_done(self) -> TransfersDone:
         """The host tier's copies (rank 0's) complete since the last call."""
         return TransfersDone() if self.host_kv is None else self.host_kv.take_done()
 
     def take_lora_load_seconds(self) -> list[tuple[str, float]]:
-        """(adapter name, seconds) of each slot load since the last call."""
-        loads, self.lora_load_seconds = self.lora_load_seconds, []
-        return loads
+        """(adapter name, seconds) of each slot load the device completed since the last call
+        (rank 0's; a load's copy may complete a step after it was issued)."""
+        return [] if self.lora_loads is None else self.lora_loads.take_seconds()
 
     def _input_ids(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The step's input ids on the device, the pending ones filled in there from the previous

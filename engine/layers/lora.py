@@ -6,7 +6,13 @@ never change shape, so a CUDA graph captures the whole pass with the map as one 
 
 Tensor parallelism splits an adapter as its layer's weight is split: a column-parallel layer
 keeps the whole A and its rows of B; a row-parallel one its columns of A and the whole B, its
-partial product added to the partial output that the base's all-reduce sums."""
+partial product added to the partial output that the base's all-reduce sums.
+
+Every slot of every layer lies in one device buffer [max_loras, slot_numel]: the layers' A and B
+are views of it, and a slot's bytes are one adapter's, contiguous. An adapter read into host
+memory becomes its slot image (`LoRALayers.image`), those bytes in one (pinned) host tensor, and
+a slot load is one copy of it (`LoRALayers.load`). The buffer never moves: CUDA graphs captured
+over the views stay valid however often slots are reloaded."""
 
 from __future__ import annotations
 
@@ -37,15 +43,6 @@ def lora_context(token_slots: torch.Tensor | None) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class LoRALayers:
-    """What attach_lora gave the model: the projections an adapter may target, by checkpoint
-    module name, with their whole shapes; the layers' slots."""
-
-    targets: dict[str, TargetShape]
-    layers: list[LinearLoRA]
-
-
-@dataclass(frozen=True)
 class LoRASlice:
     """One projection inside a layer's output (q, k, v of a fused qkv; gate, up): its name in the
     checkpoint, the rows it takes in this rank's output, and which block of its whole B rows
@@ -58,32 +55,32 @@ class LoRASlice:
     shape: TargetShape
 
 
+def slot_shapes(slices: list[LoRASlice], in_features: int, max_rank: int) -> list[tuple[int, int]]:
+    """A layer's tensors in one slot: A of every slice stacked, then each slice's B."""
+    return [(len(slices) * max_rank, in_features), *[(s.rows, max_rank) for s in slices]]
+
+
 class LinearLoRA(nn.Module):
     """The slots of one linear layer: A of every slice stacked [slots, slices * rank, in], B
-    per slice [slots, rows, rank]; one shrink and one expand launch for all the slices."""
+    per slice [slots, rows, rank] (`tensors`, as slot_shapes lists them, views of the model's
+    slot buffer); one shrink and one expand launch for all the slices."""
 
     def __init__(
         self,
         slices: list[LoRASlice],
-        in_features: int,
         row_parallel: bool,
-        max_loras: int,
         max_rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        tensors: list[torch.Tensor],
     ) -> None:
         super().__init__()
         self.slices = slices
         self.row_parallel = row_parallel
         self.max_rank = max_rank
-        size = len(slices) * max_rank
         # Plain tensors, not buffers: no checkpoint or state dict holds them.
-        self.a = torch.zeros(max_loras, size, in_features, dtype=dtype, device=device)
-        # Each slice's A: a view of the stacked buffer, which load() fills.
-        self.a_slices = [self.a[:, i * max_rank : (i + 1) * max_rank] for i in range(len(slices))]
-        self.b = [
-            torch.zeros(max_loras, s.rows, max_rank, dtype=dtype, device=device) for s in slices
-        ]
+        self.a, *self.b = tensors
+        # Each slice's A: a view of the stacked one.
+        r = max_rank
+        self.a_slices = [self.a[:, i * r : (i + 1) * r] for i in range(len(slices))]
         self.offsets = [s.offset for s in slices]
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -94,27 +91,85 @@ class LinearLoRA(nn.Module):
         out2 = out.view(-1, out.shape[-1])
         add_lora_slices(x2, self.a_slices, self.b, slots, out2, self.offsets)
 
-    def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        """Fill one slot with this rank's part of the adapter's A and B for this layer (zeros
-        where the adapter leaves a slice out); None empties it."""
+    def fill(self, slot: list[torch.Tensor], adapter: LoRAAdapter) -> None:
+        """Write this rank's part of the adapter's A and B for this layer into one slot's
+        zeroed tensors (as slot_shapes lists them), leaving zeros where the adapter leaves a slice
+        out and past its rank."""
         r = self.max_rank
-        self.a[slot].zero_()
-        for i, (s, b) in enumerate(zip(self.slices, self.b, strict=True)):
-            b[slot].zero_()
-            pair = None if adapter is None else adapter.weights.get(s.module)
+        a, *bs = slot
+        for i, (s, b) in enumerate(zip(self.slices, bs, strict=True)):
+            pair = adapter.weights.get(s.module)
             if pair is None:
                 continue
             a_full, b_full = pair
             rank = a_full.shape[0]
             if self.row_parallel:
-                k = self.a.shape[2]
+                k = a.shape[1]
                 a_part = a_full.narrow(1, tp_rank() * k, k)
                 b_part = b_full
             else:
                 a_part = a_full
                 b_part = b_full.narrow(0, s.shard_index * s.rows, s.rows)
-            self.a[slot, i * r : i * r + rank].copy_(a_part)
-            b[slot, :, :rank].copy_(b_part)
+            a[i * r : i * r + rank].copy_(a_part)
+            b[:, :rank].copy_(b_part)
+
+
+# Each tensor of a slot starts on a multiple of this many elements (128 bytes at 16 bits): the
+# kernels' pointers keep the alignment their compiled variants assume.
+_ALIGN = 64
+
+# Where each of a layer's tensors (slot_shapes) lies in a slot: (offset, shape).
+Places = list[tuple[int, tuple[int, int]]]
+
+
+def _layout(shapes: list[list[tuple[int, int]]]) -> tuple[list[Places], int]:
+    """The layers' tensors one after another in a slot, each aligned; the slot's elements."""
+    places: list[Places] = []
+    numel = 0
+    for layer_shapes in shapes:
+        mine: Places = []
+        for rows, cols in layer_shapes:
+            mine.append((numel, (rows, cols)))
+            numel += -(-rows * cols // _ALIGN) * _ALIGN
+        places.append(mine)
+    return places, numel
+
+
+def _views(flat: torch.Tensor, places: Places) -> list[torch.Tensor]:
+    """A layer's tensors in `flat` [slots, slot_numel]: [slots, *shape] each."""
+    n = flat.shape[0]
+    return [flat[:, o : o + rows * cols].view(n, rows, cols) for o, (rows, cols) in places]
+
+
+@dataclass(frozen=True)
+class LoRALayers:
+    """What attach_lora gave the model: the projections an adapter may target, by checkpoint
+    module name, with their whole shapes; the layers; the buffer [max_loras, slot_numel] that
+    holds every layer's slots, and where each layer's tensors lie in a slot."""
+
+    targets: dict[str, TargetShape]
+    layers: list[LinearLoRA]
+    buffer: torch.Tensor
+    places: list[Places]
+
+    def image(self, adapter: LoRAAdapter) -> torch.Tensor:
+        """The bytes one slot holds for the adapter on this rank, every layer's, in one host
+        tensor [slot_numel] of the slots' dtype: pinned when the slots are on a GPU, so that
+        `load` copies it without the host waiting."""
+        buffer = self.buffer
+        image = torch.zeros(buffer.shape[1], dtype=buffer.dtype, pin_memory=buffer.is_cuda)
+        for layer, places in zip(self.layers, self.places, strict=True):
+            layer.fill([v[0] for v in _views(image.view(1, -1), places)], adapter)
+        return image
+
+    def load(self, slot: int, image: torch.Tensor | None) -> None:
+        """An adapter's image into one slot of every layer (None: the slot emptied): one copy,
+        queued on the device's current stream without the host waiting. The image must
+        outlive the copy (SlotLoads keeps it)."""
+        if image is None:
+            self.buffer[slot].zero_()
+        else:
+            self.buffer[slot].copy_(image, non_blocking=True)
 
 
 def attach_lora(
@@ -129,8 +184,7 @@ def attach_lora(
 
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     targets: dict[str, TargetShape] = {}
-    layers: list[LinearLoRA] = []
-    with_lora: set[int] = set()
+    found: list[tuple[_Linear, list[LoRASlice], bool]] = []
     for name, layer in model.named_modules():
         if not isinstance(layer, _Linear):
             continue
@@ -142,7 +196,6 @@ def attach_lora(
         if not pieces:
             continue
         shapes = vars(layer.weight)["checkpoint_shapes"]  # set by the layer (set_load_attrs)
-        row_parallel = isinstance(layer, RowParallelLinear)
         slices = []
         for piece, shard in pieces:
             out_full, in_full = shapes[shard]
@@ -154,21 +207,20 @@ def attach_lora(
             else:
                 offset, rows, index = 0, out_full, 0
             slices.append(LoRASlice(module, offset, rows, index, shape))
-        lora = LinearLoRA(
-            slices, layer.weight.shape[1], row_parallel, max_loras, max_rank, dtype, device
-        )
+        found.append((layer, slices, isinstance(layer, RowParallelLinear)))
+    places, numel = _layout(
+        [slot_shapes(slices, layer.weight.shape[1], max_rank) for layer, slices, _ in found]
+    )
+    buffer = torch.zeros(max_loras, numel, dtype=dtype, device=device)
+    layers: list[LinearLoRA] = []
+    for (layer, slices, row_parallel), mine in zip(found, places, strict=True):
+        lora = LinearLoRA(slices, row_parallel, max_rank, _views(buffer, mine))
         layer.lora = lora
         layers.append(lora)
-        with_lora.add(id(layer))
+    with_lora = {id(layer) for layer, _, _ in found}
     for module in model.modules():
         if isinstance(module, RMSNorm | GatedActivation):
             fp8 = module.fp8_output
             if fp8 is not None and id(fp8.consumer) in with_lora:
                 module.fp8_output = None
-    return LoRALayers(targets, layers)
-
-
-def load_slot(layers: LoRALayers, slot: int, adapter: LoRAAdapter | None) -> None:
-    """The adapter's weights into one slot of every LoRA layer (None: the slot emptied)."""
-    for layer in layers.layers:
-        layer.load(slot, adapter)
+    return LoRALayers(targets, layers, buffer, places)
