@@ -386,6 +386,13 @@ class ModelRunner:
                 )
             # Rank 0's load times are the metrics; the workers keep no record.
             self.lora_loads = SlotLoads(self.lora, timed=tp_rank() == 0)
+            buffer = self.lora.buffer
+            if tp_rank() == 0:
+                logger.info(
+                    "LoRA: %d slots of %.1f MiB a rank (rank %d); each adapter in host memory "
+                    "takes one slot's size, %d at most", buffer.shape[0],
+                    buffer[0].nbytes / (1 << 20), self.args.max_lora_rank, self.args.cpu_loras,
+                )  # fmt: skip
         if not isinstance(model, LanguageModel):
             raise TypeError(f"{type(model).__name__} lacks what the runner calls on a model")
         return model
