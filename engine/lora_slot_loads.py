@@ -28,6 +28,9 @@ class _InFlight:
 
 
 class SlotLoads:
+    """The slot loads of one rank's LoRA layers not yet completed on the device, and the
+    seconds of those that were."""
+
     def __init__(self, layers: LoRALayers, timed: bool) -> None:
         """`timed`: keep each load's seconds for take_seconds (rank 0, which reports them)."""
         self.layers = layers

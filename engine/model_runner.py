@@ -998,6 +998,8 @@ class ModelRunner:
         # different dtype, unpadded, unsharded) would take host memory besides it.
         if adapter is None:
             self.lora_host.pop(key, None)
+            if self.lora_loads is not None:  # its image goes now if no copy reads it still
+                self.lora_loads.settle()
         else:
             assert self.lora is not None
             self.lora_host[key] = self.lora.image(adapter)
