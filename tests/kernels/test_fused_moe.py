@@ -7,6 +7,7 @@ tests/engine/test_moe_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -102,22 +103,25 @@ def test_fused_experts_with_fp8_weights_equals_the_twin():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+# Row blocks of 16 put the weight tile on the MMA's row side (swap AB), of 64 the pairs.
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k", "hidden", "inter", "skip"),
+    ("tokens", "experts", "top_k", "hidden", "inter", "skip", "block_m"),
     [
-        (9, 4, 2, 64, 32, False),
-        (37, 6, 3, 48, 40, True),  # no K a multiple of the block, slots on other ranks
+        (9, 4, 2, 64, 32, False, 16),
+        (37, 6, 3, 48, 40, True, 16),  # no K a multiple of the block, slots on other ranks
+        (37, 6, 3, 48, 40, True, 64),
     ],
 )
-def test_fused_experts_w8a8_equals_the_twin(tokens, experts, top_k, hidden, inter, skip,
+def test_fused_experts_w8a8_equals_the_twin(tokens, experts, top_k, hidden, inter, skip, block_m,
                                             monkeypatch):  # fmt: skip
     args = _fp8_operands(tokens, experts, top_k, hidden, inter, skip)
+    tile = dataclasses.replace(TILE, block_m=block_m)
     want = reference.fused_experts(*args, fp8_activations=True)
     # The interpreter's fp8 cast does not round to nearest (tests/kernels/test_fp8_quant.py),
     # so the kernel quantizes x and act(gate) * up with the twin's function here; on a GPU
     # the Triton quantization rounds alike (tests/engine/test_moe_gpu.py).
     monkeypatch.setattr(fused_moe, "quantize_tokens", reference.quantize_tokens)
-    got = fused_moe.fused_experts(*args, fp8_activations=True, tile=TILE)
+    got = fused_moe.fused_experts(*args, fp8_activations=True, tile=tile)
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
     # A real comparison: quantizing the activations moves the result far more than that.
