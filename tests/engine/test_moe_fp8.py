@@ -225,6 +225,33 @@ def test_a_split_experts_rows_keep_their_whole_scales(monkeypatch):
     assert torch.equal(half.down_scale[2], whole.down_scale[2])
 
 
+def test_w8a8_experts_split_over_two_ranks_sum_to_the_whole(monkeypatch):
+    """Each expert's intermediate dimension split over 2 ranks under W8A8: each rank quantizes
+    its own slice of act(gate) * up per row (its own scale), and the ranks' partial outputs
+    sum to the unsplit experts' within what quantizing the activations costs."""
+    gen = torch.Generator().manual_seed(7)
+    experts, hidden, inter = 4, 32, 48
+    gate_up = torch.randn(experts, 2, inter, hidden, generator=gen)
+    down = torch.randn(experts, hidden, inter, generator=gen) * torch.logspace(-1, 1, inter)
+    x = torch.randn(W8A8_MIN_TOKENS, hidden, generator=gen)
+    routing = torch.rand(len(x), 2, generator=gen), torch.randint(0, experts, (len(x), 2))
+
+    def build(size: int, rank: int) -> FusedMoE:
+        monkeypatch.setattr("kvfleet.engine.layers.moe.tp_size", lambda: size)
+        monkeypatch.setattr("kvfleet.engine.layers.moe.tp_rank", lambda: rank)
+        with fp8_linear_layers(Fp8Config()):
+            moe = FusedMoE(experts, 2, hidden, inter, "silu")
+        for e in range(experts):
+            moe.weight_loader(moe.gate_up_proj, gate_up[e, 0], f"{e}.gate")
+            moe.weight_loader(moe.gate_up_proj, gate_up[e, 1], f"{e}.up")
+            moe.weight_loader(moe.down_proj, down[e], str(e))
+        return moe
+
+    whole = build(1, 0)(x, *routing)
+    split = build(2, 0)(x, *routing) + build(2, 1)(x, *routing)
+    assert 0 < float((split - whole).norm() / whole.norm()) < 0.05
+
+
 def test_compressed_tensors_routers_left_unquantized():
     """llm-compressor leaves a mixture of experts' routers out of fp8, by name or pattern, as
     kvfleet does anyway; any other projection left out is refused."""
