@@ -16,6 +16,7 @@
 #   bash bench/gpu_run.sh OUTDIR fp8-linear fp8-gemm-sweep fp8-profile  # fp8 linears; a batch-1 step
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
+#   bash bench/gpu_run.sh OUTDIR moe-kernel-w8a8  # fp8 experts: W8A8 vs W8A16 vs bf16 by tokens
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel lora-kernel-sweep  # batched LoRA (issue 40)
 #   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
@@ -127,15 +128,22 @@ for step in "$@"; do
         ;;
     moe-kernel)
         # The fused MoE kernel's time against the per-expert PyTorch loop and a dense GEMM of the
-        # same FLOPs at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, bf16 and fp8 weights, 1-4,096
-        # tokens (moe_kernel.json).
+        # same FLOPs at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, bf16 and fp8 weights (W8A16 and
+        # W8A8), 1-4,096 tokens (moe_kernel.json).
         timeout 560 $py bench/moe_kernel.py --out-dir "$out" 2>&1 | tee "$out/moe_kernel.txt"
+        ;;
+    moe-kernel-w8a8)
+        # Qwen3-30B-A3B's fp8 experts in both modes against bf16 at the token counts between
+        # decode and prefill: where W8A8 starts to beat W8A16 (engine.layers.moe.W8A8_MIN_TOKENS).
+        mkdir -p "$out/w8a8"
+        timeout 560 $py bench/moe_kernel.py --out-dir "$out/w8a8" --models qwen3-30b-a3b \
+            --tokens 1 8 16 32 64 128 256 512 4096 2>&1 | tee "$out/moe_kernel_w8a8.txt"
         ;;
     moe-kernel-sweep)
         # The fused MoE kernel's candidate tiles per token-count bucket, best first, and a TILES
         # table for kernels/fused_moe.py; MOE_SWEEP_MODELS / MOE_SWEEP_DTYPES / MOE_SWEEP_TOKENS
         # pick the shapes and sizes (Qwen3-30B-A3B bf16 at each bucket's largest size by default:
-        # one model and dtype fits the step's time).
+        # one model and dtype fits the step's time; MOE_SWEEP_DTYPES=fp8 sweeps W8A8_TILES).
         read -ra sweep_models <<<"${MOE_SWEEP_MODELS:-qwen3-30b-a3b}"
         read -ra sweep_dtypes <<<"${MOE_SWEEP_DTYPES:-bf16}"
         read -ra sweep_tokens <<<"${MOE_SWEEP_TOKENS:-1 32 128 512 2048 4096}"

@@ -1,11 +1,16 @@
 """The fused mixture-of-experts kernel (kernels.fused_moe) on the GPU, at Qwen3-30B-A3B's and
-Mixtral-8x7B's expert shapes, bf16 and fp8 (W8A16) weights, from decode to prefill token counts:
+Mixtral-8x7B's expert shapes, bf16 and fp8 weights, from decode to prefill token counts; fp8 in
+both of the kernel's modes side by side, W8A16 (activations of the model dtype) and W8A8
+(activations quantized per row, fp8 tensor cores):
 
 - against its twin, the per-expert PyTorch loop (reference.fused_experts, eager: it reads each
-  expert's token count on the host, so it cannot be captured), and against one dense bf16 GEMM of
-  the same FLOPs ([tokens * top_k, hidden] x [hidden, 3 * intermediate]);
+  expert's token count on the host, so it cannot be captured), against one dense GEMM of the
+  same FLOPs ([tokens * top_k, hidden] x [hidden, 3 * intermediate]; bf16, or for W8A8 the fp8
+  linear as the engine serves it, its activations quantized per token), and the fp8 modes
+  against bf16 at the same token count; each fp8 model's token counts where W8A8 beats W8A16
+  are printed (engine.layers.moe.W8A8_MIN_TOKENS is the threshold to set from them);
 - with ``--sweep``, every candidate tile at each token count, the best printed and written as a
-  ``TILES`` table to paste into kernels/fused_moe.py.
+  ``TILES`` table to paste into kernels/fused_moe.py (``--dtypes fp8``: W8A8's, ``W8A8_TILES``).
 
 The fused kernel and the dense GEMM are captured in CUDA graphs and replayed (GPU time, as the
 engine runs them); the replays cycle through eight routings, so that the experts a call reads are
@@ -35,7 +40,7 @@ from common import device_name, git_commit
 from fp8_linear_bench import copies, graph_time
 from latency import copy_bandwidth
 
-from kvfleet.engine.layers.fp8 import quantize_rows
+from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
 from kvfleet.engine.layers.moe import route
 from kvfleet.kernels import fused_moe, reference
 
@@ -45,6 +50,8 @@ TOKENS = (1, 16, 256, 4096)
 # The sweep's token counts: each bucket's largest (the tile it gets), 1 and 4,096.
 SWEEP_TOKENS = (1, 32, 128, 512, 2048, 4096)
 ROUTINGS = 8
+# The kernel's modes per weight dtype: (name, fp8_activations).
+MODES = {"bf16": (("bf16", False),), "fp8": (("w8a16", False), ("w8a8", True))}
 
 Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
@@ -81,7 +88,10 @@ def routings(tokens: int, hidden: int, experts: int, top_k: int) -> list[tuple[t
 
 
 def fused_call(
-    experts: Experts, inputs: list[tuple[torch.Tensor, ...]], tile: fused_moe.MoeTile | None
+    experts: Experts,
+    inputs: list[tuple[torch.Tensor, ...]],
+    tile: fused_moe.MoeTile | None,
+    fp8_activations: bool,
 ) -> Callable[[], torch.Tensor]:
     gate_up, down, gate_up_scale, down_scale = experts
     cycle = itertools.cycle(inputs)
@@ -89,19 +99,22 @@ def fused_call(
     def call() -> torch.Tensor:
         x, weights, ids = next(cycle)
         return fused_moe.fused_experts(
-            x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale, tile=tile
-        )
+            x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale, fp8_activations,
+            tile=tile,
+        )  # fmt: skip
 
     return call
 
 
-def twin_time(experts: Experts, inputs: list[tuple[torch.Tensor, ...]]) -> float:
+def twin_time(
+    experts: Experts, inputs: list[tuple[torch.Tensor, ...]], fp8_activations: bool
+) -> float:
     """Microseconds per call of the PyTorch loop, eager, the median over the routings."""
     gate_up, down, gate_up_scale, down_scale = experts
 
     def call(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return reference.fused_experts(
-            x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale
+            x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale, fp8_activations
         )
 
     call(*inputs[0])
@@ -115,11 +128,21 @@ def twin_time(experts: Experts, inputs: list[tuple[torch.Tensor, ...]]) -> float
     return statistics.median(times)
 
 
-def dense_time(pairs: int, hidden: int, inter: int) -> float:
-    """One bf16 GEMM of the experts' FLOPs: [pairs, hidden] x [hidden, 3 * inter]."""
+def dense_time(pairs: int, hidden: int, inter: int, fp8: bool) -> float:
+    """One GEMM of the experts' FLOPs: [pairs, hidden] x [hidden, 3 * inter], bf16, or the
+    engine's fp8 linear (activations quantized per token, weight scaled per channel)."""
     a = torch.randn(pairs, hidden, device="cuda", dtype=torch.bfloat16)
-    weights = copies(torch.randn(3 * inter, hidden, device="cuda", dtype=torch.bfloat16))
-    return graph_time(lambda: torch.nn.functional.linear(a, *next(weights)))
+    w = torch.randn(3 * inter, hidden, device="cuda") / hidden**0.5
+    if not fp8:
+        weights = copies(w.to(torch.bfloat16))
+        return graph_time(lambda: torch.nn.functional.linear(a, *next(weights)))
+    fp8_weights = copies(*quantize_rows(w))
+
+    def served() -> torch.Tensor:
+        w_fp8, w_scale = next(fp8_weights)
+        return fp8_linear(a, w_fp8, w_scale, None, None)
+
+    return graph_time(served)
 
 
 def weight_bytes(experts: Experts, inputs: list[tuple[torch.Tensor, ...]]) -> float:
@@ -134,82 +157,111 @@ def weight_bytes(experts: Experts, inputs: list[tuple[torch.Tensor, ...]]) -> fl
 
 def compare(models: list[str], dtypes: list[str], tokens: list[int], bandwidth: float) -> list:
     sys.stdout.write(
-        "model          dtype tokens  fused us  twin us  dense us  twin/fused  fused/dense"
-        "  TFLOP/s  weights floor us  tile\n"
+        "model          mode  tokens  fused us  twin us  dense us  twin/fused  fused/dense"
+        "  bf16/fused  TFLOP/s  weights floor us  fused/floor  tile\n"
     )
     rows: list[dict[str, Any]] = []
     for name in models:
         hidden, inter, num_experts, top_k = MODELS[name]
+        bf16_us: dict[int, float] = {}
         for dtype in dtypes:
             experts = experts_weights(hidden, inter, num_experts, dtype)
             for t in tokens:
                 inputs = routings(t, hidden, num_experts, top_k)
-                check(experts, inputs[0])
-                tile = fused_moe.tile_for(t)
-                fused = graph_time(fused_call(experts, inputs, None), replays=16)
-                twin = twin_time(experts, inputs)
-                dense = dense_time(t * top_k, hidden, inter)
-                flops = 6 * t * top_k * hidden * inter
                 floor = weight_bytes(experts, inputs) / bandwidth * 1e6
-                row = dict(
-                    model=name, dtype=dtype, tokens=t, fused_us=fused, twin_us=twin,
-                    dense_us=dense, twin_over_fused=twin / fused, fused_over_dense=fused / dense,
-                    fused_tflops=flops / fused / 1e6, weight_floor_us=floor,
-                    tile=asdict(tile),
-                )  # fmt: skip
-                rows.append(row)
-                sys.stdout.write(
-                    f"{name:14s} {dtype:5s} {t:6d} {fused:9.1f} {twin:8.1f} {dense:9.1f} "
-                    f"{twin / fused:11.1f} {fused / dense:12.2f} {flops / fused / 1e6:8.1f} "
-                    f"{floor:17.1f}  {tile}\n"
-                )
+                flops = 6 * t * top_k * hidden * inter
+                for mode, a8 in MODES[dtype]:
+                    check(experts, inputs[0], a8)
+                    tile = fused_moe.tile_for(t, fused_moe.W8A8_TILES if a8 else fused_moe.TILES)
+                    fused = graph_time(fused_call(experts, inputs, None, a8), replays=16)
+                    twin = twin_time(experts, inputs, a8)
+                    dense = dense_time(t * top_k, hidden, inter, fp8=a8)
+                    if mode == "bf16":
+                        bf16_us[t] = fused
+                    vs_bf16 = bf16_us[t] / fused if t in bf16_us else None
+                    row = dict(
+                        model=name, dtype=dtype, mode=mode, tokens=t, fused_us=fused,
+                        twin_us=twin, dense_us=dense, dense="fp8" if a8 else "bf16",
+                        twin_over_fused=twin / fused, fused_over_dense=fused / dense,
+                        bf16_over_fused=vs_bf16, fused_tflops=flops / fused / 1e6,
+                        weight_floor_us=floor, fused_over_floor=fused / floor, tile=asdict(tile),
+                    )  # fmt: skip
+                    rows.append(row)
+                    sys.stdout.write(
+                        f"{name:14s} {mode:5s} {t:6d} {fused:9.1f} {twin:8.1f} {dense:9.1f} "
+                        f"{twin / fused:11.1f} {fused / dense:12.2f} "
+                        f"{'-' if vs_bf16 is None else f'{vs_bf16:.2f}':>11s} "
+                        f"{flops / fused / 1e6:8.1f} {floor:17.1f} {fused / floor:12.2f}  {tile}\n"
+                    )
             del experts
             torch.cuda.empty_cache()
+        report_crossover(name, [r for r in rows if r["model"] == name])
     return rows
 
 
-def check(experts: Experts, inputs: tuple[torch.Tensor, ...]) -> None:
+def report_crossover(name: str, rows: list[dict[str, Any]]) -> None:
+    """The token counts at which W8A8 beats W8A16 (the engine's W8A8_MIN_TOKENS comes from
+    them)."""
+    by_mode = {(r["mode"], r["tokens"]): r["fused_us"] for r in rows}
+    counts = sorted(t for mode, t in by_mode if mode == "w8a8" and ("w8a16", t) in by_mode)
+    if not counts:
+        return
+    faster = [t for t in counts if by_mode["w8a8", t] < by_mode["w8a16", t]]
+    ratios = ", ".join(f"{t}: {by_mode['w8a16', t] / by_mode['w8a8', t]:.2f}x" for t in counts)
+    sys.stdout.write(f"{name}: W8A8 faster than W8A16 at {faster} tokens (W8A16/W8A8 {ratios})\n")
+
+
+def check(experts: Experts, inputs: tuple[torch.Tensor, ...], fp8_activations: bool) -> None:
     """The kernel against its twin before it is timed (a fast wrong kernel is no result)."""
     gate_up, down, gate_up_scale, down_scale = experts
     x, weights, ids = inputs
-    args = (x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale)
+    args = (x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale, fp8_activations)
     got, want = fused_moe.fused_experts(*args).float(), reference.fused_experts(*args).float()
     error = float((got - want).norm() / want.norm().clamp(min=1e-30))
     if error > 2e-2:
         raise SystemExit(f"the fused kernel is off its twin by {error:.3g} (relative norm)")
 
 
-def sweep_tiles(tokens: int, top_k: int, num_experts: int) -> Iterator[fused_moe.MoeTile]:
+def sweep_tiles(
+    tokens: int, top_k: int, num_experts: int, fp8_activations: bool
+) -> Iterator[fused_moe.MoeTile]:
     """Candidates: BLOCK_M up to twice an expert's average rows (more would be padding)."""
     rows = max(1, tokens * top_k // num_experts)
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * triton.next_power_of_2(rows))]
     # Narrow column blocks only where few experts are active: they keep every SM streaming.
     block_ns = (32, 64, 128) if tokens <= 128 else (64, 128)
+    # fp8 packs twice the K into a tile's bytes.
+    block_ks = (64, 128, 256) if fp8_activations else (64, 128)
     for block_m, block_n, block_k, warps, stages in itertools.product(
-        block_ms, block_ns, (64, 128), (4, 8), (3, 4)
+        block_ms, block_ns, block_ks, (4, 8), (3, 4)
     ):
+        if fp8_activations and max(block_m, block_n) < fused_moe.FP8_MMA_ROWS:
+            continue  # the swapped MMA's rows are the column block: fewer would not run on fp8
         group_m = 1 if block_m == 16 and tokens <= 32 else 8
         yield fused_moe.MoeTile(block_m, block_n, block_k, group_m, warps, stages)
 
 
 def sweep(models: list[str], dtypes: list[str], tokens: list[int]) -> dict[str, Any]:
+    """bf16's tiles (TILES, which W8A16 shares), or for fp8 W8A8's (W8A8_TILES)."""
     best: dict[str, Any] = {}
     for name in models:
         hidden, inter, num_experts, top_k = MODELS[name]
         for dtype in dtypes:
+            a8 = dtype == "fp8"
             experts = experts_weights(hidden, inter, num_experts, dtype)
-            key = f"{name}/{dtype}"
+            key = f"{name}/{'w8a8' if a8 else dtype}"
             best[key] = {}
             for t in tokens:
                 inputs = routings(t, hidden, num_experts, top_k)
+                check(experts, inputs[0], a8)
                 timed = []
-                for tile in sweep_tiles(t, top_k, num_experts):
+                for tile in sweep_tiles(t, top_k, num_experts, a8):
                     try:
-                        timed.append((graph_time(fused_call(experts, inputs, tile), 8), tile))
+                        timed.append((graph_time(fused_call(experts, inputs, tile, a8), 8), tile))
                     except triton.runtime.errors.OutOfResources:
                         continue  # more shared memory or registers than an SM has
                 timed.sort(key=lambda pair: pair[0])
-                default = graph_time(fused_call(experts, inputs, None), 8)
+                default = graph_time(fused_call(experts, inputs, None, a8), 8)
                 t_us, tile = timed[0]
                 best[key][t] = dict(us=t_us, tile=asdict(tile), default_us=default)
                 sys.stdout.write(
@@ -220,13 +272,16 @@ def sweep(models: list[str], dtypes: list[str], tokens: list[int]) -> dict[str, 
                     sys.stdout.write(f"{'':34s}next {next_us:8.1f} us {next_tile}\n")
             del experts
             torch.cuda.empty_cache()
-        key = f"{name}/{dtypes[0]}"
-        bounds = [bound for bound, _ in fused_moe.TILES]
-        sys.stdout.write(f"TILES from {key} (each bucket's largest swept token count):\n")
-        for bound, (_, current) in zip(bounds, fused_moe.TILES, strict=True):
-            swept = [t for t in best[key] if t <= bound]
-            tile = fused_moe.MoeTile(**best[key][max(swept)]["tile"]) if swept else current
-            sys.stdout.write(f"    ({bound}, {tile}),\n")
+            table, table_name = (
+                (fused_moe.W8A8_TILES, "W8A8_TILES") if a8 else (fused_moe.TILES, "TILES")
+            )
+            sys.stdout.write(
+                f"{table_name} from {key} (each bucket's largest swept token count):\n"
+            )
+            for bound, current in table:
+                swept = [t for t in best[key] if t <= bound]
+                tile = fused_moe.MoeTile(**best[key][max(swept)]["tile"]) if swept else current
+                sys.stdout.write(f"    ({bound}, {tile}),\n")
     return best
 
 

@@ -1,6 +1,7 @@
 """A mixture of experts' MLP on the GPU: the twin of ``reference.fused_experts``, in five launches
-(four at decode sizes) whatever the number of experts, with no host synchronisation and every
-buffer's shape fixed by the token count (as a CUDA graph captured per batch size needs).
+(four at decode sizes, two more for W8A8 below) whatever the number of experts, with no host
+synchronisation and every buffer's shape fixed by the token count (as a CUDA graph captured per
+batch size needs).
 
 1. align (two kernels, one at decode sizes): the (token, slot) pairs sorted by expert, each
    expert's run padded to a multiple of BLOCK_M, and the expert of each block of BLOCK_M rows.
@@ -20,9 +21,27 @@ on which program finished first). It moves about as many bytes as the atomics wo
 row written and read in the model dtype, against an fp32 read-modify-write in L2 plus zeroing and
 rounding passes), and one launch.
 
-FP8 (e4m3) weights (W8A16): tiles are converted to the activations' dtype in registers and the
-per-expert, per-output-channel scale multiplies the fp32 accumulator. The tile per token-count
-bucket comes from ``TILES``, swept by ``bench/moe_kernel.py``."""
+FP8 (e4m3) weights run in one of two modes, both with the per-expert, per-output-channel weight
+scale multiplying the fp32 accumulator:
+
+- W8A16: weight tiles are converted to the activations' dtype in registers, in the inner loop,
+  and the tensor cores multiply in that dtype. No extra launch, but the conversions hold the
+  GEMMs well above their weight-read floor once the experts have rows to share a tile.
+- W8A8 (``fp8_activations``): the activations are quantized per row to e4m3 (one fp32 scale a
+  row, from its largest magnitude, by kernels.fp8_quant.quantize_tokens) and both GEMMs run on
+  the fp8 tensor cores, the row's scale then the column's multiplying the fp32 accumulator
+  (row blocks smaller than the fp8 MMA's 64 rows swap its operands: ``FP8_MMA_ROWS``). x is
+  quantized once per token before gate/up. The gate/up output act(gate) * up is written in
+  the activations' dtype and a second launch quantizes it per row before down: a row's scale
+  needs its largest magnitude over all of the intermediate columns, which are spread over
+  several gate/up programs, so no single program's epilogue can compute it. That pass reads
+  the [rows, I] buffer once more and writes it in half the bytes (at 4,096 of Qwen3-30B-A3B's
+  tokens about 50 MB more than W8A16 moves, against 600 MB of expert weights); at decode sizes
+  its launch, and x's, may cost more than the conversions they save: the caller chooses the
+  mode per token count (engine.layers.moe.W8A8_MIN_TOKENS).
+
+The tile per token-count bucket comes from ``TILES`` (``W8A8_TILES`` for W8A8), swept by
+``bench/moe_kernel.py``."""
 
 from __future__ import annotations
 
@@ -34,6 +53,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.activation import gated
+from kvfleet.kernels.fp8_quant import quantize_tokens
 from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, GATED_ACTIVATIONS
 
@@ -60,7 +80,24 @@ TILES: tuple[tuple[int, MoeTile], ...] = (
     (2048, MoeTile(128, 128, 64, 8, 8, 3)),
     (1 << 62, MoeTile(128, 128, 64, 8, 8, 3)),
 )
+# W8A8's: TILES' shapes with fp8's K tile of 128 (twice the elements a byte, so twice the K a
+# tile for the same shared memory), and column blocks of at least FP8_MMA_ROWS where the row
+# blocks are smaller (the weight rows are then the MMA's rows). Not yet swept on a GPU
+# (bench/moe_kernel.py --sweep --dtypes fp8 sweeps them).
+W8A8_TILES: tuple[tuple[int, MoeTile], ...] = (
+    (32, MoeTile(16, 64, 128, 1, 4, 4)),
+    (128, MoeTile(16, 64, 128, 4, 4, 4)),
+    (512, MoeTile(64, 64, 128, 8, 4, 3)),
+    (2048, MoeTile(128, 128, 128, 8, 8, 3)),
+    (1 << 62, MoeTile(128, 128, 128, 8, 8, 3)),
+)
 
+
+# Hopper's fp8 MMA (wgmma) takes 64 rows a warpgroup; Triton lowers an fp8 dot of fewer rows to
+# f16 mma.sync, converting both operands in registers as W8A16 does. W8A8 row blocks smaller
+# than this put the weight tile on the MMA's row side instead ("swap AB": BLOCK_N weight rows,
+# at least 64, times the block's pairs) and transpose the accumulator once for the epilogue.
+FP8_MMA_ROWS = 64
 
 # The align kernels' programs at most: each reads every program's expert counts.
 ALIGN_CHUNKS = 64
@@ -168,13 +205,62 @@ def _block_of(max_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
+@triton.jit
+def _weight_tile(w_ptr, expert, stride_we, stride_wn, cols, ks, SWAP_AB: tl.constexpr):
+    """Pointers to the expert's weight rows `cols` over the K offsets `ks`: the MMA's B operand
+    [BLOCK_K, BLOCK_N], or swapped its A operand [BLOCK_N, BLOCK_K]."""
+    base = w_ptr + expert.to(tl.int64) * stride_we
+    if SWAP_AB:
+        tile = base + cols[:, None] * stride_wn + ks[None, :]
+    else:
+        tile = base + cols[None, :] * stride_wn + ks[:, None]
+    return tile
+
+
+@triton.jit
+def _load_weight(tile, k0, col_ok, k_ok, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A weight tile at K offset k0: zeros past the last column, and past K unless EVEN_K."""
+    if SWAP_AB:
+        mask = col_ok[:, None]
+        if not EVEN_K:
+            mask = mask & k_ok[None, :]
+    else:
+        mask = col_ok[None, :]
+        if not EVEN_K:
+            mask = mask & k_ok[:, None]
+    return tl.load(tile + k0, mask=mask, other=0.0)
+
+
+@triton.jit
+def _accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ w; swapped, the transpose: acc.T + w.T @ a.T (transposed back after the loop)."""
+    return tl.dot(w, tl.trans(a), acc) if SWAP_AB else tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _rows_by_cols(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N] for the epilogue."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
 @kernel
 def _gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr,
     pairs, inter, hidden, max_blocks, stride_x, stride_we, stride_wn, stride_se, stride_o,
-    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, FP8_W: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, FP8_W: tl.constexpr, FP8_A: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _block_of(max_blocks, inter, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -186,27 +272,32 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + (pair // TOP_K)[:, None].to(tl.int64) * stride_x + ks[None, :]
-    # The expert's gate rows `cols` and its up rows `inter + cols`, as [BLOCK_K, BLOCK_N] tiles.
-    gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    token = pair // TOP_K
+    x_rows = x_ptr + token[:, None].to(tl.int64) * stride_x + ks[None, :]
+    # The expert's gate rows `cols` and its up rows `inter + cols`.
+    gate = _weight_tile(w_ptr, expert, stride_we, stride_wn, cols, ks, SWAP_AB)
     up = gate + inter * stride_wn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = _accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_up = _accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k0 + ks < hidden
         if EVEN_K:
             a = tl.load(x_rows + k0, mask=valid[:, None], other=0.0)
-            bg = tl.load(gate + k0, mask=col_ok[None, :], other=0.0)
-            bu = tl.load(up + k0, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = k0 + ks < hidden
             a = tl.load(x_rows + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(gate + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            bu = tl.load(up + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8_W:
+        bg = _load_weight(gate, k0, col_ok, k_ok, EVEN_K, SWAP_AB)
+        bu = _load_weight(up, k0, col_ok, k_ok, EVEN_K, SWAP_AB)
+        if FP8_W and not FP8_A:
             bg = bg.to(a.dtype)
             bu = bu.to(a.dtype)
-        acc_gate = tl.dot(a, bg, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+        acc_gate = _mma(a, bg, acc_gate, SWAP_AB, PRECISION)
+        acc_up = _mma(a, bu, acc_up, SWAP_AB, PRECISION)
+    acc_gate = _rows_by_cols(acc_gate, SWAP_AB)
+    acc_up = _rows_by_cols(acc_up, SWAP_AB)
+    if FP8_A:
+        x_scale = tl.load(x_scale_ptr + token, mask=valid, other=0.0)[:, None]
+        acc_gate *= x_scale
+        acc_up *= x_scale
     if FP8_W:
         scales = scale_ptr + expert.to(tl.int64) * stride_se + cols
         acc_gate *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -221,10 +312,11 @@ def _gate_up_kernel(
 
 @kernel
 def _down_kernel(
-    h_ptr, w_ptr, scale_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    h_ptr, h_scale_ptr, w_ptr, scale_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr,
     pairs, hidden, inter, max_blocks, stride_h, stride_we, stride_wn, stride_se, stride_o,
-    FP8_W: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8_W: tl.constexpr, FP8_A: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = _block_of(max_blocks, hidden, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -238,19 +330,19 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     # The gate/up kernel's output is in sorted order: its rows are read in place.
     h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :]
-    w = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w = _weight_tile(w_ptr, expert, stride_we, stride_wn, cols, ks, SWAP_AB)
+    acc = _accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(h_rows + k0)
-            b = tl.load(w + k0, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = k0 + ks < inter
-            a = tl.load(h_rows + k0, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w + k0, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if FP8_W:
+        k_ok = k0 + ks < inter
+        a = tl.load(h_rows + k0) if EVEN_K else tl.load(h_rows + k0, mask=k_ok[None, :], other=0.0)
+        b = _load_weight(w, k0, col_ok, k_ok, EVEN_K, SWAP_AB)
+        if FP8_W and not FP8_A:
             b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _mma(a, b, acc, SWAP_AB, PRECISION)
+    acc = _rows_by_cols(acc, SWAP_AB)
+    if FP8_A:
+        # Every row of the buffer has its scale (padding rows quantized zeros).
+        acc *= tl.load(h_scale_ptr + rows)[:, None]
     if FP8_W:
         scales = scale_ptr + expert.to(tl.int64) * stride_se + cols
         acc *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -311,6 +403,7 @@ def _check(
     activation: str,
     gate_up_scale: torch.Tensor | None,
     down_scale: torch.Tensor | None,
+    fp8_activations: bool,
 ) -> None:
     if activation not in GATED_ACTIVATIONS:
         raise ValueError(f"no fused kernel for {activation!r}; fused: {sorted(GATED_ACTIVATIONS)}")
@@ -331,6 +424,8 @@ def _check(
             raise ValueError("fp8 expert weights need gate_up_scale and down_scale")
         if gate_up_scale.shape != gate_up.shape[:2] or down_scale.shape != down.shape[:2]:
             raise ValueError("fp8 scales are per expert and output channel: [E, 2I] and [E, H]")
+    elif fp8_activations:
+        raise ValueError(f"fp8 activations (W8A8) need fp8 experts, not {gate_up.dtype}")
 
 
 def fused_experts(
@@ -342,18 +437,19 @@ def fused_experts(
     activation: str,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    fp8_activations: bool = False,
     tile: MoeTile | None = None,
 ) -> torch.Tensor:
     """``reference.fused_experts`` (same arguments and result) in Triton; ``tile`` overrides the
     bucket's (the benchmark's sweep)."""
-    _check(x, gate_up, down, weights, ids, activation, gate_up_scale, down_scale)
+    _check(x, gate_up, down, weights, ids, activation, gate_up_scale, down_scale, fp8_activations)
     num_tokens, top_k = ids.shape
     experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tile = tile or tile_for(num_tokens)
+    tile = tile or tile_for(num_tokens, W8A8_TILES if fp8_activations else TILES)
     x = x.contiguous()
     ids = ids.contiguous()
     weights = weights.contiguous().float()
@@ -370,24 +466,33 @@ def fused_experts(
     rows = max_blocks * bm
 
     # fp32 models multiply in fp32 (not TF32): their outputs are compared with HF's exactly.
+    # (input_precision does not apply to fp8 operands.)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty((rows, inter), dtype=x.dtype, device=device)
     gu_scale = gate_up_scale if gate_up_scale is not None else h
+    # W8A8: the GEMMs read fp8 rows and their scales; otherwise the scale arguments are unread.
+    a, a_scale = quantize_tokens(x) if fp8_activations else (x, h)
+    swap_ab = fp8_activations and bm < FP8_MMA_ROWS
     _gate_up_kernel[(max_blocks * triton.cdiv(inter, tile.block_n),)](
-        x, gate_up, gu_scale, h, sorted_pairs, block_expert, pairs, inter, hidden, max_blocks,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_scale.stride(0), h.stride(0),
-        TOP_K=top_k, ACTIVATION=activation, FP8_W=fp8, EVEN_K=hidden % tile.block_k == 0,
-        PRECISION=precision, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        a, a_scale, gate_up, gu_scale, h, sorted_pairs, block_expert, pairs, inter, hidden,
+        max_blocks, a.stride(0), gate_up.stride(0), gate_up.stride(1), gu_scale.stride(0),
+        h.stride(0), TOP_K=top_k, ACTIVATION=activation, FP8_W=fp8, FP8_A=fp8_activations,
+        SWAP_AB=swap_ab, EVEN_K=hidden % tile.block_k == 0, PRECISION=precision, BLOCK_M=bm,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     y = torch.empty((pairs, hidden), dtype=x.dtype, device=device)
     d_scale = down_scale if down_scale is not None else h
+    # Rows of the blocks past the last run hold whatever the buffer held: quantized too, never
+    # read (their programs exit at once).
+    h, h_scale = quantize_tokens(h) if fp8_activations else (h, h)
     _down_kernel[(max_blocks * triton.cdiv(hidden, tile.block_n),)](
-        h, down, d_scale, weights, y, sorted_pairs, block_expert, pairs, hidden, inter,
-        max_blocks, h.stride(0), down.stride(0), down.stride(1), d_scale.stride(0), y.stride(0),
-        FP8_W=fp8, EVEN_K=inter % tile.block_k == 0, PRECISION=precision, BLOCK_M=bm,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        h, h_scale, down, d_scale, weights, y, sorted_pairs, block_expert, pairs, hidden,
+        inter, max_blocks, h.stride(0), down.stride(0), down.stride(1), d_scale.stride(0),
+        y.stride(0), FP8_W=fp8, FP8_A=fp8_activations, SWAP_AB=swap_ab,
+        EVEN_K=inter % tile.block_k == 0,
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](

@@ -203,6 +203,7 @@ def fused_experts(
     activation: str,
     gate_up_scale: torch.Tensor | None = None,  # fp32 [experts, 2 * intermediate]
     down_scale: torch.Tensor | None = None,  # fp32 [experts, hidden]
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """A mixture of experts' MLP: sum_j weights[t, j] * down[e] @ act_and_mul(gate_up[e] @ x[t])
     over the experts e = ids[t, j] of each token t; a slot whose id is -1 adds nothing (expert
@@ -210,14 +211,20 @@ def fused_experts(
     each expert runs once over all its tokens, as the grouped GEMM of kernels.fused_moe does.
 
     Weights of the model dtype multiply in it. FP8 (e4m3) weights are dequantized by their
-    per-expert, per-output-channel scales (W8A16): the activations stay in the model dtype, the
-    products accumulate in fp32, and the gate/up output is rounded to the model dtype as a
-    model-dtype GEMM's would be. The twin of kernels.fused_moe.fused_experts."""
+    per-expert, per-output-channel scales, and the products accumulate in fp32; the gate/up
+    output is rounded to the model dtype as a model-dtype GEMM's would be. The activations stay
+    in the model dtype (W8A16), or with ``fp8_activations`` (W8A8) are quantized per row as
+    ``quantize_tokens`` does: each token's x before gate/up, each pair's act(gate) * up (a row
+    over this rank's whole intermediate slice) before down; a GEMM's fp32 sum of the fp8
+    products is then scaled by the row's scale, then the column's. The twin of
+    kernels.fused_moe.fused_experts."""
     fp8 = gate_up.dtype == FP8
     if fp8 != (down.dtype == FP8):
         raise ValueError(f"gate_up is {gate_up.dtype} but down is {down.dtype}")
     if fp8 and (gate_up_scale is None or down_scale is None):
         raise ValueError("fp8 expert weights need gate_up_scale and down_scale")
+    if fp8_activations and not fp8:
+        raise ValueError(f"fp8 activations (W8A8) need fp8 experts, not {gate_up.dtype}")
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1)
     # Skipped slots (-1) sort first; each expert's pairs follow in token order.
@@ -228,11 +235,17 @@ def fused_experts(
     sorted_weights = weights.reshape(-1)[order]
     out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     start = flat_ids.numel() - kept.numel()
+    x_fp8, x_scale = quantize_tokens(x) if fp8_activations else (x, None)
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = token_of[start : start + count]
-        if gate_up_scale is not None and down_scale is not None:
+        if gate_up_scale is not None and down_scale is not None and x_scale is not None:
+            gu = (x_fp8[rows].float() @ gate_up[expert].float().t()) * x_scale[rows]
+            h = act_and_mul((gu * gate_up_scale[expert]).to(x.dtype), activation)
+            h_fp8, h_scale = quantize_tokens(h)
+            y = (h_fp8.float() @ down[expert].float().t()) * h_scale * down_scale[expert]
+        elif gate_up_scale is not None and down_scale is not None:
             gu = (x[rows].float() @ gate_up[expert].float().t()) * gate_up_scale[expert]
             h = act_and_mul(gu.to(x.dtype), activation)
             y = (h.float() @ down[expert].float().t()) * down_scale[expert]

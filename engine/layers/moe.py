@@ -34,6 +34,13 @@ from kvfleet.kernels.availability import triton_available
 
 GATE_UP_SHARDS = ("gate", "up")
 
+# fp8 experts run W8A8 (activations quantized per row, fp8 tensor cores) from this many tokens a
+# call, W8A16 below, where the two quantizing launches W8A8 adds (kernels.fused_moe) may cost
+# more than the weight-tile conversions they save. A call's token count is static under a CUDA
+# graph, so each captured size runs one mode. A first guess, not yet measured on a GPU:
+# bench/moe_kernel.py (gpu_run.sh moe-kernel-w8a8) prints the token counts where W8A8 wins.
+W8A8_MIN_TOKENS = 32
+
 
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -91,7 +98,9 @@ class FusedMoE(nn.Module):
     and output channel, ``gate_up_scale`` [experts, 2 * intermediate] and ``down_scale``
     [experts, hidden]: loaded from the checkpoint (one per tensor or per channel), or filled as
     higher-precision weights are quantized at load (a down projection's rows scaled over their
-    whole width, so every intermediate-split rank scales them alike)."""
+    whole width, so every intermediate-split rank scales them alike). Their activations are
+    quantized per row (W8A8) from W8A8_MIN_TOKENS tokens a call (a checkpoint's static input scales
+    for the experts are not used), and stay in the model dtype below."""
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, act: str
@@ -256,6 +265,7 @@ class FusedMoE(nn.Module):
             self.activation,
             self.gate_up_scale,
             self.down_scale,
+            fp8_activations=self.gate_up_scale is not None and x.shape[0] >= W8A8_MIN_TOKENS,
         )
 
 

@@ -21,9 +21,10 @@ from kvfleet.engine.layers.fp8 import (
     quantize_rows,
     resolve_fp8,
 )
-from kvfleet.engine.layers.moe import FusedMoE
+from kvfleet.engine.layers.moe import W8A8_MIN_TOKENS, FusedMoE
 from kvfleet.engine.llm import LLM, TokensPrompt
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.kernels import reference
 from tests.support.fp8_checkpoint import (
     FIXTURE_BLOCK,
     quantize_blocks_fixture,
@@ -98,7 +99,8 @@ def test_fp8_experts_checkpoint_equals_its_twin_quantized_at_load(fp8_dirs):
 def test_per_tensor_scales_expand_to_their_experts_rows(fp8_dirs):
     """vLLM's fp8 format (Mixtral's w1/w3/w2 names): one scale per expert projection, each
     expanded to its rows, gate's and up's apart; the experts' static input scales are not
-    used (their activations stay in the model dtype) while the attention's are. Static
+    used (their activations are quantized per token, or stay in the model dtype) while the
+    attention's are. Static
     activation scales make the dense layers' split arithmetic the unsplit one's, so experts
     placed per rank, each loading only its own weights and scales, generate the same tokens."""
     one, params = _greedy(fp8_dirs["mixtral-static"])
@@ -174,6 +176,30 @@ def test_experts_quantized_at_load_compute_what_their_dequantized_weights_do():
     torch.testing.assert_close(fp8(x, weights, ids), expected, rtol=1e-5, atol=1e-6 * scale)
 
 
+def test_fp8_experts_quantize_their_activations_from_w8a8_min_tokens():
+    """Below W8A8_MIN_TOKENS the activations stay in the model dtype (W8A16); from it they are
+    quantized per row (W8A8), and the two differ by about what quantizing them costs."""
+    gen = torch.Generator().manual_seed(6)
+    with fp8_linear_layers(Fp8Config()):
+        moe = FusedMoE(4, 2, 32, 48, "silu")
+    for e in range(4):
+        for part in ("gate", "up"):
+            moe.weight_loader(moe.gate_up_proj, torch.randn(48, 32, generator=gen), f"{e}.{part}")
+        moe.weight_loader(moe.down_proj, torch.randn(32, 48, generator=gen), str(e))
+    weights = (moe.gate_up_proj, moe.down_proj)
+    scales = (moe.gate_up_scale, moe.down_scale)
+    for tokens in (W8A8_MIN_TOKENS - 1, W8A8_MIN_TOKENS):
+        x = torch.randn(tokens, 32, generator=gen)
+        routing = torch.rand(tokens, 2, generator=gen), torch.randint(0, 4, (tokens, 2))
+        modes = {
+            a8: reference.fused_experts(x, *weights, *routing, "silu", *scales, a8)
+            for a8 in (False, True)
+        }
+        got = moe(x, *routing)
+        assert torch.equal(got, modes[tokens >= W8A8_MIN_TOKENS])
+        assert 1e-3 < float((modes[True] - modes[False]).norm() / modes[False].norm()) < 0.1
+
+
 def test_a_split_experts_rows_keep_their_whole_scales(monkeypatch):
     """Each expert's intermediate dimension split over 2 ranks, quantized at load: rank 1 holds
     its rows of gate/up with their own scales, and its columns of down scaled over the whole
@@ -197,6 +223,33 @@ def test_a_split_experts_rows_keep_their_whole_scales(monkeypatch):
     assert torch.equal(half.gate_up_scale[2], whole.gate_up_scale[2][rows])
     assert torch.equal(half.down_proj[2].float(), whole.down_proj[2][:, 24:].float())
     assert torch.equal(half.down_scale[2], whole.down_scale[2])
+
+
+def test_w8a8_experts_split_over_two_ranks_sum_to_the_whole(monkeypatch):
+    """Each expert's intermediate dimension split over 2 ranks under W8A8: each rank quantizes
+    its own slice of act(gate) * up per row (its own scale), and the ranks' partial outputs
+    sum to the unsplit experts' within what quantizing the activations costs."""
+    gen = torch.Generator().manual_seed(7)
+    experts, hidden, inter = 4, 32, 48
+    gate_up = torch.randn(experts, 2, inter, hidden, generator=gen)
+    down = torch.randn(experts, hidden, inter, generator=gen) * torch.logspace(-1, 1, inter)
+    x = torch.randn(W8A8_MIN_TOKENS, hidden, generator=gen)
+    routing = torch.rand(len(x), 2, generator=gen), torch.randint(0, experts, (len(x), 2))
+
+    def build(size: int, rank: int) -> FusedMoE:
+        monkeypatch.setattr("kvfleet.engine.layers.moe.tp_size", lambda: size)
+        monkeypatch.setattr("kvfleet.engine.layers.moe.tp_rank", lambda: rank)
+        with fp8_linear_layers(Fp8Config()):
+            moe = FusedMoE(experts, 2, hidden, inter, "silu")
+        for e in range(experts):
+            moe.weight_loader(moe.gate_up_proj, gate_up[e, 0], f"{e}.gate")
+            moe.weight_loader(moe.gate_up_proj, gate_up[e, 1], f"{e}.up")
+            moe.weight_loader(moe.down_proj, down[e], str(e))
+        return moe
+
+    whole = build(1, 0)(x, *routing)
+    split = build(2, 0)(x, *routing) + build(2, 1)(x, *routing)
+    assert 0 < float((split - whole).norm() / whole.norm()) < 0.05
 
 
 def test_compressed_tensors_routers_left_unquantized():

@@ -1,9 +1,10 @@
 """The fused mixture-of-experts kernel on the GPU (kernels.fused_moe): against its twin at
-Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16 (and fp8 weights), from decode to
-prefill token counts, with slots of other ranks' experts; replayed from a captured CUDA graph
-with new routings; and the tiny MoE models served with CUDA graphs, greedy output equal to
-eager and to HF. Skipped where no GPU is visible (CI); run on one with
-`pytest -q tests/engine/test_moe_gpu.py` (bench/gpu_run.sh OUT moe-tests)."""
+Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16 and fp8 weights (W8A16 and W8A8), from
+decode to prefill token counts, with slots of other ranks' experts and an intermediate dimension
+split over two ranks; replayed from a captured CUDA graph with new routings; and the tiny MoE
+models served with CUDA graphs, greedy output equal to eager and to HF. Skipped where no GPU is
+visible (CI); run on one with `pytest -q tests/engine/test_moe_gpu.py` (bench/gpu_run.sh OUT
+moe-tests)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # (hidden, moe intermediate, experts, top_k)
 QWEN3_30B_A3B = (2048, 768, 128, 8)
+QWEN3_30B_A3B_TP2 = (2048, 384, 128, 8)  # one rank's share of each expert's intermediate
 MIXTRAL_8X7B = (4096, 14336, 8, 2)
 
 
@@ -52,7 +54,8 @@ def _inputs(shape: tuple[int, int, int, int], tokens: int, seed: int, skip: bool
 
 def _assert_close_to_twin(got: torch.Tensor, want: torch.Tensor) -> None:
     """bf16: the kernel rounds its gate/up product and each pair's output once, the twin rounds
-    after each of its PyTorch ops; 1% of the norm, and no element off by 5% of the largest."""
+    after each of its PyTorch ops (and under W8A8 an act(gate) * up a bf16 step apart may
+    quantize one fp8 step apart); 1% of the norm, and no element off by 5% of the largest."""
     got, want = got.float(), want.float()
     assert torch.isfinite(got).all()
     if not want.any():
@@ -66,19 +69,26 @@ def _assert_close_to_twin(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("tokens", [1, 7, 256, 4096])
 @pytest.mark.parametrize(
-    ("shape", "fp8", "skip"),
+    ("shape", "mode", "skip"),
     [
-        (QWEN3_30B_A3B, False, False),
-        (QWEN3_30B_A3B, True, True),
-        (MIXTRAL_8X7B, False, True),
-        (MIXTRAL_8X7B, True, False),
+        (QWEN3_30B_A3B, "bf16", False),
+        (QWEN3_30B_A3B, "w8a16", True),
+        (QWEN3_30B_A3B, "w8a8", False),
+        (QWEN3_30B_A3B, "w8a8", True),
+        (QWEN3_30B_A3B_TP2, "w8a8", False),
+        (MIXTRAL_8X7B, "bf16", True),
+        (MIXTRAL_8X7B, "w8a16", False),
+        (MIXTRAL_8X7B, "w8a8", True),
     ],
-    ids=["qwen3-bf16", "qwen3-fp8-ep", "mixtral-bf16-ep", "mixtral-fp8"],
-)
-def test_fused_experts_equals_the_twin_at_real_sizes(tokens, shape, fp8, skip):
-    gate_up, down, gate_up_scale, down_scale = _experts(shape, fp8, seed=0)
+    ids=[
+        "qwen3-bf16", "qwen3-w8a16-ep", "qwen3-w8a8", "qwen3-w8a8-ep", "qwen3-tp2-w8a8",
+        "mixtral-bf16-ep", "mixtral-w8a16", "mixtral-w8a8-ep",
+    ],
+)  # fmt: skip
+def test_fused_experts_equals_the_twin_at_real_sizes(tokens, shape, mode, skip):
+    gate_up, down, gate_up_scale, down_scale = _experts(shape, mode != "bf16", seed=0)
     x, weights, ids = _inputs(shape, tokens, seed=tokens, skip=skip)
-    args = (x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale)
+    args = (x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale, mode == "w8a8")
     got = fused_moe.fused_experts(*args)
     assert got.shape == x.shape and got.dtype == torch.bfloat16
     _assert_close_to_twin(got, reference.fused_experts(*args))
@@ -86,13 +96,29 @@ def test_fused_experts_equals_the_twin_at_real_sizes(tokens, shape, fp8, skip):
     assert torch.equal(fused_moe.fused_experts(*args), got)
 
 
-@pytest.mark.parametrize("tokens", [1, 48])
-def test_fused_experts_replayed_from_a_cuda_graph_with_new_routings(tokens):
-    gate_up, down, _, _ = _experts(QWEN3_30B_A3B, False, seed=1)
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_w8a8_quantizes_as_its_twin_does(tokens):
+    """The GPU's fp8 casts round to nearest as the twin's do: x and act(gate) * up quantize to
+    the same values, so W8A8 lies closer to its own twin than to W8A16's (which it would not if
+    it quantized differently or skipped a scale)."""
+    gate_up, down, gate_up_scale, down_scale = _experts(QWEN3_30B_A3B, True, seed=5)
+    x, weights, ids = _inputs(QWEN3_30B_A3B, tokens, seed=6, skip=False)
+    args = (x, gate_up, down, weights, ids, "silu", gate_up_scale, down_scale)
+    got = fused_moe.fused_experts(*args, fp8_activations=True).float()
+    want = reference.fused_experts(*args, fp8_activations=True).float()
+    w8a16 = reference.fused_experts(*args).float()
+    assert float((got - want).norm()) < 0.25 * float((w8a16 - want).norm())
+
+
+@pytest.mark.parametrize(("tokens", "mode"), [(1, "bf16"), (48, "bf16"), (48, "w8a8"),
+                                               (512, "w8a8")])  # fmt: skip
+def test_fused_experts_replayed_from_a_cuda_graph_with_new_routings(tokens, mode):
+    gate_up, down, gate_up_scale, down_scale = _experts(QWEN3_30B_A3B, mode == "w8a8", seed=1)
     x, weights, ids = _inputs(QWEN3_30B_A3B, tokens, seed=2, skip=False)
+    experts = (gate_up, down, weights, ids, "silu", gate_up_scale, down_scale, mode == "w8a8")
 
     def call() -> torch.Tensor:
-        return fused_moe.fused_experts(x, gate_up, down, weights, ids, "silu")
+        return fused_moe.fused_experts(x, *experts)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -112,7 +138,7 @@ def test_fused_experts_replayed_from_a_cuda_graph_with_new_routings(tokens):
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
-        want = reference.fused_experts(x, gate_up, down, weights, ids, "silu")
+        want = reference.fused_experts(x, *experts)
         _assert_close_to_twin(out, want)
 
 

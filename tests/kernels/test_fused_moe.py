@@ -1,11 +1,13 @@
 """The fused mixture-of-experts kernels (kernels.fused_moe) in Triton's interpreter on the CPU,
 against their twin (reference.fused_experts) at tiny sizes, fp32 activations: the alignment of
 the pairs by expert, experts with no tokens, ids of -1, top-k of 1 and more, token counts and
-widths that no block divides, both activations and fp8 weights. Real sizes, bf16 and CUDA graphs
-are in tests/engine/test_moe_gpu.py."""
+widths that no block divides, both activations, and fp8 weights with activations of the model
+dtype (W8A16) or quantized to fp8 (W8A8). Real sizes, bf16 and CUDA graphs are in
+tests/engine/test_moe_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -75,10 +77,10 @@ def test_fused_experts_equals_the_twin(tokens, experts, top_k, hidden, inter, ac
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_experts_with_fp8_weights_equals_the_twin():
-    gen = torch.Generator().manual_seed(1)
-    tokens, experts, top_k, hidden, inter = 9, 4, 2, 64, 32
-    x = torch.randn(tokens, hidden, generator=gen)
+def _fp8_operands(tokens: int, experts: int, top_k: int, hidden: int, inter: int, skip: bool):
+    gen = torch.Generator().manual_seed(tokens)
+    # Tokens of very different magnitudes: a row's scale applied to the wrong row shows.
+    x = torch.randn(tokens, hidden, generator=gen) * torch.logspace(-1, 1, tokens)[:, None]
     gate_up, down = _experts(gen, experts, hidden, inter)
     # Channels of very different magnitudes: a scale applied to the wrong column shows.
     gate_up = gate_up * torch.logspace(-2, 1, 2 * inter)[None, :, None]
@@ -89,10 +91,42 @@ def test_fused_experts_with_fp8_weights_equals_the_twin():
         for q, s in [quantize_rows(w.reshape(-1, w.shape[-1]))]
     )
     weights, ids = route(torch.randn(tokens, experts, generator=gen), top_k, True)
-    args = (x, gate_up_q, down_q, weights, ids, "silu", gate_up_scale, down_scale)
+    if skip:
+        ids = ids.masked_fill(ids % 3 == 1, -1)
+    return x, gate_up_q, down_q, weights, ids, "silu", gate_up_scale, down_scale
+
+
+def test_fused_experts_with_fp8_weights_equals_the_twin():
+    args = _fp8_operands(9, 4, 2, 64, 32, skip=False)
     got = fused_moe.fused_experts(*args, tile=TILE)
     want = reference.fused_experts(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+# Row blocks of 16 put the weight tile on the MMA's row side (swap AB), of 64 the pairs.
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "skip", "block_m"),
+    [
+        (9, 4, 2, 64, 32, False, 16),
+        (37, 6, 3, 48, 40, True, 16),  # no K a multiple of the block, slots on other ranks
+        (37, 6, 3, 48, 40, True, 64),
+    ],
+)
+def test_fused_experts_w8a8_equals_the_twin(tokens, experts, top_k, hidden, inter, skip, block_m,
+                                            monkeypatch):  # fmt: skip
+    args = _fp8_operands(tokens, experts, top_k, hidden, inter, skip)
+    tile = dataclasses.replace(TILE, block_m=block_m)
+    want = reference.fused_experts(*args, fp8_activations=True)
+    # The interpreter's fp8 cast does not round to nearest (tests/kernels/test_fp8_quant.py),
+    # so the kernel quantizes x and act(gate) * up with the twin's function here; on a GPU
+    # the Triton quantization rounds alike (tests/engine/test_moe_gpu.py).
+    monkeypatch.setattr(fused_moe, "quantize_tokens", reference.quantize_tokens)
+    got = fused_moe.fused_experts(*args, fp8_activations=True, tile=tile)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+    # A real comparison: quantizing the activations moves the result far more than that.
+    w8a16 = reference.fused_experts(*args)
+    assert float((w8a16 - want).abs().max()) > 1e-3 * scale
 
 
 def test_fused_experts_refuses_mismatched_operands():
@@ -106,6 +140,10 @@ def test_fused_experts_refuses_mismatched_operands():
             torch.randn(3, 32), gate_up.to(reference.FP8), down.to(reference.FP8), weights, ids,
             "silu",
         )  # fmt: skip
+    x, weights, ids = torch.randn(3, 32), *route(torch.randn(3, 4, generator=gen), 2, True)
+    for fused in (fused_moe.fused_experts, reference.fused_experts):
+        with pytest.raises(ValueError, match=r"W8A8\) need fp8 experts"):
+            fused(x, gate_up, down, weights, ids, "silu", fp8_activations=True)
 
 
 def test_tile_buckets_cover_every_token_count():
