@@ -15,7 +15,9 @@ from kvfleet.kernels.reference import QKNorm
 
 
 @triton.jit
-def _norm_heads(x1, x2, w_ptr, d, eps, HALF: tl.constexpr, ZERO_CENTRED: tl.constexpr, dtype):
+def _norm_heads(
+    x1, x2, w_ptr, d, eps, HALF: tl.constexpr, ZERO_CENTRED: tl.constexpr, dtype: tl.constexpr
+):
     """Each row (a head; its halves x1, x2 in fp32) RMS-normalised and scaled by the weight,
     rounded to ``dtype`` as the rms_norm kernel rounds its output, so the rotation that follows
     sees what the unfused norm would have written."""
