@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -150,14 +151,30 @@ def rms_norm(
     return out if residual is None else (out, residual)
 
 
+class QKNorm(NamedTuple):
+    """The per-head RMSNorms of q and k that some families (Qwen3) apply before the rotation:
+    each head's head_dim values normalised as ``rms_norm`` does, by its norm's weight."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
+    zero_centred: bool = False
+
+
 def apply_rotary(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
     positions: torch.Tensor,
     cos: torch.Tensor,  # [max_pos, head_dim] fp32, halves duplicated
     sin: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary embedding in the activations' dtype, as HF applies it."""
+    """Rotate-half rotary embedding in the activations' dtype, as HF applies it; with
+    ``qk_norm``, each head of q and k normalised first (HF's Qwen3 order: q_norm and k_norm on
+    the per-head view, then the rotation)."""
+    if qk_norm is not None:
+        q = _norm_heads(q, qk_norm.q_weight, qk_norm)
+        k = _norm_heads(k, qk_norm.k_weight, qk_norm)
     c = cos[positions].unsqueeze(1).to(q.dtype)
     s = sin[positions].unsqueeze(1).to(q.dtype)
 
@@ -166,6 +183,12 @@ def apply_rotary(
         return torch.cat((-x2, x1), dim=-1)
 
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def _norm_heads(x: torch.Tensor, weight: torch.Tensor, qk_norm: QKNorm) -> torch.Tensor:
+    out = rms_norm(x, weight, qk_norm.eps, zero_centred=qk_norm.zero_centred)
+    assert isinstance(out, torch.Tensor)  # without a residual, the norm alone
+    return out
 
 
 # Gated MLP activations that have a fused Triton twin (kernels.activation), by HF hidden_act.

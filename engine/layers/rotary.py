@@ -58,11 +58,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        qk_norm: reference.QKNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; with ``qk_norm``,
+        each head of both normalised before the rotation, in the same launch."""
         if q.is_cuda and triton_available():
             from kvfleet.kernels.rotary import apply_rotary
 
-            return apply_rotary(q, k, positions, self.cos, self.sin)
-        return reference.apply_rotary(q, k, positions, self.cos, self.sin)
+            return apply_rotary(q, k, positions, self.cos, self.sin, qk_norm)
+        return reference.apply_rotary(q, k, positions, self.cos, self.sin, qk_norm)

@@ -23,6 +23,7 @@ from kvfleet.engine.layers.linear import (
 )
 from kvfleet.engine.layers.rotary import RotaryEmbedding
 from kvfleet.engine.models.causal_lm import CausalLM, DecoderModel
+from kvfleet.kernels.reference import QKNorm
 
 # Architectures whose attention RMS-normalises each head of q and k before the rotation.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -80,15 +81,22 @@ class LlamaAttention(nn.Module):
             sliding_window=layer_sliding_window(config, layer_idx),
         )
 
+    def qk_norm_weights(self) -> QKNorm | None:
+        """q_norm and k_norm as the rotary applies them, fused into its launch (the modules
+        hold the checkpoint's weights; both have the config's eps)."""
+        if not self.qk_norm:
+            return None
+        return QKNorm(
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centred
+        )
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.qk_norm_weights())
         o = self.attn(q, k, v)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
