@@ -53,15 +53,16 @@ class ExpandTile:
 
 
 # (largest token count, shrink's tile, expand's tile) for 16-bit activations and ranks up to
-# 32, first match; swept by ``bench/lora_kernel.py --sweep``. Few tokens: K split to spread A's
-# bytes over the SMs, and narrow expand tiles so that a narrow projection (a k or v shard)
-# still has enough programs.
+# 32, first match: the H200 sweep's best at Llama-3.1-8B's projections, rank 16, 8 slots
+# (``bench/lora_kernel.py --sweep``, bench/RESULTS.md). Few tokens: K split to spread A's bytes
+# over the SMs, and narrow expand tiles so that a narrow projection (a k or v shard) still has
+# enough programs.
 TILES: tuple[tuple[int, ShrinkTile, ExpandTile], ...] = (
-    (16, ShrinkTile(16, 256, 16), ExpandTile(16, 64)),
-    (32, ShrinkTile(32, 256, 4, num_warps=8), ExpandTile(32, 64)),
-    (128, ShrinkTile(32, 256, 4, num_warps=8), ExpandTile(32, 64)),
-    (512, ShrinkTile(64, 128, 2, num_warps=8), ExpandTile(64, 128, num_warps=8)),
-    (1 << 62, ShrinkTile(64, 128, 1, num_warps=8), ExpandTile(64, 128, num_warps=8)),
+    (16, ShrinkTile(16, 128, 16), ExpandTile(16, 32)),
+    (32, ShrinkTile(32, 128, 16), ExpandTile(32, 64)),
+    (128, ShrinkTile(64, 64, 8), ExpandTile(32, 64)),
+    (512, ShrinkTile(32, 128, 4), ExpandTile(32, 128)),
+    (1 << 62, ShrinkTile(32, 128, 4), ExpandTile(32, 256)),
 )
 
 
