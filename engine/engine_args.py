@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     import torch
 
 # GPUs of this much memory or more (H100, H200, A100 80 GB) run more sequences a step by
-# default, as vLLM's defaults do there: the batch, not the KV cache, then bounds throughput. On
-# an H100, Llama-3-8B 1000 x 256/256 ran 7% faster in bf16 and 11% with fp8 weights and cache
-# at 512 than at 256 (bench/RESULTS.md, twelfth session), for 7 s more of CUDA graph capture
-# and 2% less KV cache; smaller GPUs hold too few tokens of cache to gain.
+# default, as vLLM's API server does there (1024): the batch, not the KV cache, then bounds
+# throughput. A mixture of experts reads every expert once a step's tokens touch them all, so
+# its steps cost nearly the same at 512 and 1024 sequences, and the larger batch serves more
+# (Qwen3-30B-A3B on an H200: bench/RESULTS.md, twenty-second session); a dense 8B is
+# compute-bound there and serves the same at either. Smaller GPUs hold too few tokens of cache
+# to gain. The cost is CUDA graphs for more batch sizes, captured after the engine is ready.
 LARGE_GPU_BYTES = 70 * 2**30
 
 
@@ -32,7 +34,7 @@ def default_max_num_seqs(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= (
         LARGE_GPU_BYTES
     ):
-        return 512
+        return 1024
     return 256
 
 
@@ -110,7 +112,7 @@ class EngineArgs(BaseModel):
     max_num_seqs: int | None = Field(
         default=None,
         gt=0,
-        description="sequences run in one batch; default: 512 on a GPU of "
+        description="sequences run in one batch; default: 1024 on a GPU of "
         f"{LARGE_GPU_BYTES >> 30} GiB or more, 256 on a smaller GPU and on the CPU",
     )
     max_num_batched_tokens: int | None = Field(

@@ -273,7 +273,7 @@ class EngineSpec(_Model):
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     max_model_len: Annotated[int, Field(ge=1)] | None = None
-    # None: the engine's default for its GPU (512 on one of 70 GiB or more, else 256).
+    # None: the engine's default for its GPU (1024 on one of 70 GiB or more, else 256).
     max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
     # None: the engine's default for its device (8192 on a GPU, 512 on the CPU).
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
