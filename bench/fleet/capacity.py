@@ -34,6 +34,20 @@ def series_name(run: dict[str, Any]) -> str:
     return f"{run['policy']} x{routers}" if routers > 1 else run["policy"]
 
 
+def hit_rate(run: dict[str, Any]) -> float | None:
+    """The share of a run's prompt tokens that no engine computed: found in the device's prefix
+    cache or copied back from the host KV tier. vllm:prefix_cache_hits counts the device's
+    alone (as vLLM's does), so prefix_cache_hit_rate by itself understates a run with a host
+    tier by its host_cache_hit_rate. (A result older than hit_rate, or a printed table's
+    row, says it in other keys.)"""
+    if "hit_rate" in run:
+        return run["hit_rate"]
+    device = run.get("prefix_cache_hit_rate")
+    if device is None:
+        return None
+    return device + (run.get("host_cache_hit_rate") or 0.0)
+
+
 def fixed_rate(load: str) -> float | None:
     """The rate of a one-phase load such as ``40x12``; None for a ramp."""
     phases = load.split(",")

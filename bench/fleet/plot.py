@@ -1,8 +1,9 @@
 """Plots of fleet harness results (bench/fleet/run.py --result-json), as PNG for bench/RESULTS.md.
 
 * ``routing.png`` from fixed-rate runs: output tok/s, TTFT p90 and the engines' prefix-cache
-  hit rate against the request rate, one line per policy, the SLO drawn across the latency
-  panel and each policy's rate at the SLO (bench/fleet/capacity.py) in its legend;
+  hit rate (both KV tiers') against the request rate, one line per policy, the SLO drawn
+  across the latency panel and each policy's rate at the SLO (bench/fleet/capacity.py) in its
+  legend;
 * ``ramp.png`` from a run under a ramp: offered rate, replicas (desired, ready) and each
   request's TTFT over time, with the SLO.
 
@@ -31,13 +32,13 @@ import matplotlib.pyplot as plt
 # bench/ for the harness's modules, run as a script or loaded by path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.capacity import capacities, fixed_rate, series_name
+from fleet.capacity import capacities, fixed_rate, hit_rate, series_name
 
 # The printed table's columns that the routing plot reads, by their heading.
 TABLE_COLUMNS = {
     "output tok/s": "output_tok_s",
     "TTFT p90 ms": "ttft_p90_ms",
-    "hit rate": "prefix_cache_hit_rate",
+    "hit rate": "hit_rate",
 }
 
 
@@ -90,8 +91,8 @@ def plot_routing(runs: list[dict[str, Any]], slo_s: float | None, out: Path) -> 
     for r in runs:
         rate = fixed_rate(r["load"])
         if rate is not None and r.get("output_tok_s") is not None:
-            hit_rate = r.get("prefix_cache_hit_rate")
-            series[series_name(r)].append((rate, r["output_tok_s"], r["ttft_p90_ms"], hit_rate))
+            hits = hit_rate(r)
+            series[series_name(r)].append((rate, r["output_tok_s"], r["ttft_p90_ms"], hits))
     if not series:
         return False
     at_slo = {c.policy: c.describe() for c in capacities(runs, slo_s)} if slo_s else {}

@@ -64,8 +64,10 @@ ignores where adapters are; the same requests each. On two to four GPUs::
 
 Reported per policy (a table, and JSON with --result-json): output tok/s, TTFT and latency
 p50/p90, TTFT SLO attainment, the rate at the SLO over a sweep (bench/fleet/capacity.py), the
-engines' prefix-cache hit rate (vllm:prefix_cache_hits / queries deltas, gone engines counted
-as they were before their SIGTERM), the router's spill, retry and rejection counters summed
+engines' prefix-cache hit rate (the prompt tokens found on the device or copied back from the
+host KV tier, vllm:prefix_cache_hits + vllm:external_prefix_cache_hits over
+vllm:prefix_cache_queries deltas, gone engines counted as they were before their SIGTERM; with a
+host tier, each tier's share too), the router's spill, retry and rejection counters summed
 over its replicas, adapter loads into GPU slots per minute (with adapters), failed requests,
 replicas over time, replica-seconds (GPU-seconds on GPUs) against static provisioning at the
 peak, and each scale-up split into the operator's decision delay and the engine's start.
@@ -97,7 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import device_name, free_port, git_commit, stop
 from fleet.adapters import LoadCounter, gpu_adapters, write_random_adapter
-from fleet.capacity import Capacity, capacities, series_name
+from fleet.capacity import Capacity, capacities, hit_rate, series_name
 from fleet.cluster import ISVCS, PODS, Emulator, call, emulated_cluster, resource_url
 from fleet.pods import PodRunner, register_router
 from fleet.scale_zero import measure as measure_from_zero
@@ -599,8 +601,9 @@ def summarize(
         "latency_p90_ms": lat_p90,
         "ttft_slo_s": ttft_slo,
         "slo_attainment": sum(t <= ttft_slo for t in ttfts) / len(records) if records else None,
-        # Of the prompt tokens, those found on the device, and those copied back from host
-        # memory (the engines' host tier).
+        # Of the prompt tokens, those found in either tier; those found on the device, and
+        # those copied back from host memory (the engines' host tier).
+        "hit_rate": sum(hits) / queries if queries else None,
         "prefix_cache_hit_rate": hits[0] / queries if queries else None,
         "host_cache_hit_rate": hits[1] / queries if queries else None,
         "router": router,
@@ -853,13 +856,15 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         print(f"| {r['load']} | {series_name(r)} | {r['requests']} | {r['failed']} "
               f"| {f(r['output_tok_s'])} "
               f"| {f(r['ttft_p50_ms'])} | {f(r['ttft_p90_ms'])} | {f(r['latency_p90_ms'])} "
-              f"| {f(r['prefix_cache_hit_rate'], '.1%')} | {router.get('spilled', '')} "
+              f"| {f(hit_rate(r), '.1%')} | {router.get('spilled', '')} "
               f"| {router.get('retries', '')} | {r['peak_replicas']} | {r['replica_seconds']} "
               f"| {r['static_peak_replica_seconds']} |")  # fmt: skip
     for r in runs:
         if r.get("host_cache_hit_rate"):
-            print(f"{r['policy']}: {r['host_cache_hit_rate']:.1%} of prompt tokens copied back "
-                  "from the engines' host KV tier")  # fmt: skip
+            print(f"{r['policy']}: hit rate {f(hit_rate(r), '.1%')}: "
+                  f"{f(r['prefix_cache_hit_rate'], '.1%')} of prompt tokens found on the device, "
+                  f"{r['host_cache_hit_rate']:.1%} copied back from the engines' host KV "
+                  "tier")  # fmt: skip
     for r in runs:
         if "adapter_loads" in r:
             print(f"{r['policy']}: {r['adapter_loads']} adapter loads into GPU slots, "
@@ -913,7 +918,7 @@ def print_capacities(found: list[Capacity], runs: list[dict[str, Any]], slo_s: f
     print("|---|---|---|---|---|---|---|---|")
     for c in found:
         mine = [r for r in runs if series_name(r) == c.policy]
-        hits = [r["prefix_cache_hit_rate"] for r in mine if r["prefix_cache_hit_rate"] is not None]
+        hits = [h for h in map(hit_rate, mine) if h is not None]
         spilled = sum((r["router"] or {}).get("spilled", 0) for r in mine)
         print(f"| {c.policy} | {', '.join(f'{x:g}' for x in c.swept)} | {c.describe()} "
               f"| {ratio(c, 'round-robin')} | {ratio(c, 'prefix')} "

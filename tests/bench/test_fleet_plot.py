@@ -39,8 +39,7 @@ def _ramp_report() -> dict:
 def test_reads_the_printed_table() -> None:
     runs = plot.read_table(TABLE)
     assert [
-        (r["load"], r["policy"], r["output_tok_s"], r["ttft_p90_ms"], r["prefix_cache_hit_rate"])
-        for r in runs
+        (r["load"], r["policy"], r["output_tok_s"], r["ttft_p90_ms"], r["hit_rate"]) for r in runs
     ] == [
         ("40x8", "round-robin", 393, 146, pytest.approx(0.659)),
         ("40x8", "prefix", 394, 126, pytest.approx(0.835)),
@@ -73,3 +72,27 @@ def test_nothing_to_plot_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("no table here\n")
     with pytest.raises(SystemExit):
         plot.main(["--out-dir", str(tmp_path), str(tmp_path / "empty.txt")])
+
+
+def test_the_hit_rate_counts_the_host_tiers_hits_with_the_devices(capsys) -> None:
+    """vllm:prefix_cache_hits counts the device's hits alone: a run with a host KV tier
+    (device 68.9%, host 12.2% of the prompt tokens, the H200's) hits 81.1%, in the table, the
+    rate-at-SLO table and the plot; a result from before hit_rate was kept says the same."""
+    fleet = load_script("bench/fleet/run.py")
+    records = [fleet.Record(session=0, turn=0, start=0.0, ttft=0.1, latency=0.5, output_tokens=8,
+                            prompt_tokens=100)]  # fmt: skip
+    run = fleet.summarize("round-robin", records, 60.0, (689.0, 122.0), 1000.0, None,
+                          [[0.0, 1, 1, 1]], [], 1.0)  # fmt: skip
+    assert (run["hit_rate"], run["prefix_cache_hit_rate"]) == (0.811, 0.689)
+    run |= {"load": "60x4", "phases": [], "samples": [[0.0, 0.1, 8, True]]}
+    old = {k: v for k, v in run.items() if k != "hit_rate"}
+    for r in (run, old):
+        fleet.print_table([r])
+        fleet.print_capacities(plot.capacities([r], 1.0), [r], 1.0)
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("| 60x4 |"))
+        assert row.split("|")[9].strip() == "81.1%", row
+        assert "| 81.1% - 81.1% |" in out
+        assert "hit rate 81.1%: 68.9% of prompt tokens found on the device, 12.2% copied " in out
+        assert plot.hit_rate(r) == pytest.approx(0.811)
+    assert [r["hit_rate"] for r in plot.read_table(out)] == [pytest.approx(0.811)]
