@@ -14,7 +14,7 @@ never computed before (a system prompt's first sight, a turn's new tokens), beca
 computed but is in neither tier now, or because it sits in a tier behind a block that is in
 neither; or never looked up (the last token, which must run, and the partial block). And the
 tokens requests started with beyond those their first lookup counted (a later lookup's, after a
-preemption or a second copy back), which no counter shows::
+copy back: blocks computed meanwhile by another request), which no counter shows::
 
     python bench/host_kv_tier_sim.py                       # the H200 bench's shape
     python bench/host_kv_tier_sim.py --seconds 300         # more revisits
@@ -150,8 +150,9 @@ def simulate(workload: Workload, ns: argparse.Namespace, host_blocks: int) -> Ru
             if counted is not None:
                 where.update(counted)
             req = sched.requests[rid]
-            # Tokens it starts with beyond those its first lookup counted (a later lookup's).
-            run.uncounted += req.num_computed_tokens - max(req.num_cached_tokens, 0)
+            if not req.num_preemptions:
+                # Tokens it starts with beyond those its first lookup counted (a later one's).
+                run.uncounted += req.num_computed_tokens - req.num_cached_tokens
         if out.empty and not sched.loading and not any(copies):
             if not events:
                 break
@@ -202,7 +203,7 @@ def report(name: str, run: Run) -> None:
         f"{k} {run.where[k] / total:.1%}" for k in KINDS))  # fmt: skip
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--rate", type=float, default=4.0, help="requests/s")
@@ -223,10 +224,14 @@ def main() -> None:
     p.add_argument("--copy-steps", type=int, default=1, help="steps a copy takes, >= 1")
     p.add_argument("--step-ms", type=float, default=8.0, help="a step's fixed time")
     p.add_argument("--token-us", type=float, default=25.0, help="time per token computed")
-    ns = p.parse_args()
+    ns = p.parse_args(argv)
     if ns.copy_steps < 1:
         p.error("--copy-steps must be at least 1")
-    workload = make_workload(
+    return ns
+
+
+def sessions_of(ns: argparse.Namespace) -> Workload:
+    return make_workload(
         [Phase(ns.seconds, ns.rate)],
         turns=ns.turns,
         systems=ns.systems,
@@ -237,6 +242,11 @@ def main() -> None:
         max_tokens=ns.max_tokens,
         seed=ns.seed,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(argv)
+    workload = sessions_of(ns)
     print(f"{len(workload.sessions)} sessions, {len({s.system for s in workload.sessions})} "
           f"system prompts used")  # fmt: skip
     report("tier off", simulate(workload, ns, 0))
