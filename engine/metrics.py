@@ -94,8 +94,9 @@ class _EngineStateCollector(Collector):
         yield counter(metric_names.PREFIX_CACHE_QUERIES,
                       "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)  # fmt: skip
-        yield counter(metric_names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)  # fmt: skip
+        yield counter(metric_names.PREFIX_CACHE_HITS,
+                      "Prompt tokens found in the device's prefix cache (the host tier's hits "
+                      "are external_prefix_cache_hits).", s.prefix_cache_hits)  # fmt: skip
         yield counter(metric_names.EXTERNAL_PREFIX_CACHE_QUERIES,
                       "Prompt tokens the device's prefix cache missed, looked up in the host "
                       "tier.", s.host_cache_queries)  # fmt: skip
