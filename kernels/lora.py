@@ -401,6 +401,6 @@ def add_lora_slices(
     stream: shrink, expand. The tiles override the token count's (the benchmark's sweep). The
     twin of reference.add_lora_slices."""
     shrunk = shrink_buffer(x, a_slices, slots, shrink_tile)
-    _check_expand(shrunk, b_slices, slots, out, offsets)
+    _check_expand(shrunk, b_slices, slots, out, offsets)  # every argument, before a launch
     shrink(x, a_slices, slots, shrunk)
     expand(shrunk, b_slices, slots, out, offsets, expand_tile)
