@@ -275,6 +275,8 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--projections", nargs="+", default=list(PROJECTIONS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    parser.add_argument("--slots", type=int, nargs="+", default=list(SLOTS))
     parser.add_argument("--sweep", action="store_true", help="time candidate tiles per bucket")
     parser.add_argument("--sweep-tokens", type=int, nargs="+", default=list(SWEEP_TOKENS))
     args = parser.parse_args()
@@ -292,7 +294,7 @@ def main() -> int:
     )
     rows = []
     for projection, rank, num_slots, tokens in itertools.product(
-        args.projections, RANKS, SLOTS, args.tokens
+        args.projections, args.ranks, args.slots, args.tokens
     ):
         row = measure(projection, tokens, rank, num_slots)
         rows.append(row)
