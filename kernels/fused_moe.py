@@ -1,9 +1,12 @@
 """A mixture of experts' MLP on the GPU: the twin of ``reference.fused_experts``, in five launches
-(four at decode sizes, two more for W8A8 below) whatever the number of experts, with no host
-synchronisation and every buffer's shape fixed by the token count (as a CUDA graph captured per
-batch size needs).
+(four at decode sizes, three where the routing's launch aligned the pairs too, two more for W8A8
+below) whatever the number of experts, with no host synchronisation and every buffer's shape
+fixed by the token count (as a CUDA graph captured per batch size needs). Every launch takes
+programmatic dependent launch (kernels.dependent_launch), so that at decode sizes each one's
+start overlaps the end of the one before.
 
-1. align (two kernels, one at decode sizes): the (token, slot) pairs sorted by expert, each
+1. align (two kernels, one at decode sizes, none after kernels.expert_routing.route_and_align,
+   which computes its buffers with the routing): the (token, slot) pairs sorted by expert, each
    expert's run padded to a multiple of BLOCK_M, and the expert of each block of BLOCK_M rows.
    Pairs whose id is -1 (an expert on another rank) are left out. The buffers are sized by
    the bound of ``T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`` rows; blocks past the used
