@@ -71,6 +71,11 @@ def test_route_and_align_equals_route_then_align(tokens, experts, top_k, renorma
     # Integer logits: many ties, broken alike (the lowest id first) by both.
     logits = torch.randint(-3, 4, (tokens, experts), generator=gen).float()
     local = range(*shard) if shard else range(experts)
+    # The experts either side of the rank's share picked by some tokens (-1 here), its first
+    # and last by others.
+    for token, expert in enumerate((local.start - 1, local.stop, local.start, local.stop - 1)):
+        if 0 <= expert < experts:
+            logits[token % tokens, expert] = 10.0
     got = expert_routing.route_and_align(logits, top_k, renormalize, local, block_m)
     weights, ids, sorted_pairs, block_expert = _route_then_align(
         logits, top_k, renormalize, local, block_m
