@@ -16,7 +16,8 @@ docs/architecture.md says which serves better where.
 
 ``route`` is a pure function: the routing every family shares. The experts run in
 ``kernels.fused_moe`` on CUDA (Triton) and in its twin ``kernels.reference.fused_experts``
-elsewhere."""
+elsewhere; on CUDA at decode sizes the routing also sorts the pairs by expert for them, in the
+same launch (``FusedMoE.routed``)."""
 
 from __future__ import annotations
 
