@@ -17,6 +17,7 @@
 #   bash bench/gpu_run.sh OUTDIR check fp8-llama2-13b      # fp8 kernels; Llama-2-13B bf16/fp8 KV/both
 #   bash bench/gpu_run.sh OUTDIR moe-tests moe-kernel moe-kernel-sweep  # the fused MoE kernel
 #   bash bench/gpu_run.sh OUTDIR moe-kernel-w8a8  # fp8 experts: W8A8 vs W8A16 vs bf16 by tokens
+#   bash bench/gpu_run.sh OUTDIR moe-block        # the whole MoE block's launches and time, decode
 #   bash bench/gpu_run.sh OUTDIR embeddings        # embedding throughput against HF (issue 43)
 #   bash bench/gpu_run.sh OUTDIR lora-tests lora-kernel lora-kernel-sweep  # batched LoRA (issue 40)
 #   FLEET_WORKLOAD=tenants bash bench/gpu_run.sh OUTDIR fleet-routing-20_40_60-128  # issue 41
@@ -131,6 +132,13 @@ for step in "$@"; do
         # same FLOPs at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, bf16 and fp8 weights (W8A16 and
         # W8A8), 1-4,096 tokens (moe_kernel.json).
         timeout 560 $py bench/moe_kernel.py --out-dir "$out" 2>&1 | tee "$out/moe_kernel.txt"
+        ;;
+    moe-block)
+        # The whole MoE block at decode sizes (router through combine): its launches and time
+        # with the routing and alignment in one launch and in their own (moe_block.json).
+        mkdir -p "$out/block"
+        timeout 560 $py bench/moe_kernel.py --out-dir "$out/block" --blocks \
+            --tokens 1 2 4 8 16 32 64 2>&1 | tee "$out/moe_block.txt"
         ;;
     moe-kernel-w8a8)
         # Qwen3-30B-A3B's fp8 experts in both modes against bf16 at the token counts between

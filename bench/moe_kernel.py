@@ -9,6 +9,11 @@ both of the kernel's modes side by side, W8A16 (activations of the model dtype) 
   linear as the engine serves it, its activations quantized per token), and the fp8 modes
   against bf16 at the same token count; each fp8 model's token counts where W8A8 beats W8A16
   are printed (engine.layers.moe.W8A8_MIN_TOKENS is the threshold to set from them);
+- at decode token counts (up to ``BLOCK_TOKENS``), the engine's whole MoE block
+  (layers.moe.SparseMoeBlock: router gate GEMM, routing, alignment, both grouped GEMMs and the
+  combine), its kernel launches and time, with the routing and the alignment in one launch
+  (expert_routing.route_and_align, where the token count allows) and in their own launches, and
+  the block's time over the weight-read floor of its router and active experts;
 - with ``--sweep``, every candidate tile at each token count, the best printed and written as a
   ``TILES`` table to paste into kernels/fused_moe.py (``--dtypes fp8``: W8A8's, ``W8A8_TILES``).
 
@@ -19,11 +24,13 @@ L2. Results go to OUT_DIR/moe_kernel.json (and moe_kernel_sweep.json).
 
     python bench/moe_kernel.py --out-dir /tmp/moe
     python bench/moe_kernel.py --out-dir /tmp/moe --sweep --models qwen3-30b-a3b --dtypes bf16
+    python bench/moe_kernel.py --out-dir /tmp/moe --blocks --tokens 1 2 4 8 16 32 64
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -40,9 +47,9 @@ from common import device_name, git_commit
 from fp8_linear_bench import copies, graph_time
 from latency import copy_bandwidth
 
-from kvfleet.engine.layers.fp8 import fp8_linear, quantize_rows
-from kvfleet.engine.layers.moe import route
-from kvfleet.kernels import fused_moe, reference
+from kvfleet.engine.layers.fp8 import Fp8Config, fp8_linear, fp8_linear_layers, quantize_rows
+from kvfleet.engine.layers.moe import SparseMoeBlock, route
+from kvfleet.kernels import expert_routing, fused_moe, reference
 
 # name: (hidden, moe intermediate, experts, top_k)
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
@@ -50,6 +57,8 @@ TOKENS = (1, 16, 256, 4096)
 # The sweep's token counts: each bucket's largest (the tile it gets), 1 and 4,096.
 SWEEP_TOKENS = (1, 32, 128, 512, 2048, 4096)
 ROUTINGS = 8
+# The token counts up to which the whole block is timed too (decode batches).
+BLOCK_TOKENS = 64
 # The kernel's modes per weight dtype: (name, fp8_activations).
 MODES = {"bf16": (("bf16", False),), "fp8": (("w8a16", False), ("w8a8", True))}
 
@@ -199,6 +208,103 @@ def compare(models: list[str], dtypes: list[str], tokens: list[int], bandwidth: 
     return rows
 
 
+def moe_block(experts: Experts, top_k: int) -> SparseMoeBlock:
+    """The engine's MoE block holding these experts, its router gate random (bf16)."""
+    gate_up, down, gate_up_scale, down_scale = experts
+    num_experts, two_inter, hidden = gate_up.shape
+    fp8 = Fp8Config() if gate_up_scale is not None else None
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"), fp8_linear_layers(fp8):
+            block = SparseMoeBlock(hidden, num_experts, top_k, two_inter // 2, "silu", True)
+    finally:
+        torch.set_default_dtype(previous)
+    block.gate.weight.data.normal_(std=hidden**-0.5)
+    moe = block.experts
+    moe.gate_up_proj.data, moe.down_proj.data = gate_up, down
+    if moe.gate_up_scale is not None and moe.down_scale is not None:
+        assert gate_up_scale is not None and down_scale is not None
+        moe.gate_up_scale.data, moe.down_scale.data = gate_up_scale, down_scale
+    return block
+
+
+@contextlib.contextmanager
+def separate_routing() -> Iterator[None]:
+    """The block routes and aligns in their own launches at every token count."""
+    bound = expert_routing.ROUTE_ALIGN_MAX_PAIRS
+    expert_routing.ROUTE_ALIGN_MAX_PAIRS = 0
+    try:
+        yield
+    finally:
+        expert_routing.ROUTE_ALIGN_MAX_PAIRS = bound
+
+
+def launches(fn: Callable[[], object]) -> int:
+    """Kernels (and copies) one call puts on the device, from the profiler's events."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events() or []
+    return sum(1 for e in events if e.device_type == torch.profiler.DeviceType.CUDA)
+
+
+def block_call(
+    block: SparseMoeBlock, inputs: list[tuple[torch.Tensor, ...]]
+) -> Callable[[], torch.Tensor]:
+    xs = itertools.cycle([x for x, _, _ in inputs])
+    return lambda: block(next(xs))
+
+
+def block_rows(models: list[str], dtypes: list[str], tokens: list[int], bandwidth: float) -> list:
+    """The whole MoE block per decode token count: launches and time, the routing and alignment
+    in one launch where the engine takes it (`one`) and in their own (`apart`)."""
+    sys.stdout.write(
+        "model          dtype tokens  one us  launches  apart us  launches  floor us  "
+        "one/floor  apart/one\n"
+    )
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        hidden, inter, num_experts, top_k = MODELS[name]
+        for dtype in dtypes:
+            experts = experts_weights(hidden, inter, num_experts, dtype)
+            block = moe_block(experts, top_k)
+            for t in (t for t in tokens if t <= BLOCK_TOKENS):
+                inputs = routings(t, hidden, num_experts, top_k)
+                call = block_call(block, inputs)
+                x = inputs[0][0]
+                weights, ids = route(block.gate(x), top_k, True)
+                args = (x, *experts[:2], weights, ids, "silu", *experts[2:])
+                want = reference.fused_experts(*args, block.experts.fp8_activations(t)).float()
+                got = block(x).float()
+                if float((got - want).norm() / want.norm().clamp(min=1e-30)) > 2e-2:
+                    raise SystemExit(f"{name} {dtype} {t}: the MoE block is off its twin")
+                one_us, one_launches = graph_time(call, replays=16), launches(call)
+                with separate_routing():
+                    apart_us, apart_launches = graph_time(call, replays=16), launches(call)
+                active = weight_bytes(experts, inputs) + block.gate.weight.nbytes
+                floor = active / bandwidth * 1e6
+                rows.append(
+                    dict(
+                        model=name, dtype=dtype, tokens=t, one_us=one_us,
+                        one_launches=one_launches, apart_us=apart_us,
+                        apart_launches=apart_launches, floor_us=floor,
+                        one_over_floor=one_us / floor,
+                        one_launch=expert_routing.routes_and_aligns_at_once(t, top_k),
+                    )
+                )  # fmt: skip
+                sys.stdout.write(
+                    f"{name:14s} {dtype:5s} {t:6d} {one_us:7.1f} {one_launches:9d} "
+                    f"{apart_us:9.1f} {apart_launches:9d} {floor:9.1f} {one_us / floor:10.2f} "
+                    f"{apart_us / one_us:10.2f}\n"
+                )
+            del experts, block
+            torch.cuda.empty_cache()
+    return rows
+
+
 def report_crossover(name: str, rows: list[dict[str, Any]]) -> None:
     """The token counts at which W8A8 beats W8A16 (the engine's W8A8_MIN_TOKENS comes from
     them)."""
@@ -292,6 +398,7 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile")
+    parser.add_argument("--blocks", action="store_true", help="only the whole block's rows")
     parser.add_argument("--sweep-tokens", nargs="+", type=int, default=list(SWEEP_TOKENS))
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,9 +410,11 @@ def main() -> int:
         return 0
     bandwidth = copy_bandwidth()
     sys.stdout.write(f"copy bandwidth: {bandwidth / 1e9:,.0f} GB/s\n")
-    rows = compare(args.models, args.dtypes, args.tokens, bandwidth)
-    result = {**meta, "copy_bandwidth": bandwidth, "rows": rows}
-    (args.out_dir / "moe_kernel.json").write_text(json.dumps(result, indent=1))
+    rows = [] if args.blocks else compare(args.models, args.dtypes, args.tokens, bandwidth)
+    blocks = block_rows(args.models, args.dtypes, args.tokens, bandwidth)
+    result = {**meta, "copy_bandwidth": bandwidth, "rows": rows, "blocks": blocks}
+    name = "moe_block.json" if args.blocks else "moe_kernel.json"
+    (args.out_dir / name).write_text(json.dumps(result, indent=1))
     return 0
 
 

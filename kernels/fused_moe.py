@@ -1,9 +1,12 @@
 """A mixture of experts' MLP on the GPU: the twin of ``reference.fused_experts``, in five launches
-(four at decode sizes, two more for W8A8 below) whatever the number of experts, with no host
-synchronisation and every buffer's shape fixed by the token count (as a CUDA graph captured per
-batch size needs).
+(four at decode sizes, three where the routing's launch aligned the pairs too, two more for W8A8
+below) whatever the number of experts, with no host synchronisation and every buffer's shape
+fixed by the token count (as a CUDA graph captured per batch size needs). Every launch takes
+programmatic dependent launch (kernels.dependent_launch), so that at decode sizes each one's
+start overlaps the end of the one before.
 
-1. align (two kernels, one at decode sizes): the (token, slot) pairs sorted by expert, each
+1. align (two kernels, one at decode sizes, none after kernels.expert_routing.route_and_align,
+   which computes its buffers with the routing): the (token, slot) pairs sorted by expert, each
    expert's run padded to a multiple of BLOCK_M, and the expert of each block of BLOCK_M rows.
    Pairs whose id is -1 (an expert on another rank) are left out. The buffers are sized by
    the bound of ``T * top_k + min(E, T * top_k) * (BLOCK_M - 1)`` rows; blocks past the used
@@ -53,6 +56,7 @@ import triton
 import triton.language as tl
 
 from kvfleet.kernels.activation import gated
+from kvfleet.kernels.dependent_launch import allow_dependents, enter, pdl_args, wait_for_prior
 from kvfleet.kernels.fp8_quant import quantize_tokens
 from kvfleet.kernels.launch import kernel
 from kvfleet.kernels.reference import FP8, GATED_ACTIVATIONS
@@ -107,6 +111,12 @@ def tile_for(num_tokens: int, tiles: tuple[tuple[int, MoeTile], ...] = TILES) ->
     return tiles[bisect.bisect_left([bound for bound, _ in tiles], num_tokens)][1]
 
 
+def call_tile(num_tokens: int, fp8_activations: bool) -> MoeTile:
+    """The tile fused_experts takes for a call of `num_tokens` (and so the BLOCK_M its aligned
+    pairs need)."""
+    return tile_for(num_tokens, W8A8_TILES if fp8_activations else TILES)
+
+
 def max_padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
     """The rows the sorted pairs can take: each expert that has pairs (at most min(E, pairs))
     pads its run by fewer than BLOCK_M rows; rounded up to whole blocks."""
@@ -128,12 +138,70 @@ def _chunk_counts(ids_ptr, pairs, chunk, chunk_size, SUB: tl.constexpr, E_PAD: t
 
 @kernel
 def _count_kernel(
-    ids_ptr, counts_ptr, pairs, experts, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr
-):
+    ids_ptr, counts_ptr, pairs, experts, chunk_size, SUB: tl.constexpr, E_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    enter(PDL)
     chunk = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     count = _chunk_counts(ids_ptr, pairs, chunk, chunk_size, SUB, E_PAD)
     tl.store(counts_ptr + chunk * experts + e, count, mask=e < experts)
+
+
+@triton.jit
+def _place_chunk(
+    ids_ptr, sorted_ptr, pairs, chunk, chunk_size, before, SUB: tl.constexpr, E_PAD: tl.constexpr
+):
+    """Writes the chunk's pairs to their experts' runs: `before` holds each expert's next free
+    row (its run's start plus its pairs of earlier chunks), so the sort is stable."""
+    e = tl.arange(0, E_PAD)
+    for s in range(0, chunk_size, SUB):
+        offs = chunk * chunk_size + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
+        hits = (ids[:, None] == e[None, :]).to(tl.int32)
+        # A pair's rank among its expert's pairs here: the inclusive count, less one.
+        dest = tl.sum(hits * (tl.cumsum(hits, axis=0) - 1 + before[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=(offs < pairs) & (ids >= 0))
+        before += tl.sum(hits, axis=0)
+
+
+@triton.jit
+def _pad_runs(
+    sorted_ptr, block_expert_ptr, start, total, end, pairs, experts, max_blocks,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr,
+):  # fmt: skip
+    """The runs' padding rows and each block's expert, from every expert's run (`start`,
+    `total` pairs, padded `end`)."""
+    e = tl.arange(0, E_PAD)
+    # Padding rows hold the sentinel `pairs`: the GEMMs read zeros and write nothing there.
+    j = tl.arange(0, BLOCK_M)
+    slot = (start + total)[:, None] + j[None, :]
+    sentinel = tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + pairs
+    tl.store(sorted_ptr + slot, sentinel, mask=(slot < end[:, None]) & (e[:, None] < experts))
+    # A block's expert: the first whose padded run ends after the block's first row (runs of no
+    # rows end where they start); -1 past the last run.
+    for b0 in range(0, max_blocks, BLOCKS_AT_ONCE):
+        b = b0 + tl.arange(0, BLOCKS_AT_ONCE)
+        ended = (end[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < experts)
+        owner = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner < experts, owner, -1), mask=b < max_blocks)
+
+
+@triton.jit
+def align_one_program(
+    ids_ptr, sorted_ptr, block_expert_ptr, pairs, experts, chunk_size, max_blocks,
+    BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr,
+):  # fmt: skip
+    """align's work in one program, which counts the pairs itself (decode sizes)."""
+    total = _chunk_counts(ids_ptr, pairs, 0, chunk_size, SUB, E_PAD)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    _place_chunk(ids_ptr, sorted_ptr, pairs, 0, chunk_size, start, SUB, E_PAD)
+    _pad_runs(
+        sorted_ptr, block_expert_ptr, start, total, end, pairs, experts, max_blocks, BLOCK_M,
+        E_PAD, BLOCKS_AT_ONCE,
+    )  # fmt: skip
 
 
 @kernel
@@ -141,16 +209,21 @@ def _place_kernel(
     ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, pairs, experts, num_chunks, chunk_size,
     max_blocks, BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
     CHUNKS_AT_ONCE: tl.constexpr, BLOCKS_AT_ONCE: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Each chunk's pairs go to their expert's run, after the same expert's pairs of earlier
     # chunks: a stable sort, computed by every program from the counts alone. A single chunk
     # (decode sizes) counts its own pairs: one launch fewer.
-    chunk = tl.program_id(0)
-    e = tl.arange(0, E_PAD)
-    before = tl.zeros([E_PAD], dtype=tl.int32)
+    enter(PDL)
     if ONE_CHUNK:
-        total = _chunk_counts(ids_ptr, pairs, 0, chunk_size, SUB, E_PAD)
+        align_one_program(
+            ids_ptr, sorted_ptr, block_expert_ptr, pairs, experts, chunk_size, max_blocks,
+            BLOCK_M, SUB, E_PAD, BLOCKS_AT_ONCE,
+        )  # fmt: skip
     else:
+        chunk = tl.program_id(0)
+        e = tl.arange(0, E_PAD)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
         total = tl.zeros([E_PAD], dtype=tl.int32)
         for c0 in range(0, num_chunks, CHUNKS_AT_ONCE):
             c = c0 + tl.arange(0, CHUNKS_AT_ONCE)
@@ -161,36 +234,15 @@ def _place_kernel(
             )
             total += tl.sum(rows, axis=0)
             before += tl.sum(tl.where(c[:, None] < chunk, rows, 0), axis=0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, axis=0)
-    start = end - padded
-
-    # `before` becomes each expert's next free row as the chunk's pairs are placed.
-    before += start
-    for s in range(0, chunk_size, SUB):
-        offs = chunk * chunk_size + s + tl.arange(0, SUB)
-        ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
-        hits = (ids[:, None] == e[None, :]).to(tl.int32)
-        # A pair's rank among its expert's pairs here: the inclusive count, less one.
-        dest = tl.sum(hits * (tl.cumsum(hits, axis=0) - 1 + before[None, :]), axis=1)
-        tl.store(sorted_ptr + dest, offs, mask=(offs < pairs) & (ids >= 0))
-        before += tl.sum(hits, axis=0)
-
-    if chunk == 0:
-        # Padding rows hold the sentinel `pairs`: the GEMMs read zeros and write nothing there.
-        j = tl.arange(0, BLOCK_M)
-        slot = (start + total)[:, None] + j[None, :]
-        sentinel = tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + pairs
-        tl.store(sorted_ptr + slot, sentinel, mask=(slot < end[:, None]) & (e[:, None] < experts))
-        # A block's expert: the first whose padded run ends after the block's first row (runs
-        # of no rows end where they start); -1 past the last run.
-        for b0 in range(0, max_blocks, BLOCKS_AT_ONCE):
-            b = b0 + tl.arange(0, BLOCKS_AT_ONCE)
-            ended = (end[None, :] <= (b * BLOCK_M)[:, None]) & (e[None, :] < experts)
-            owner = tl.sum(ended.to(tl.int32), axis=1)
-            tl.store(
-                block_expert_ptr + b, tl.where(owner < experts, owner, -1), mask=b < max_blocks
-            )
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = tl.cumsum(padded, axis=0)
+        start = end - padded
+        _place_chunk(ids_ptr, sorted_ptr, pairs, chunk, chunk_size, before + start, SUB, E_PAD)
+        if chunk == 0:
+            _pad_runs(
+                sorted_ptr, block_expert_ptr, start, total, end, pairs, experts, max_blocks,
+                BLOCK_M, E_PAD, BLOCKS_AT_ONCE,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -260,8 +312,11 @@ def _gate_up_kernel(
     pairs, inter, hidden, max_blocks, stride_x, stride_we, stride_wn, stride_se, stride_o,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, FP8_W: tl.constexpr, FP8_A: tl.constexpr,
     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # The block's expert is align's output: nothing can be read before the wait (the weights
+    # to prefetch depend on it).
+    wait_for_prior(PDL)
     pid_m, pid_n = _block_of(max_blocks, inter, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -292,6 +347,9 @@ def _gate_up_kernel(
             bu = bu.to(a.dtype)
         acc_gate = _mma(a, bg, acc_gate, SWAP_AB, PRECISION)
         acc_up = _mma(a, bu, acc_up, SWAP_AB, PRECISION)
+    # Not before the loop: the next GEMM launched early would stream its weights through L2
+    # while this one streams its own (as kernels.fp8_gemm's).
+    allow_dependents(PDL)
     acc_gate = _rows_by_cols(acc_gate, SWAP_AB)
     acc_up = _rows_by_cols(acc_up, SWAP_AB)
     if FP8_A:
@@ -316,8 +374,9 @@ def _down_kernel(
     pairs, hidden, inter, max_blocks, stride_h, stride_we, stride_wn, stride_se, stride_o,
     FP8_W: tl.constexpr, FP8_A: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_prior(PDL)
     pid_m, pid_n = _block_of(max_blocks, hidden, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -339,6 +398,7 @@ def _down_kernel(
         if FP8_W and not FP8_A:
             b = b.to(a.dtype)
         acc = _mma(a, b, acc, SWAP_AB, PRECISION)
+    allow_dependents(PDL)
     acc = _rows_by_cols(acc, SWAP_AB)
     if FP8_A:
         # Every row of the buffer has its scale (padding rows quantized zeros).
@@ -352,7 +412,10 @@ def _down_kernel(
 
 
 @kernel
-def _combine_kernel(ids_ptr, y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(
+    ids_ptr, y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -365,31 +428,49 @@ def _combine_kernel(ids_ptr, y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK:
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
 
+@dataclass(frozen=True)
+class AlignLayout:
+    """align's buffers and register tiles for a call's pairs, experts and BLOCK_M."""
+
+    rows: int  # the sorted pairs' buffer: max_padded_rows
+    e_pad: int
+    sub: int  # pairs a one-hot [SUB, E_PAD] takes at a time
+    at_once: int  # chunks' counts or blocks a program reads or writes at a time
+
+    @classmethod
+    def of(cls, pairs: int, num_experts: int, block_m: int) -> AlignLayout:
+        e_pad = triton.next_power_of_2(num_experts)
+        # A one-hot matrix [SUB, E_PAD] of 4,096 entries stays in registers.
+        sub = max(16, min(4096 // e_pad, triton.next_power_of_2(pairs)))
+        rows = max_padded_rows(pairs, num_experts, block_m)
+        return cls(rows, e_pad, sub, max(1, 2048 // e_pad))
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted pairs int32 [max_padded_rows], block experts int32 [blocks]): the pair indices
     (token * top_k + slot) of ids [tokens, top_k] sorted by expert, stably, each expert's run
     padded with the sentinel ``tokens * top_k`` to a multiple of ``block_m``; each block's
     expert, -1 for the blocks past the last run. Ids of -1 are left out."""
     pairs = ids.numel()
-    rows = max_padded_rows(pairs, num_experts, block_m)
-    e_pad = triton.next_power_of_2(num_experts)
-    # A one-hot matrix [SUB, E_PAD] of 4,096 entries stays in registers. Each program (chunk)
-    # takes whole SUBs; at most MAX_CHUNKS of them, since each one reads every chunk's counts.
-    sub = max(16, min(4096 // e_pad, triton.next_power_of_2(pairs)))
+    layout = AlignLayout.of(pairs, num_experts, block_m)
+    sub = layout.sub
+    # Each program (chunk) takes whole SUBs; at most ALIGN_CHUNKS of them, since each one reads
+    # every chunk's counts.
     chunk_size = triton.cdiv(triton.cdiv(pairs, ALIGN_CHUNKS), sub) * sub
     num_chunks = triton.cdiv(pairs, chunk_size)
     counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=ids.device)
-    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(layout.rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(layout.rows // block_m, dtype=torch.int32, device=ids.device)
+    pdl = pdl_args(ids.device)
     if num_chunks > 1:
         _count_kernel[(num_chunks,)](
-            ids, counts, pairs, num_experts, chunk_size, SUB=sub, E_PAD=e_pad
+            ids, counts, pairs, num_experts, chunk_size, SUB=sub, E_PAD=layout.e_pad, **pdl
         )
-    at_once = max(1, 2048 // e_pad)
     _place_kernel[(num_chunks,)](
         ids, counts, sorted_pairs, block_expert, pairs, num_experts, num_chunks, chunk_size,
-        block_expert.shape[0], BLOCK_M=block_m, SUB=sub, E_PAD=e_pad,
-        CHUNKS_AT_ONCE=at_once, BLOCKS_AT_ONCE=at_once, ONE_CHUNK=num_chunks == 1,
+        block_expert.shape[0], BLOCK_M=block_m, SUB=sub, E_PAD=layout.e_pad,
+        CHUNKS_AT_ONCE=layout.at_once, BLOCKS_AT_ONCE=layout.at_once,
+        ONE_CHUNK=num_chunks == 1, **pdl,
     )  # fmt: skip
     return sorted_pairs, block_expert
 
@@ -439,9 +520,11 @@ def fused_experts(
     down_scale: torch.Tensor | None = None,
     fp8_activations: bool = False,
     tile: MoeTile | None = None,
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``reference.fused_experts`` (same arguments and result) in Triton; ``tile`` overrides the
-    bucket's (the benchmark's sweep)."""
+    bucket's (the benchmark's sweep). ``aligned``: ``align(ids, experts, tile.block_m)``'s
+    result, already computed (kernels.expert_routing.route_and_align's, with the routing)."""
     _check(x, gate_up, down, weights, ids, activation, gate_up_scale, down_scale, fp8_activations)
     num_tokens, top_k = ids.shape
     experts, two_inter, hidden = gate_up.shape
@@ -449,7 +532,7 @@ def fused_experts(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    tile = tile or tile_for(num_tokens, W8A8_TILES if fp8_activations else TILES)
+    tile = tile or call_tile(num_tokens, fp8_activations)
     x = x.contiguous()
     ids = ids.contiguous()
     weights = weights.contiguous().float()
@@ -461,7 +544,12 @@ def fused_experts(
     bm = tile.block_m
     device = x.device
 
-    sorted_pairs, block_expert = align(ids, experts, bm)
+    if aligned is None:
+        aligned = align(ids, experts, bm)
+    elif aligned[0].shape != (max_padded_rows(pairs, experts, bm),):
+        raise ValueError(f"aligned pairs {tuple(aligned[0].shape)} for {pairs} pairs of {bm} rows")
+    sorted_pairs, block_expert = aligned
+    pdl = pdl_args(device)
     max_blocks = block_expert.shape[0]
     rows = max_blocks * bm
 
@@ -479,7 +567,7 @@ def fused_experts(
         h.stride(0), TOP_K=top_k, ACTIVATION=activation, FP8_W=fp8, FP8_A=fp8_activations,
         SWAP_AB=swap_ab, EVEN_K=hidden % tile.block_k == 0, PRECISION=precision, BLOCK_M=bm,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     y = torch.empty((pairs, hidden), dtype=x.dtype, device=device)
     d_scale = down_scale if down_scale is not None else h
@@ -492,10 +580,10 @@ def fused_experts(
         y.stride(0), FP8_W=fp8, FP8_A=fp8_activations, SWAP_AB=swap_ab,
         EVEN_K=inter % tile.block_k == 0,
         PRECISION=precision, BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        ids, y, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4
+        ids, y, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4, **pdl
     )
     return out

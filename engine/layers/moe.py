@@ -16,7 +16,8 @@ docs/architecture.md says which serves better where.
 
 ``route`` is a pure function: the routing every family shares. The experts run in
 ``kernels.fused_moe`` on CUDA (Triton) and in its twin ``kernels.reference.fused_experts``
-elsewhere."""
+elsewhere; on CUDA at decode sizes the routing also sorts the pairs by expert for them, in the
+same launch (``FusedMoE.routed``)."""
 
 from __future__ import annotations
 
@@ -250,6 +251,41 @@ class FusedMoE(nn.Module):
         local = ids - self.local_experts.start
         return torch.where((local >= 0) & (local < len(self.local_experts)), local, -1)
 
+    def fp8_activations(self, num_tokens: int) -> bool:
+        return self.gate_up_scale is not None and num_tokens >= W8A8_MIN_TOKENS
+
+    def routed(
+        self, x: torch.Tensor, router_logits: torch.Tensor, renormalize: bool
+    ) -> torch.Tensor:
+        """``route`` then ``forward``. On CUDA at decode sizes the routing and the alignment of
+        the pairs by expert are one launch (kernels.expert_routing.route_and_align) instead of
+        route's and align's."""
+        if x.is_cuda and triton_available():
+            from kvfleet.kernels import expert_routing, fused_moe
+
+            num_tokens = x.shape[0]
+            if expert_routing.routes_and_aligns_at_once(num_tokens, self.top_k):
+                fp8_activations = self.fp8_activations(num_tokens)
+                tile = fused_moe.call_tile(num_tokens, fp8_activations)
+                routing = expert_routing.route_and_align(
+                    router_logits, self.top_k, renormalize, self.local_experts, tile.block_m
+                )
+                return fused_moe.fused_experts(
+                    x,
+                    self.gate_up_proj,
+                    self.down_proj,
+                    routing.weights,
+                    routing.ids,
+                    self.activation,
+                    self.gate_up_scale,
+                    self.down_scale,
+                    fp8_activations=fp8_activations,
+                    tile=tile,
+                    aligned=(routing.sorted_pairs, routing.block_expert),
+                )
+        weights, ids = route(router_logits, self.top_k, renormalize)
+        return self(x, weights, ids)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton_available():
             # No host synchronisation and shapes fixed per token count: CUDA graphs capture it.
@@ -265,7 +301,7 @@ class FusedMoE(nn.Module):
             self.activation,
             self.gate_up_scale,
             self.down_scale,
-            fp8_activations=self.gate_up_scale is not None and x.shape[0] >= W8A8_MIN_TOKENS,
+            fp8_activations=self.fp8_activations(x.shape[0]),
         )
 
 
@@ -290,7 +326,6 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = renormalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         # Each rank's experts hold a slice of every expert's intermediate dimension, or some of
         # the experts whole: partial sums either way.
-        return all_reduce(self.experts(x, weights, ids))
+        return all_reduce(self.experts.routed(x, self.gate(x), self.renormalize))

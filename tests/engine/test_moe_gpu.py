@@ -1,8 +1,10 @@
 """The fused mixture-of-experts kernel on the GPU (kernels.fused_moe): against its twin at
 Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16 and fp8 weights (W8A16 and W8A8), from
 decode to prefill token counts, with slots of other ranks' experts and an intermediate dimension
-split over two ranks; replayed from a captured CUDA graph with new routings; and the tiny MoE
-models served with CUDA graphs, greedy output equal to eager and to HF. Skipped where no GPU is
+split over two ranks; replayed from a captured CUDA graph with new routings; the routing and
+alignment in one launch (expert_routing.route_and_align) against the launches it replaces, and the
+MoE layer taking it at decode sizes, under a CUDA graph too; and the tiny MoE models served with
+CUDA graphs, greedy output equal to eager and to HF. Skipped where no GPU is
 visible (CI); run on one with `pytest -q tests/engine/test_moe_gpu.py` (bench/gpu_run.sh OUT
 moe-tests)."""
 
@@ -13,8 +15,8 @@ import torch
 
 from kvfleet.engine import LLM, SamplingParams
 from kvfleet.engine.layers.fp8 import quantize_rows
-from kvfleet.engine.layers.moe import route
-from kvfleet.kernels import fused_moe, reference
+from kvfleet.engine.layers.moe import FusedMoE, route
+from kvfleet.kernels import expert_routing, fused_moe, reference
 from tests.support.engine import MAX_TOKENS, assert_no_leak, hf_greedy
 from tests.support.tiny_model import MOE_ARCHITECTURES
 
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 QWEN3_30B_A3B = (2048, 768, 128, 8)
 QWEN3_30B_A3B_TP2 = (2048, 384, 128, 8)  # one rank's share of each expert's intermediate
 MIXTRAL_8X7B = (4096, 14336, 8, 2)
+# Qwen3-30B-A3B's largest token count routed and aligned in one launch.
+ONE_LAUNCH_TOKENS = expert_routing.ROUTE_ALIGN_MAX_PAIRS // QWEN3_30B_A3B[3]
 
 
 def _experts(shape: tuple[int, int, int, int], fp8: bool, seed: int) -> tuple:
@@ -140,6 +144,105 @@ def test_fused_experts_replayed_from_a_cuda_graph_with_new_routings(tokens, mode
         graph.replay()
         want = reference.fused_experts(x, *experts)
         _assert_close_to_twin(out, want)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, ONE_LAUNCH_TOKENS])
+@pytest.mark.parametrize("ep", [False, True], ids=["whole", "ep-rank1"])
+def test_route_and_align_equals_route_then_align_at_qwen3_sizes(tokens, ep):
+    hidden, _, experts, top_k = QWEN3_30B_A3B
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    # The router's bf16 logits: ties are common.
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen).to(torch.bfloat16)
+    local = range(experts // 2, experts) if ep else range(experts)
+    block_m = fused_moe.call_tile(tokens, False).block_m
+    got = expert_routing.route_and_align(logits, top_k, True, local, block_m)
+    weights, ids = expert_routing.route_experts(logits, top_k, True)
+    ids = ids - local.start
+    ids = torch.where((ids >= 0) & (ids < len(local)), ids, -1)
+    sorted_pairs, block_expert = fused_moe.align(ids, len(local), block_m)
+    torch.testing.assert_close(got.weights, weights, rtol=1e-6, atol=1e-7)
+    assert torch.equal(got.ids, ids)
+    assert torch.equal(got.block_expert, block_expert)
+    used = int((block_expert >= 0).sum()) * block_m
+    assert torch.equal(got.sorted_pairs[:used], sorted_pairs[:used])
+    # The experts run on its buffers as on align's.
+    gate_up, down, _, _ = _experts(QWEN3_30B_A3B, False, seed=0)
+    gate_up, down = gate_up[local.start : local.stop], down[local.start : local.stop]
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    args = (x, gate_up, down, got.weights, got.ids, "silu")
+    aligned = (got.sorted_pairs, got.block_expert)
+    assert torch.equal(
+        fused_moe.fused_experts(*args, aligned=aligned), fused_moe.fused_experts(*args)
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen3_experts() -> FusedMoE:
+    """One layer's experts at Qwen3-30B-A3B's shapes, bf16, on the GPU."""
+    hidden, inter, experts, top_k = QWEN3_30B_A3B
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            moe = FusedMoE(experts, top_k, hidden, inter, "silu")
+    finally:
+        torch.set_default_dtype(previous)
+    moe.gate_up_proj.data, moe.down_proj.data, _, _ = _experts(QWEN3_30B_A3B, False, seed=8)
+    return moe
+
+
+def _layer_twin(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    weights, ids = reference.route_experts(logits, moe.top_k, True)
+    return reference.fused_experts(x, moe.gate_up_proj, moe.down_proj, weights, ids, "silu")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "one_launch"),
+    [(1, True), (ONE_LAUNCH_TOKENS, True), (ONE_LAUNCH_TOKENS + 1, False)],
+)
+def test_moe_layer_routes_and_aligns_in_one_launch_at_decode_sizes(
+    tokens, one_launch, qwen3_experts, monkeypatch
+):
+    calls = []
+    for module, name in ((expert_routing, "route_and_align"), (fused_moe, "align")):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k)
+        )
+    x, _, _ = _inputs(QWEN3_30B_A3B, tokens, seed=9, skip=False)
+    logits = torch.randn(tokens, QWEN3_30B_A3B[2], device="cuda").to(torch.bfloat16)
+    got = qwen3_experts.routed(x, logits, True)
+    assert calls == (["route_and_align"] if one_launch else ["align"])
+    _assert_close_to_twin(got, _layer_twin(qwen3_experts, x, logits))
+
+
+@pytest.mark.parametrize("tokens", [1, ONE_LAUNCH_TOKENS])
+def test_moe_layer_replayed_from_a_cuda_graph_with_new_routings(tokens, qwen3_experts):
+    x, _, _ = _inputs(QWEN3_30B_A3B, tokens, seed=10, skip=False)
+    logits = torch.randn(tokens, QWEN3_30B_A3B[2], device="cuda").to(torch.bfloat16)
+
+    def call() -> torch.Tensor:
+        return qwen3_experts.routed(x, logits, True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (11, 12):
+        new_x, _, _ = _inputs(QWEN3_30B_A3B, tokens, seed=seed, skip=False)
+        new_logits = torch.randn(tokens, QWEN3_30B_A3B[2], device="cuda")
+        if seed == 11:
+            # Every token on experts 0-7: other runs and block counts than the capture's.
+            new_logits[:, :8] += 20
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        graph.replay()
+        _assert_close_to_twin(out, _layer_twin(qwen3_experts, x, logits))
+        assert torch.equal(out, call())
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)

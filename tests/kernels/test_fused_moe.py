@@ -17,7 +17,7 @@ import torch
 
 from kvfleet.engine.layers.fp8 import quantize_rows
 from kvfleet.engine.layers.moe import route
-from kvfleet.kernels import fused_moe, reference
+from kvfleet.kernels import expert_routing, fused_moe, reference
 
 TILE = fused_moe.MoeTile(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
 
@@ -75,6 +75,29 @@ def test_fused_experts_equals_the_twin(tokens, experts, top_k, hidden, inter, ac
     got = fused_moe.fused_experts(x, gate_up, down, weights, ids, activation, tile=TILE)
     want = reference.fused_experts(x, gate_up, down, weights, ids, activation)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_runs_on_the_routings_aligned_pairs():
+    """route_and_align's sorted pairs in place of fused_experts' own align (an expert-parallel
+    rank holding experts 4-7): the twin's output."""
+    tokens, experts, top_k, hidden, inter = 3, 8, 2, 64, 32
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, down = _experts(gen, experts // 2, hidden, inter)
+    logits = torch.randn(tokens, experts, generator=gen)
+    routing = expert_routing.route_and_align(logits, top_k, True, range(4, 8), TILE.block_m)
+    aligned = (routing.sorted_pairs, routing.block_expert)
+    got = fused_moe.fused_experts(
+        x, gate_up, down, routing.weights, routing.ids, "silu", tile=TILE, aligned=aligned
+    )
+    weights, ids = reference.route_experts(logits, top_k, True)
+    ids = torch.where(ids >= 4, ids - 4, -1)
+    assert (ids == -1).any() and (ids >= 0).any()
+    want = reference.fused_experts(x, gate_up, down, weights, ids, "silu")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="aligned pairs"):
+        other = dataclasses.replace(TILE, block_m=64)
+        fused_moe.fused_experts(x, gate_up, down, weights, ids, "silu", tile=other, aligned=aligned)
 
 
 def _fp8_operands(tokens: int, experts: int, top_k: int, hidden: int, inter: int, skip: bool):
