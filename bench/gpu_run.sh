@@ -161,12 +161,9 @@ for step in "$@"; do
         ;;
     lora-tests)
         # Issue 40's batched LoRA kernels against their twins at Llama-3.1-8B's sizes, and
-        # replayed from a CUDA graph as the slot map changes; then a layer's shrink on the side
-        # stream beside its GEMM (eager and from a graph) against the twin.
+        # replayed from a CUDA graph as the slot map changes.
         timeout 500 $py -m pytest -q -s -p no:cacheprovider tests/kernels/test_lora_gpu.py 2>&1 |
             tee "$out/lora_gpu_tests.txt"
-        timeout 300 $py -m pytest -q -s -p no:cacheprovider tests/engine/test_lora_gpu.py \
-            -k "overlapped or side_stream" 2>&1 | tee -a "$out/lora_gpu_tests.txt"
         ;;
     lora-kernel)
         # What batched LoRA's shrink + expand add to each Llama-3.1-8B projection's GEMM, 1-2,048

@@ -7,10 +7,7 @@ of the weights and adapters that overflow the L2 cache, as a step's distinct lay
 
 Each row: the base GEMM, LoRA over a batch whose tokens use every slot (decode: mixed token by
 token; prefill: a run per adapter), LoRA over a batch of the base model only (what the kernels
-cost when no request uses an adapter), and the overhead (LoRA / GEMM). Then the projection as
-the engine's layer runs it, GEMM + LoRA: one stream (GEMM, shrink, expand) against the shrink
-on a side stream beside the GEMM (kvfleet.engine.layers.batched_lora.with_lora_slices), and
-what the overlap saves.
+cost when no request uses an adapter), and the overhead (LoRA / GEMM).
 
 With ``--sweep``, candidate tiles per token-count bucket at rank 16 and 8 slots: shrink's
 (tokens, K tile, K split, warps) with the table's expand, then expand's (tokens, columns, warps)
@@ -41,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, git_commit
 from fp8_linear_bench import copies, graph_time
 
-from kvfleet.engine.layers.batched_lora import with_lora_slices
 from kvfleet.kernels import lora, reference
 
 # Llama-3.1-8B: input width, output width of each slice.
@@ -122,25 +118,9 @@ def measure(projection: str, tokens: int, rank: int, num_slots: int) -> dict[str
     def gemm() -> torch.Tensor:
         return torch.nn.functional.linear(data.x, *next(weights))
 
-    def adapters() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        tensors = next(data.adapters)
-        return list(tensors[: len(data.widths)]), list(tensors[len(data.widths) :])
-
-    def sequential() -> torch.Tensor:
-        a, b = adapters()
-        out = gemm()
-        lora.add_lora_slices(data.x, a, b, data.used, out, data.offsets)
-        return out
-
-    def overlapped() -> torch.Tensor:
-        a, b = adapters()
-        return with_lora_slices(gemm, data.x, a, b, data.used, data.offsets)
-
     base_us = graph_time(gemm)
     lora_us = graph_time(lora_call(data, data.used))
     idle_us = graph_time(lora_call(data, base_only))
-    sequential_us = graph_time(sequential)
-    overlapped_us = graph_time(overlapped)
     return {
         "projection": projection,
         "tokens": tokens,
@@ -150,9 +130,6 @@ def measure(projection: str, tokens: int, rank: int, num_slots: int) -> dict[str
         "lora_us": round(lora_us, 2),
         "lora_base_only_us": round(idle_us, 2),
         "overhead": round(lora_us / base_us, 3),
-        "gemm_lora_us": round(sequential_us, 2),
-        "gemm_lora_overlapped_us": round(overlapped_us, 2),
-        "overlap_saves_us": round(sequential_us - overlapped_us, 2),
         "shrink_tile": str(lora.shrink_tile_for(tokens, rank, data.k, data.x.element_size())),
         "expand_tile": str(lora.expand_tile_for(tokens)),
     }
@@ -288,10 +265,7 @@ def main() -> int:
         best = sweep(args.projections, args.sweep_tokens)
         (args.out_dir / "lora_kernel_sweep.json").write_text(json.dumps({**meta, "best": best}))
         return 0
-    sys.stdout.write(
-        "projection  tokens  rank  slots  gemm us  lora us  base-only us  lora/gemm  "
-        "gemm+lora us  overlapped us  saves us\n"
-    )
+    sys.stdout.write("projection  tokens  rank  slots  gemm us  lora us  base-only us  lora/gemm\n")
     rows = []
     for projection, rank, num_slots, tokens in itertools.product(
         args.projections, args.ranks, args.slots, args.tokens
@@ -300,9 +274,7 @@ def main() -> int:
         rows.append(row)
         sys.stdout.write(
             f"{projection:10s} {tokens:7d} {rank:5d} {num_slots:6d} {row['gemm_us']:8.1f} "
-            f"{row['lora_us']:8.1f} {row['lora_base_only_us']:13.1f} {row['overhead']:10.2f} "
-            f"{row['gemm_lora_us']:13.1f} {row['gemm_lora_overlapped_us']:14.1f} "
-            f"{row['overlap_saves_us']:9.1f}\n"
+            f"{row['lora_us']:8.1f} {row['lora_base_only_us']:13.1f} {row['overhead']:10.2f}\n"
         )
     record = {"date": time.strftime("%Y-%m-%d"), **meta, "rows": rows}
     (args.out_dir / "lora_kernel.json").write_text(json.dumps(record, indent=2) + "\n")

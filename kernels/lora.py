@@ -13,11 +13,7 @@ few weights are re-read from L2 by each block that needs them.
 Shrink splits K over programs when there are few tokens (the adapters' A are the bytes to
 stream; one program per slot would leave most SMs idle) and stores each split's fp32 partial
 sums; expand adds a block's partials in split order in its registers as it loads y:
-deterministic, no zeroed buffer or atomics, and no launch between the two.
-
-`add_lora_slices` launches both on the current stream; `shrink_buffer`, `shrink` and `expand`
-are its halves for a caller that runs the shrink on another stream, beside the base GEMM (it
-reads only x, the slots and A)."""
+deterministic, no zeroed buffer or atomics, and no launch between the two."""
 
 from __future__ import annotations
 
@@ -261,10 +257,22 @@ def _padded(items: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [*items, *[items[0]] * (MAX_SLICES - len(items))]
 
 
-def _check_shrink(x: torch.Tensor, a_slices: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
+def _check(
+    x: torch.Tensor,
+    a_slices: Sequence[torch.Tensor],
+    b_slices: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
     pieces = len(a_slices)
     if not 1 <= pieces <= MAX_SLICES:
         raise ValueError(f"a LoRA launch takes 1-{MAX_SLICES} slices, not {pieces}")
+    if len(b_slices) != pieces or len(offsets) != pieces:
+        raise ValueError(
+            f"{pieces} slices of A need as many of B and offsets, not {len(b_slices)} and "
+            f"{len(offsets)}"
+        )
     t, k = x.shape
     num_slots, r, _ = a_slices[0].shape
     if r > MAX_RANK:
@@ -274,116 +282,13 @@ def _check_shrink(x: torch.Tensor, a_slices: Sequence[torch.Tensor], slots: torc
     for a in a_slices:
         assert a.shape == (num_slots, r, k) and a.dtype == a_slices[0].dtype
         assert a.stride(2) == 1 and a.stride() == a_slices[0].stride()
-    assert x.stride(1) == 1 and slots.shape == (t,)
-
-
-@dataclass(frozen=True)
-class Shrunk:
-    """What one call's shrink writes and its expand reads: the fp32 partial sums
-    [slices x split_k, T, R], the shrink's tile, x's dtype (expand rounds y to it) and the
-    slots the adapters' A hold."""
-
-    parts: torch.Tensor
-    tile: ShrinkTile
-    dtype: torch.dtype
-    num_slots: int
-
-    @property
-    def pieces(self) -> int:
-        return self.parts.shape[0] // self.tile.split_k
-
-
-def shrink_buffer(
-    x: torch.Tensor,  # [T, K]
-    a_slices: Sequence[torch.Tensor],  # each [S, R, K]
-    slots: torch.Tensor,  # [T] int32, in [-1, S)
-    tile: ShrinkTile | None = None,
-) -> Shrunk:
-    """Where `shrink` of x by these slices will write, allocated on the current stream (a
-    caller that runs the shrink on another stream allocates here first, on the stream that
-    will read and free it). `tile` overrides the token count's (the benchmark's sweep)."""
-    _check_shrink(x, a_slices, slots)
-    t, k = x.shape
-    num_slots, r, _ = a_slices[0].shape
-    tile = tile or shrink_tile_for(t, r, k, x.element_size())
-    parts = torch.empty((len(a_slices) * tile.split_k, t, r), dtype=torch.float32, device=x.device)
-    return Shrunk(parts, tile, x.dtype, num_slots)
-
-
-def shrink(
-    x: torch.Tensor, a_slices: Sequence[torch.Tensor], slots: torch.Tensor, into: Shrunk
-) -> None:
-    """The first launch: x @ A_i.T of each token's slot for every slice i, as fp32 partial sums
-    into `into` (from shrink_buffer with the same x and slices). Reads only x, A and slots."""
-    t, k = x.shape
-    _, r, _ = a_slices[0].shape
-    assert into.parts.shape == (len(a_slices) * into.tile.split_k, t, r)
-    if t == 0:
-        return
-    tile, parts = into.tile, into.parts
-    a = _padded(a_slices)
-    _shrink_kernel[(triton.cdiv(t, tile.block_m), into.num_slots, parts.shape[0])](
-        x, a[0], a[1], a[2], slots, parts, t, k, r, x.stride(0), a[0].stride(0),
-        a[0].stride(1), parts.stride(0), parts.stride(1), SPLIT_K=tile.split_k,
-        BLOCK_M=tile.block_m, BLOCK_R=block_r(r), BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device),
-    )  # fmt: skip
-
-
-def _check_expand(
-    shrunk: Shrunk,
-    b_slices: Sequence[torch.Tensor],
-    slots: torch.Tensor,
-    out: torch.Tensor,
-    offsets: Sequence[int],
-) -> None:
-    pieces = shrunk.pieces
-    if len(b_slices) != pieces or len(offsets) != pieces:
-        raise ValueError(
-            f"{pieces} slices of A need as many of B and offsets, not {len(b_slices)} and "
-            f"{len(offsets)}"
-        )
-    _, t, r = shrunk.parts.shape
     for b, offset in zip(b_slices, offsets, strict=True):
         n = b.shape[1]
-        assert b.shape == (shrunk.num_slots, n, r) and b.stride(2) == 1
-        assert b.dtype == b_slices[0].dtype and b.stride(1) == b_slices[0].stride(1)
+        assert b.shape == (num_slots, n, r) and b.stride(2) == 1 and b.dtype == b_slices[0].dtype
+        assert b.stride(1) == b_slices[0].stride(1)
         if not 0 <= offset <= out.shape[1] - n:
             raise ValueError(f"columns {offset}:{offset + n} are outside out's {out.shape[1]}")
-    assert out.stride(1) == 1 and out.shape[0] == t and slots.shape == (t,)
-
-
-def expand(
-    shrunk: Shrunk,
-    b_slices: Sequence[torch.Tensor],  # each [S, N_i, R]
-    slots: torch.Tensor,  # [T] int32, in [-1, S)
-    out: torch.Tensor,  # [T, >= offsets[i] + N_i]
-    offsets: Sequence[int],
-    tile: ExpandTile | None = None,
-) -> None:
-    """The second launch: out[:, offsets[i]:offsets[i] + N_i] += y_i @ B_i.T of each token's
-    slot, y_i the shrink's sums for slice i rounded to x's dtype; the base model's rows
-    untouched. It must follow the shrink that wrote `shrunk` (the same stream, or one that
-    waited for it). `tile` overrides the token count's."""
-    _check_expand(shrunk, b_slices, slots, out, offsets)
-    parts = shrunk.parts
-    _, t, r = parts.shape
-    if t == 0:
-        return
-    tile = tile or expand_tile_for(t)
-    pieces = shrunk.pieces
-    widths = [b.shape[1] for b in b_slices]
-    blocks = [triton.cdiv(n, tile.block_n) for n in widths]
-    b = _padded(b_slices)
-    unused = MAX_SLICES - pieces
-    _expand_kernel[(triton.cdiv(t, tile.block_m), sum(blocks))](
-        parts, b[0], b[1], b[2], slots, out, t, r, shrunk.num_slots, parts.stride(0),
-        parts.stride(1), b[0].stride(1), out.stride(0), *widths, *[0] * unused,
-        *[s.stride(0) for s in b], *offsets, *[0] * unused, *[*blocks, 0, 0][:2],
-        SPLIT_K=shrunk.tile.split_k, Y_DTYPE=_TL_DTYPES[shrunk.dtype], BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_R=block_r(r), num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl_args(out.device),
-    )  # fmt: skip
+    assert x.stride(1) == 1 and out.stride(1) == 1 and out.shape[0] == t and slots.shape == (t,)
 
 
 def add_lora_slices(
@@ -393,14 +298,40 @@ def add_lora_slices(
     slots: torch.Tensor,  # [T] int32, in [-1, S)
     out: torch.Tensor,  # [T, >= offsets[i] + N_i]
     offsets: Sequence[int],
-    shrink_tile: ShrinkTile | None = None,
-    expand_tile: ExpandTile | None = None,
+    shrink: ShrinkTile | None = None,
+    expand: ExpandTile | None = None,
 ) -> None:
     """out[:, offsets[i]:offsets[i] + N_i] += (x @ A_i.T) @ B_i.T of each token's slot, in
-    place, for every slice i; the base model's rows untouched. Two launches on the current
-    stream: shrink, expand. The tiles override the token count's (the benchmark's sweep). The
-    twin of reference.add_lora_slices."""
-    shrunk = shrink_buffer(x, a_slices, slots, shrink_tile)
-    _check_expand(shrunk, b_slices, slots, out, offsets)  # every argument, before a launch
-    shrink(x, a_slices, slots, shrunk)
-    expand(shrunk, b_slices, slots, out, offsets, expand_tile)
+    place, for every slice i; the base model's rows untouched. Two launches: shrink, expand.
+    `shrink` / `expand` override the token count's tiles (the benchmark's sweep). The twin of
+    reference.add_lora_slices."""
+    _check(x, a_slices, b_slices, slots, out, offsets)
+    t, k = x.shape
+    num_slots, r, _ = a_slices[0].shape
+    if t == 0:
+        return
+    pieces = len(a_slices)
+    shrink = shrink or shrink_tile_for(t, r, k, x.element_size())
+    expand = expand or expand_tile_for(t)
+    split = shrink.split_k
+    parts = torch.empty((pieces * split, t, r), dtype=torch.float32, device=x.device)
+    width = block_r(r)
+    pdl = pdl_args(x.device)
+    a = _padded(a_slices)
+    _shrink_kernel[(triton.cdiv(t, shrink.block_m), num_slots, pieces * split)](
+        x, a[0], a[1], a[2], slots, parts, t, k, r, x.stride(0), a[0].stride(0),
+        a[0].stride(1), parts.stride(0), parts.stride(1), SPLIT_K=split,
+        BLOCK_M=shrink.block_m, BLOCK_R=width, BLOCK_K=shrink.block_k,
+        num_warps=shrink.num_warps, num_stages=shrink.num_stages, **pdl,
+    )  # fmt: skip
+    widths = [b.shape[1] for b in b_slices]
+    blocks = [triton.cdiv(n, expand.block_n) for n in widths]
+    b = _padded(b_slices)
+    unused = MAX_SLICES - pieces
+    _expand_kernel[(triton.cdiv(t, expand.block_m), sum(blocks))](
+        parts, b[0], b[1], b[2], slots, out, t, r, num_slots, parts.stride(0), parts.stride(1),
+        b[0].stride(1), out.stride(0), *widths, *[0] * unused, *[s.stride(0) for s in b],
+        *offsets, *[0] * unused, *[*blocks, 0, 0][:2], SPLIT_K=split,
+        Y_DTYPE=_TL_DTYPES[x.dtype], BLOCK_M=expand.block_m, BLOCK_N=expand.block_n,
+        BLOCK_R=width, num_warps=expand.num_warps, num_stages=expand.num_stages, **pdl,
+    )  # fmt: skip

@@ -6,7 +6,6 @@ tensors that it quantizes, shard by shard, as they arrive."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -25,7 +24,7 @@ from kvfleet.engine.layers.fp8 import (
 class LinearAdapters(Protocol):
     """What a layer calls on its LoRA slots (kvfleet.engine.layers.lora.LinearLoRA)."""
 
-    def apply(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -115,9 +114,10 @@ class _Linear(nn.Module):
         return nn.functional.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is None:
-            return self._matmul(x, self.bias)
-        return self.lora.apply(x, lambda: self._matmul(x, self.bias))
+        y = self._matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
 
 class ColumnParallelLinear(_Linear):
@@ -240,9 +240,8 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the sum, not once per rank; so is each rank's share of
         # the adapters' product.
-        if self.lora is None:
-            y = self._matmul(x, None)
-        else:
-            y = self.lora.apply(x, lambda: self._matmul(x, None))
+        y = self._matmul(x, None)
+        if self.lora is not None:
+            self.lora.add(x, y)
         y = all_reduce(y)
         return y if self.bias is None else y + self.bias

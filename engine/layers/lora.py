@@ -16,7 +16,7 @@ over the views stay valid however often slots are reloaded."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvfleet.engine.distributed import tp_rank
-from kvfleet.engine.layers.batched_lora import with_lora_slices
+from kvfleet.engine.layers.batched_lora import add_lora_slices
 from kvfleet.engine.lora_adapter import TARGET_MODULES, LoRAAdapter, TargetShape
 
 _slots: torch.Tensor | None = None
@@ -83,14 +83,13 @@ class LinearLoRA(nn.Module):
         self.a_slices = [self.a[:, i * r : (i + 1) * r] for i in range(len(slices))]
         self.offsets = [s.offset for s in slices]
 
-    def apply(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """base() (the layer's base output for x) with each token's adapter product added; on
-        CUDA the shrink runs beside base()'s GEMM (batched_lora.with_lora_slices)."""
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
         slots = _slots
         if slots is None:
-            return base()
+            return
         x2 = x.reshape(-1, x.shape[-1])
-        return with_lora_slices(base, x2, self.a_slices, self.b, slots, self.offsets)
+        out2 = out.view(-1, out.shape[-1])
+        add_lora_slices(x2, self.a_slices, self.b, slots, out2, self.offsets)
 
     def fill(self, slot: list[torch.Tensor], adapter: LoRAAdapter) -> None:
         """Write this rank's part of the adapter's A and B for this layer into one slot's
