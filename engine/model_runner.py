@@ -384,6 +384,9 @@ class ModelRunner:
                     f"LoRA (enable_lora) is not supported for {mc.architecture}: it has none "
                     "of the q/k/v/o/gate/up/down projections adapters target"
                 )
+            self._check_host_memory(
+                self._lora_host_bytes(), "the LoRA adapters' host copies", "--max-cpu-loras"
+            )
             # Rank 0's load times are the metrics; the workers keep no record.
             self.lora_loads = SlotLoads(self.lora, timed=tp_rank() == 0)
             buffer = self.lora.buffer
@@ -431,27 +434,43 @@ class ModelRunner:
             )
         return host_kv
 
+    def _lora_host_bytes(self) -> int:
+        """What the adapters' host copies take at most, every rank's: max_cpu_loras slot
+        images each (pinned on a GPU), allocated as adapters are read."""
+        if self.lora is None:
+            return 0
+        return self.args.cpu_loras * self.lora.buffer[0].nbytes * tp_size()
+
     def _check_host_tier_fits(self, num_blocks: int) -> None:
-        """The host tier is allocated (and pinned) whole at start: one larger than the memory
-        the host has available is refused now rather than killed later. Under a container's
-        memory limit the headroom left counts the page cache (the weights just read) as used,
-        though the kernel reclaims it: there a tier past it is only warned of."""
-        need = num_blocks * self.block_bytes * tp_size()
+        """The host tier is allocated (and pinned) whole at start, beside the adapters' host
+        copies: a tier the host cannot hold with them is refused now rather than killed later."""
+        tier = num_blocks * self.block_bytes * tp_size()
+        lora = self._lora_host_bytes()
+        what = "the host KV tier" + (" and the LoRA adapters' host copies" if lora else "")
+        self._check_host_memory(tier + lora, what, "--cpu-kv-cache-bytes")
+
+    def _check_host_memory(self, need: int, what: str, flag: str) -> None:
+        """`need` bytes of host memory for `what` at most, refused (lower `flag`) when the host
+        has fewer available. Under a container's memory limit the headroom left counts the
+        page cache (the weights just read) as used, though the kernel reclaims it: there more
+        than it is only warned of."""
         available = available_memory()
         if need <= available.bytes:
             return
         if available.under_limit:
             logger.warning(
-                "the host KV tier takes %.1f GiB; the container's memory limit leaves %.1f GiB "
-                "beyond what the cgroup holds now, page cache included: if the tier does not "
-                "fit, lower --cpu-kv-cache-bytes",
+                "%s take %.1f GiB of host memory; the container's memory limit leaves %.1f GiB "
+                "beyond what the cgroup holds now, page cache included: if they do not fit, "
+                "lower %s",
+                what,
                 need / 2**30,
                 available.bytes / 2**30,
+                flag,
             )
             return
         raise ValueError(
-            f"cpu_kv_cache_bytes asks for {need / 2**30:.1f} GiB of host memory but "
-            f"{available.bytes / 2**30:.1f} GiB are available: lower it"
+            f"{what} take {need / 2**30:.1f} GiB of host memory but {available.bytes / 2**30:.1f}"
+            f" GiB are available: lower {flag}"
         )
 
     def capture_next_graph(self, idle: bool) -> bool:

@@ -187,7 +187,9 @@ def test_a_host_tier_larger_than_the_memory_available_is_refused(model_dirs, mon
     from kvfleet.engine.host_memory import Available
 
     monkeypatch.setattr(model_runner, "available_memory", lambda: Available(2**30, False))
-    with pytest.raises(ValueError, match=r"cpu_kv_cache_bytes asks for 2\.0 GiB .* 1\.0 GiB"):
+    with pytest.raises(
+        ValueError, match=r"KV tier take 2\.0 GiB .* 1\.0 GiB .* --cpu-kv-cache-bytes"
+    ):
         LLM(str(model_dirs["llama"]), dtype="float32", cpu_kv_cache_bytes="2Gi")
     # Under a container's limit the headroom counts reclaimable page cache: only a warning.
     monkeypatch.setattr(model_runner, "available_memory", lambda: Available(2**30, True))

@@ -170,3 +170,20 @@ def test_a_slot_load_is_one_copy(model_dirs, adapters):
             runner._apply_lora_changes(SlotChanges([(0, adapters[0]), (1, adapters[1])]))
         assert writes.ops == ["copy_.default"] * 2
         assert len(runner.take_lora_load_seconds()) == 2
+
+
+def test_host_copies_the_host_cannot_hold_are_refused_at_start(model_dirs, monkeypatch):
+    """max_cpu_loras slot images (pinned on a GPU) that the memory available cannot hold stop
+    the start with the flag to lower; under a container's limit (page cache counted as used)
+    only a warning."""
+    from kvfleet.engine import model_runner
+    from kvfleet.engine.host_memory import Available
+
+    args = {"device": "cpu", "dtype": "float32", "enable_lora": True, "max_loras": 2,
+            "max_cpu_loras": 64, "skip_tokenizer_init": True}  # fmt: skip
+    monkeypatch.setattr(model_runner, "available_memory", lambda: Available(1 << 16, False))
+    with pytest.raises(ValueError, match=r"LoRA adapters' host copies take .* --max-cpu-loras"):
+        LLM(str(model_dirs["llama"]), **args)
+    monkeypatch.setattr(model_runner, "available_memory", lambda: Available(1 << 16, True))
+    with LLM(str(model_dirs["llama"]), **args) as llm:
+        assert llm.engine.runner.lora is not None
