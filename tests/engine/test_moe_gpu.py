@@ -10,6 +10,8 @@ moe-tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -81,6 +83,20 @@ def _assert_close_to_twin(got: torch.Tensor, want: torch.Tensor, w8a8: bool = Fa
     assert float((got - want).abs().max()) < 5e-2 * float(want.abs().max())
 
 
+def _captured(call: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """call() captured in a CUDA graph (its kernels compiled by a first call outside the
+    capture, on a side stream as capture wants), and the graph's output tensor."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 256, 4096])
 @pytest.mark.parametrize(
     ("shape", "mode", "skip"),
@@ -135,14 +151,7 @@ def test_fused_experts_replayed_from_a_cuda_graph_with_new_routings(tokens, mode
     def call() -> torch.Tensor:
         return fused_moe.fused_experts(x, *experts)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = _captured(call)
     for seed in (3, 4):
         # Other block counts than the capture's: half the tokens crowded onto experts 0-7 (runs
         # of several blocks), then a routing with the slots of another rank's experts.
@@ -235,14 +244,7 @@ def test_moe_layer_replayed_from_a_cuda_graph_with_new_routings(tokens, qwen3_ex
     def call() -> torch.Tensor:
         return qwen3_experts.routed(x, logits, True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = _captured(call)
     for seed in (11, 12):
         new_x, _, _ = _inputs(QWEN3_30B_A3B, tokens, seed=seed, skip=False)
         new_logits = torch.randn(tokens, QWEN3_30B_A3B[2], device="cuda")
