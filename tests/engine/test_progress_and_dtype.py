@@ -169,7 +169,7 @@ def test_gguf_auto_dtype_decision(device: str, bf16: bool, dtype: torch.dtype) -
 
 @pytest.mark.parametrize(
     "device,memory,expected",
-    [("cpu", None, 256), ("cuda", 80 * 2**30, 512), ("cuda", 40 * 2**30, 256)],
+    [("cpu", None, 256), ("cuda", 80 * 2**30, 1024), ("cuda", 40 * 2**30, 256)],
 )
 def test_max_num_seqs_defaults_by_the_device(monkeypatch, device, memory, expected) -> None:
     props = SimpleNamespace(total_memory=memory)
